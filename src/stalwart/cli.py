@@ -1,0 +1,222 @@
+"""``stalwart run | report``: flags -> config objects, nothing else.
+
+``stalwart run`` accepts torchrun's command line (``s/torchrun/stalwart run/`` works) and
+adds stalwart's own flags.  Bad values end the program with one line naming them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stalwart.config import (
+    ConfigError,
+    LaunchConfig,
+    env_overrides,
+    load_yaml,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+)
+from stalwart.launch.logs import DEFAULT_PREFIX, parse_ranks_filter, parse_std
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, **kw: Any) -> None:
+    """Adds ``--a-b`` with torchrun's ``--a_b`` spelling as an alias."""
+    names = [name]
+    if "-" in name[2:]:
+        names.append("--" + name[2:].replace("-", "_"))
+    parser.add_argument(*names, **kw)
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stalwart run",
+        description="Launch and supervise a distributed PyTorch job (a drop-in torchrun).",
+    )
+    _flag(p, "--nnodes", default=None, help="N or MIN:MAX nodes (default 1)")
+    _flag(p, "--nproc-per-node", default=None, help="workers per node: N, auto, cpu or gpu")
+    _flag(p, "--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    p.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
+    _flag(p, "--rdzv-backend", default=None, help="static or c10d")
+    _flag(p, "--rdzv-endpoint", default=None, help="HOST[:PORT] of the rendezvous store")
+    _flag(p, "--rdzv-id", default=None, help="job id shared by all nodes")
+    _flag(p, "--rdzv-conf", default=None, help="key=value,... (join_timeout, is_host)")
+    _flag(p, "--master-addr", default=None)
+    _flag(p, "--master-port", type=int, default=None)
+    _flag(p, "--local-addr", default=None, help="accepted for torchrun compatibility")
+    _flag(p, "--max-restarts", type=int, default=None)
+    _flag(p, "--monitor-interval", type=float, default=None, help="seconds between checks")
+    _flag(p, "--start-method", default=None, choices=["spawn", "fork", "forkserver"])
+    _flag(p, "--log-dir", default=None)
+    p.add_argument("-r", "--redirects", default=None, help="0..3 or map like 0:3,1:0")
+    p.add_argument("-t", "--tee", default=None, help="0..3 or map like 0:3,1:0")
+    _flag(p, "--local-ranks-filter", default=None, help="local ranks shown on the console")
+    _flag(p, "--log-line-prefix-template", default=None, help=f"default {DEFAULT_PREFIX!r}")
+    p.add_argument("--role", default=None)
+    p.add_argument("-m", "--module", action="store_true", help="run the entrypoint as a module")
+    _flag(p, "--no-python", action="store_true", help="run the entrypoint as a program")
+    _flag(p, "--run-path", action="store_true", help="accepted for torchrun compatibility")
+    _flag(p, "--shutdown-timeout", type=float, default=None, help="TERM -> KILL grace, seconds")
+    p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
+    p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("entrypoint", help="script, module (-m) or program (--no-python)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _merge(ns: argparse.Namespace) -> dict[str, Any]:
+    """defaults < YAML < STALWART_* environment < flags."""
+    merged: dict[str, Any] = {}
+    if ns.config is not None:
+        merged.update(load_yaml(ns.config))
+    merged.update(env_overrides())
+    flags = {
+        "nnodes": ns.nnodes,
+        "nproc_per_node": ns.nproc_per_node,
+        "node_rank": ns.node_rank,
+        "rdzv_backend": ns.rdzv_backend,
+        "rdzv_endpoint": ns.rdzv_endpoint,
+        "run_id": ns.rdzv_id,
+        "rdzv_conf": ns.rdzv_conf,
+        "master_addr": ns.master_addr,
+        "master_port": ns.master_port,
+        "max_restarts": ns.max_restarts,
+        "monitor_interval": ns.monitor_interval,
+        "start_method": ns.start_method,
+        "log_dir": ns.log_dir,
+        "redirects": ns.redirects,
+        "tee": ns.tee,
+        "local_ranks_filter": ns.local_ranks_filter,
+        "log_line_prefix_template": ns.log_line_prefix_template,
+        "role": ns.role,
+        "shutdown_timeout": ns.shutdown_timeout,
+        "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
+    }
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    return merged
+
+
+def _typed(name: str, value: Any, conv: type) -> Any:
+    try:
+        return conv(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} {value!r}: expected {conv.__name__}") from None
+
+
+def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
+    ns = run_parser().parse_args(argv)
+    m = _merge(ns)
+    min_nodes, max_nodes = parse_nnodes(str(m.get("nnodes", "1")))
+    kw: dict[str, Any] = {
+        "entrypoint": ns.entrypoint,
+        "args": list(ns.args),
+        "min_nodes": min_nodes,
+        "max_nodes": max_nodes,
+        "nproc_per_node": parse_nproc(str(m.get("nproc_per_node", "1"))),
+        "module": ns.module,
+        "no_python": ns.no_python,
+        "run_path": ns.run_path,
+        "standalone": ns.standalone,
+    }
+    if ns.args and ns.args[0] == "--":
+        kw["args"] = ns.args[1:]
+    for name, conv in (
+        ("master_port", int),
+        ("max_restarts", int),
+        ("monitor_interval", float),
+        ("shutdown_timeout", float),
+    ):
+        if name in m:
+            kw[name] = _typed("--" + name.replace("_", "-"), m[name], conv)
+    for name in (
+        "rdzv_backend",
+        "rdzv_endpoint",
+        "master_addr",
+        "start_method",
+        "role",
+        "inject",
+        "log_line_prefix_template",
+    ):
+        if name in m:
+            kw[name] = str(m[name])
+    if "run_id" in m:
+        kw["run_id"] = str(m["run_id"])
+    if "node_rank" in m:
+        kw["node_rank"] = _typed("--node-rank", m["node_rank"], int)
+    if "rdzv_conf" in m:
+        raw = m["rdzv_conf"]
+        kw["rdzv_conf"] = (
+            {str(k): str(v) for k, v in raw.items()}
+            if isinstance(raw, dict)
+            else parse_kv(str(raw), "--rdzv-conf")
+        )
+    if "log_dir" in m:
+        kw["log_dir"] = Path(str(m["log_dir"]))
+    try:
+        for name in ("redirects", "tee"):
+            if name in m:
+                kw[name] = parse_std(str(m[name]), "--" + name)
+        if "local_ranks_filter" in m:
+            kw["local_ranks_filter"] = parse_ranks_filter(str(m["local_ranks_filter"]))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if ns.standalone:
+        kw.update(rdzv_backend="c10d", rdzv_endpoint="localhost:0", min_nodes=1, max_nodes=1)
+        kw.setdefault("run_id", "none")
+    elif max_nodes > 1 and kw.get("rdzv_backend", "static") == "c10d" and "node_rank" not in m:
+        kw["node_rank"] = None  # assigned by the rendezvous in order of arrival
+    return LaunchConfig(**kw), ns.verbose
+
+
+def cmd_run(argv: list[str]) -> int:
+    try:
+        cfg, verbose = build_config(argv)
+    except ConfigError as err:
+        print(f"stalwart run: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="[stalwart %(levelname)s %(asctime)s] %(message)s",
+        stream=sys.stderr,
+    )
+    from stalwart.launch.supervisor import Supervisor
+    from stalwart.rendezvous import RendezvousError
+
+    try:
+        result = Supervisor(cfg).run()
+    except RendezvousError as err:
+        print(f"stalwart run: error: {err}", file=sys.stderr)
+        return 3
+    return result.exit_code
+
+
+def cmd_report(argv: list[str]) -> int:
+    from stalwart.launch.report import report_main
+
+    code: int = report_main(argv)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"run": cmd_run, "report": cmd_report}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(
+            "usage: stalwart {run,report} ...\n"
+            "  run     launch and supervise a job (torchrun's flags, plus --inject,\n"
+            "          --shutdown-timeout, --config)\n"
+            "  report  summarise a run folder's events.jsonl",
+            file=sys.stderr,
+        )
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

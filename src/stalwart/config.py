@@ -1,0 +1,191 @@
+"""Every launcher setting as a dataclass, validated once.
+
+Precedence (lowest first): defaults < YAML file (``--config``) < environment
+(``STALWART_<FIELD>``) < command-line flags.  The CLI builds a ``LaunchConfig``; nothing
+downstream parses strings again.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stalwart.launch.logs import DEFAULT_PREFIX, Std
+
+
+class ConfigError(ValueError):
+    """A bad setting; the message is one line that names the value and what was expected."""
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    lo, sep, hi = value.partition(":")
+    try:
+        a = int(lo)
+        b = int(hi) if sep else a
+    except ValueError:
+        raise ConfigError(
+            f"--nnodes {value!r}: expected N or MIN:MAX (positive integers)"
+        ) from None
+    if a < 1 or b < a:
+        raise ConfigError(f"--nnodes {value!r}: expected 1 <= MIN <= MAX")
+    return a, b
+
+
+def parse_nproc(value: str) -> int:
+    if value in ("auto", "cpu"):
+        return os.cpu_count() or 1
+    if value == "gpu":
+        import torch
+
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node")
+        return n
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(
+            f"--nproc-per-node {value!r}: expected a positive integer, auto, cpu or gpu"
+        ) from None
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node {value!r}: expected a positive integer")
+    return n
+
+
+def parse_kv(value: str, flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in value.split(","))):
+        k, eq, v = item.partition("=")
+        if not eq or not k:
+            raise ConfigError(f"{flag} {value!r}: expected key=value[,key=value...]")
+        out[k.strip()] = v.strip()
+    return out
+
+
+@dataclass
+class LaunchConfig:
+    """What ``stalwart run`` was asked to do."""
+
+    entrypoint: str
+    args: list[str] = field(default_factory=list)
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int | None = 0
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    run_id: str = ""
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_dir: Path | None = None
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    log_line_prefix_template: str = DEFAULT_PREFIX
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    shutdown_timeout: float = 30.0
+    inject: str = ""
+    standalone: bool = False
+
+    def __post_init__(self) -> None:
+        if self.run_id in ("", "none"):
+            # One node can pick its own id; several must share one, as with torchrun.
+            self.run_id = uuid.uuid4().hex[:12] if self.max_nodes == 1 else "none"
+        self.validate()
+
+    @property
+    def nnodes(self) -> int:
+        return self.max_nodes
+
+    def validate(self) -> None:
+        if self.module and self.no_python:
+            raise ConfigError("--module and --no-python cannot be used together")
+        if self.min_nodes != self.max_nodes:
+            raise ConfigError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: elastic node ranges are not "
+                "supported by this version; give a fixed node count"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
+        if self.monitor_interval <= 0:
+            raise ConfigError(f"--monitor-interval {self.monitor_interval}: expected > 0 seconds")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout}: expected >= 0 seconds")
+        if self.start_method not in ("spawn", "fork", "forkserver"):
+            raise ConfigError(
+                f"--start-method {self.start_method!r}: expected spawn, fork or forkserver"
+            )
+        if self.rdzv_backend not in ("static", "c10d"):
+            raise ConfigError(
+                f"--rdzv-backend {self.rdzv_backend!r}: expected static or c10d "
+                "(etcd is not available in this version)"
+            )
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
+            )
+        if not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port}: expected 1..65535")
+        for key in self.rdzv_conf:
+            if key not in RDZV_CONF_KEYS:
+                raise ConfigError(
+                    f"--rdzv-conf key {key!r}: expected one of {', '.join(sorted(RDZV_CONF_KEYS))}"
+                )
+        self.join_timeout  # noqa: B018 - validates the number
+        if self.inject:
+            from stalwart import inject
+
+            try:
+                inject.parse(self.inject)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+
+    @property
+    def join_timeout(self) -> float:
+        raw = self.rdzv_conf.get("join_timeout", "600")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"--rdzv-conf join_timeout={raw!r}: expected seconds") from None
+        if value <= 0:
+            raise ConfigError(f"--rdzv-conf join_timeout={raw!r}: expected > 0 seconds")
+        return value
+
+
+RDZV_CONF_KEYS = {"join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "is_host"}
+
+
+def env_overrides(prefix: str = "STALWART_") -> dict[str, str]:
+    """``STALWART_MAX_RESTARTS=3`` -> ``{"max_restarts": "3"}`` for known fields."""
+    names = set(LaunchConfig.__dataclass_fields__)
+    out = {}
+    for key, value in os.environ.items():
+        if key.startswith(prefix):
+            name = key[len(prefix) :].lower()
+            if name in names and name not in ("entrypoint", "args"):
+                out[name] = value
+    return out
+
+
+def load_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"--config {path}: cannot read YAML ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of settings at the top level")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,39 @@
+"""One node's launcher and supervisor (``stalwart run``).
+
+Light at import: worker bootstraps import this package, so the heavy parts (the
+supervisor pulls in torch through the rendezvous) load only when used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ProcessContext",
+    "ProcessFailure",
+    "RunResult",
+    "Std",
+    "Supervisor",
+    "record",
+    "start_processes",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ProcessContext", "RunResult", "start_processes"):
+        from stalwart.launch import workers
+
+        return getattr(workers, name)
+    if name in ("ProcessFailure", "record"):
+        from stalwart.launch import errors
+
+        return getattr(errors, name)
+    if name == "Std":
+        from stalwart.launch.logs import Std
+
+        return Std
+    if name == "Supervisor":
+        from stalwart.launch.supervisor import Supervisor
+
+        return Supervisor
+    raise AttributeError(name)

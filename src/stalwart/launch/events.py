@@ -1,0 +1,72 @@
+"""The run's event log: one JSON object per line in ``<log_dir>/<run_id>/events.jsonl``.
+
+Every state change of a launcher is appended here with a wall-clock and a monotonic
+timestamp.  It is the single record that ``stalwart report``, the benchmarks and the
+tests read, so it is append-only, flushed per line, and safe to write from threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+class EventLog:
+    """Appends structured events to a JSONL file; every line carries host and node rank."""
+
+    def __init__(self, path: Path | None, *, run_id: str, node_rank: int | None = None) -> None:
+        self.path = path
+        self._base: dict[str, Any] = {"run_id": run_id, "host": socket.gethostname()}
+        if node_rank is not None:
+            self._base["node_rank"] = node_rank
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # O_APPEND keeps each line whole even if several launchers share the file.
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def set_node_rank(self, node_rank: int) -> None:
+        self._base["node_rank"] = node_rank
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "event": event,
+            "time": time.time(),
+            "mono": time.monotonic(),
+            "pid": os.getpid(),
+            **self._base,
+            **fields,
+        }
+        if self._fd is not None:
+            line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+            with self._lock:
+                os.write(self._fd, line)
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def read_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Yields the events of a file in order, skipping a torn last line."""
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                yield obj

@@ -1,0 +1,216 @@
+"""Where worker output goes: redirect to files, tee to the console with a prefix.
+
+Layout per attempt and local rank, as torchrun's::
+
+    <log_dir>/<run_id>/attempt_<n>/<local_rank>/{stdout.log,stderr.log,error.json}
+
+Redirection happens at the file-descriptor level (the child's fd 1/2 *are* the files),
+so output from C extensions is captured too.  Tee is redirect + one thread that tails
+the files and copies whole lines to the console with a prefix; when the workers stop it
+drains the files, including a last line without a newline, so nothing a crashing worker
+wrote is lost.  The local-ranks filter limits only what reaches the console.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import string
+import sys
+import threading
+from dataclasses import dataclass, field
+from enum import IntFlag
+from pathlib import Path
+from typing import IO
+
+
+class Std(IntFlag):
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+_VALUE = re.compile(r"^[0-3]$")
+_MAP = re.compile(r"^\d+:[0-3](,\d+:[0-3])*$")
+
+
+def parse_std(value: str, flag: str = "--redirects") -> Std | dict[int, Std]:
+    """``"3"`` -> Std.ALL; ``"0:3,1:0"`` -> per-local-rank map; else a one-line ValueError."""
+    value = value.strip()
+    if _VALUE.match(value):
+        return Std(int(value))
+    if _MAP.match(value):
+        out: dict[int, Std] = {}
+        for item in value.split(","):
+            rank, std = item.split(":")
+            out[int(rank)] = Std(int(std))
+        return out
+    raise ValueError(
+        f"{flag} {value!r}: expected 0..3 (0 none, 1 stdout, 2 stderr, 3 both) "
+        "or a per-local-rank map like 0:3,1:0"
+    )
+
+
+def std_map(spec: Std | dict[int, Std], nprocs: int) -> dict[int, Std]:
+    if isinstance(spec, Std):
+        return dict.fromkeys(range(nprocs), spec)
+    return {r: spec.get(r, Std.NONE) for r in range(nprocs)}
+
+
+def parse_ranks_filter(value: str) -> set[int]:
+    try:
+        ranks = {int(x) for x in value.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(
+            f"--local-ranks-filter {value!r}: expected comma-separated local ranks like 0,2"
+        ) from None
+    if not ranks or min(ranks) < 0:
+        raise ValueError(f"--local-ranks-filter {value!r}: expected non-negative local ranks")
+    return ranks
+
+
+DEFAULT_PREFIX = "[${rank}]:"
+
+
+def render_prefix(template: str, *, rank: int, local_rank: int, role: str, node_rank: int) -> str:
+    """``${rank}``, ``${local_rank}``, ``${role_name}``, ``${node_rank}`` (torchrun's names)."""
+    return string.Template(template).safe_substitute(
+        rank=rank, local_rank=local_rank, role_name=role, node_rank=node_rank
+    )
+
+
+@dataclass
+class WorkerLogs:
+    """Where one worker's streams go.  ``None`` means inherit the launcher's stream."""
+
+    stdout: Path | None
+    stderr: Path | None
+    error_file: Path | None
+    tee_stdout: bool = False
+    tee_stderr: bool = False
+    console: bool = True  # False: output not redirected to a file goes to /dev/null
+    prefix: str = ""
+
+
+@dataclass
+class LogSpec:
+    """How a run's worker output is handled; turns into per-rank ``WorkerLogs``."""
+
+    run_dir: Path | None  # <log_dir>/<run_id>; None: no files at all (log_dir=/dev/null)
+    redirects: Std | dict[int, Std] = Std.NONE
+    tee: Std | dict[int, Std] = Std.NONE
+    local_ranks_filter: set[int] | None = None
+    prefix_template: str = DEFAULT_PREFIX
+
+    def attempt_dir(self, attempt: int) -> Path | None:
+        return None if self.run_dir is None else self.run_dir / f"attempt_{attempt}"
+
+    def make(
+        self, attempt: int, nprocs: int, ranks: dict[int, int], role: str, node_rank: int
+    ) -> dict[int, WorkerLogs]:
+        """Creates the attempt's folders (wiping a stale one) and returns per-rank plans."""
+        adir = self.attempt_dir(attempt)
+        if adir is not None:
+            shutil.rmtree(adir, ignore_errors=True)
+            adir.mkdir(parents=True)
+        redirs = std_map(self.redirects, nprocs)
+        tees = std_map(self.tee, nprocs)
+        out: dict[int, WorkerLogs] = {}
+        for lr in range(nprocs):
+            # Tee is implemented as redirect + tail, so a tee'd stream is also redirected.
+            rd = redirs[lr] | tees[lr]
+            on_console = self.local_ranks_filter is None or lr in self.local_ranks_filter
+            wdir = None if adir is None else adir / str(lr)
+            if wdir is not None:
+                wdir.mkdir()
+            out[lr] = WorkerLogs(
+                stdout=wdir / "stdout.log" if wdir is not None and rd & Std.OUT else None,
+                stderr=wdir / "stderr.log" if wdir is not None and rd & Std.ERR else None,
+                error_file=wdir / "error.json" if wdir is not None else None,
+                tee_stdout=bool(tees[lr] & Std.OUT) and on_console and wdir is not None,
+                tee_stderr=bool(tees[lr] & Std.ERR) and on_console and wdir is not None,
+                console=on_console,
+                prefix=render_prefix(
+                    self.prefix_template,
+                    rank=ranks[lr],
+                    local_rank=lr,
+                    role=role,
+                    node_rank=node_rank,
+                ),
+            )
+        return out
+
+
+@dataclass
+class _Tailed:
+    path: Path
+    sink: IO[str]
+    prefix: str
+    offset: int = 0
+    partial: bytes = b""
+    done: bool = field(default=False)
+
+
+class Tee:
+    """One thread that copies new lines of several log files to the console, prefixed."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self._files: list[_Tailed] = []
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def add(self, path: Path, sink: IO[str], prefix: str) -> None:
+        with self._lock:
+            self._files.append(_Tailed(path, sink, prefix))
+
+    def start(self) -> None:
+        if self._files and self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="stalwart-tee", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._pump(final=False)
+
+    def _pump(self, final: bool) -> None:
+        with self._lock:
+            for t in self._files:
+                try:
+                    with open(t.path, "rb") as fh:
+                        fh.seek(t.offset)
+                        chunk = fh.read()
+                except FileNotFoundError:
+                    continue
+                if not chunk and not (final and t.partial):
+                    continue
+                t.offset += len(chunk)
+                data = t.partial + chunk
+                lines = data.split(b"\n")
+                t.partial = lines.pop()
+                if final and t.partial:
+                    lines.append(t.partial)  # a crash mid-line: keep what was written
+                    t.partial = b""
+                if lines:
+                    text = "".join(f"{t.prefix}{ln.decode('utf-8', 'replace')}\n" for ln in lines)
+                    t.sink.write(text)
+                    t.sink.flush()
+
+    def stop(self) -> None:
+        """Stops the thread and copies whatever is left in the files."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._pump(final=True)
+
+
+def console_streams() -> tuple[IO[str], IO[str]]:
+    return sys.stdout, sys.stderr
+
+
+def open_devnull() -> int:
+    return os.open(os.devnull, os.O_WRONLY)

@@ -1,0 +1,397 @@
+"""One node's supervisor: rendezvous -> start workers -> watch -> restart | finish | fail.
+
+The supervisor owns the life of a job on its node.  Each round it joins the rendezvous
+(job-wide round number = attempt = ``TORCHELASTIC_RESTART_COUNT``), starts the local
+workers with torchrun's environment, and watches three things: its own workers (woken
+by their exit through pidfds), the other nodes (a failure flag in the store) and the
+hang monitor.  Any failure stops every local worker; the job restarts while the budget
+lasts, else the root cause is printed and the launcher exits non-zero.  Every state
+change goes to ``events.jsonl``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from stalwart.config import LaunchConfig
+from stalwart.launch import posix
+from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
+from stalwart.launch.events import EventLog
+from stalwart.launch.logs import LogSpec, WorkerLogs
+from stalwart.launch.workers import Guardian, ProcessContext, RunResult, WorkerSpecEntry
+from stalwart.rendezvous import C10dRendezvous, Rendezvous, RendezvousInfo, StoreEndpoint
+
+logger = logging.getLogger(__name__)
+
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+class State(Enum):
+    INIT = "init"
+    RENDEZVOUS = "rendezvous"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+class RoundOutcome(Enum):
+    SUCCEEDED = "succeeded"
+    LOCAL_FAILURE = "local_failure"
+    PEER_FAILURE = "peer_failure"
+
+
+class SignalReceived(Exception):
+    """A termination signal reached the launcher; the job must stop now."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(f"launcher received {signal.Signals(sig).name}")
+        self.sig = sig
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    state: State
+    attempts: int
+    failures: list[ProcessFailure]
+    return_values: dict[int, Any]
+    run_dir: Path | None
+
+
+def build_rendezvous(cfg: LaunchConfig) -> C10dRendezvous:
+    """The c10d store the nodes meet at (a private loopback one for a single node)."""
+    join_timeout = cfg.join_timeout
+    if cfg.nnodes == 1:
+        return C10dRendezvous(
+            run_id=cfg.run_id,
+            nnodes=1,
+            endpoint=StoreEndpoint("127.0.0.1", 0),
+            host_store=True,
+            node_rank=0,
+            master_addr="localhost" if cfg.standalone else cfg.master_addr,
+            join_timeout=join_timeout,
+        )
+    if cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
+        endpoint = StoreEndpoint(cfg.master_addr, cfg.master_port)
+        if cfg.rdzv_endpoint:
+            endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint, cfg.master_port)
+        is_host = cfg.node_rank == 0
+    else:
+        endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint)
+        explicit = cfg.rdzv_conf.get("is_host")
+        is_host = (
+            explicit.lower() in ("1", "true", "yes") if explicit is not None else cfg.node_rank == 0
+        )
+    return C10dRendezvous(
+        run_id=cfg.run_id,
+        nnodes=cfg.nnodes,
+        endpoint=endpoint,
+        host_store=is_host,
+        node_rank=cfg.node_rank,
+        master_addr=endpoint.host,
+        join_timeout=join_timeout,
+    )
+
+
+def worker_env(
+    cfg: LaunchConfig, info: RendezvousInfo, local_rank: int, logs: WorkerLogs
+) -> dict[str, str]:
+    """torchrun's variables, with torchrun's values (checked by a test against torchrun)."""
+    rank = info.base_rank + local_rank
+    env = {
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(rank),
+        "GROUP_RANK": str(info.group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": cfg.role,
+        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "WORLD_SIZE": str(info.world_size),
+        "GROUP_WORLD_SIZE": str(info.group_world_size),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": str(info.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(info.round),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        # Workers join the per-round store the launcher hosts instead of starting one.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCHELASTIC_ERROR_FILE": str(logs.error_file) if logs.error_file else "",
+    }
+    if cfg.inject:
+        env["STALWART_INJECT"] = cfg.inject
+    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def program_argv(cfg: LaunchConfig) -> tuple[str, list[str]]:
+    """The program and arguments each worker runs."""
+    if cfg.no_python:
+        return cfg.entrypoint, list(cfg.args)
+    boot = ["-u", "-m", "stalwart.launch.bootstrap"]
+    if cfg.module:
+        return sys.executable, [*boot, "-m", cfg.entrypoint, *cfg.args]
+    return sys.executable, [*boot, cfg.entrypoint, *cfg.args]
+
+
+class Supervisor:
+    """Runs one node's share of a job to completion."""
+
+    def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
+        self.cfg = cfg
+        self.state = State.INIT
+        base = cfg.log_dir
+        if base is None:
+            base = Path(tempfile.mkdtemp(prefix="stalwart_"))
+        self.run_dir: Path | None = None if str(base) == os.devnull else base / cfg.run_id
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = EventLog(
+            self.run_dir / "events.jsonl" if self.run_dir else None,
+            run_id=cfg.run_id,
+            node_rank=cfg.node_rank,
+        )
+        self.logs = LogSpec(
+            self.run_dir,
+            redirects=cfg.redirects,
+            tee=cfg.tee,
+            local_ranks_filter=cfg.local_ranks_filter,
+            prefix_template=cfg.log_line_prefix_template,
+        )
+        self._rdzv = rendezvous
+        self._ctx: ProcessContext | None = None
+        self._guardian: Guardian | None = None
+        self._token = uuid.uuid4().hex
+        self._stopping = False
+        self._old_handlers: dict[int, Any] = {}
+
+    # -- signals -----------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._stopping:
+            # A second signal while stopping: no more grace.
+            if self._ctx is not None:
+                for pid in self._ctx.pids().values():
+                    posix.killpg_quiet(pid, signal.SIGKILL)
+            return
+        raise SignalReceived(signum)
+
+    def _install_signals(self) -> None:
+        for sig in _FORWARDED:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> JobResult:
+        cfg = self.cfg
+        self._install_signals()
+        posix.set_child_subreaper()
+        self.events.emit(
+            "launcher_start",
+            nnodes=cfg.nnodes,
+            nproc_per_node=cfg.nproc_per_node,
+            max_restarts=cfg.max_restarts,
+            entrypoint=cfg.entrypoint,
+            args=cfg.args,
+            run_dir=str(self.run_dir) if self.run_dir else None,
+        )
+        result: JobResult | None = None
+        try:
+            self._guardian = Guardian(self._token)
+            if self._rdzv is None:
+                self._rdzv = build_rendezvous(cfg)
+            result = self._loop(self._rdzv)
+        except SignalReceived as sig:
+            result = self._interrupted(sig.sig)
+        finally:
+            self._stopping = True
+            if self._ctx is not None:
+                self._ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+            if self._rdzv is not None:
+                self._rdzv.leave()
+            if self._guardian is not None:
+                self._guardian.close()
+            code = result.exit_code if result is not None else 1
+            self.events.emit("launcher_exit", exit_code=code)
+            self.events.close()
+            self._restore_signals()
+        return result
+
+    def _interrupted(self, sig: int) -> JobResult:
+        self._stopping = True
+        name = signal.Signals(sig).name
+        logger.warning(
+            "received %s: stopping workers (grace %.1fs)", name, self.cfg.shutdown_timeout
+        )
+        self.events.emit("shutdown", signal=name, grace=self.cfg.shutdown_timeout)
+        if self._ctx is not None:
+            self._ctx.close(sig, self.cfg.shutdown_timeout)
+            self._emit_exits(self._ctx, -1)
+        self.state = State.INTERRUPTED
+        return JobResult(128 + sig, self.state, 0, [], {}, self.run_dir)
+
+    def _loop(self, rdzv: Rendezvous) -> JobResult:
+        cfg = self.cfg
+        round_ = 0
+        while True:
+            self.state = State.RENDEZVOUS
+            info = rdzv.join(round_, cfg.nproc_per_node)
+            self.events.set_node_rank(info.group_rank)
+            self.events.emit(
+                "rendezvous_done",
+                attempt=round_,
+                group_rank=info.group_rank,
+                group_world_size=info.group_world_size,
+                world_size=info.world_size,
+                base_rank=info.base_rank,
+                master_addr=info.master_addr,
+                master_port=info.master_port,
+                duration=info.duration,
+            )
+            outcome, result = self._run_round(rdzv, info)
+            if outcome is RoundOutcome.SUCCEEDED:
+                self.state = State.SUCCEEDED
+                self.events.emit("job_succeeded", attempt=round_)
+                return JobResult(
+                    0,
+                    self.state,
+                    round_ + 1,
+                    [],
+                    result.return_values if result else {},
+                    self.run_dir,
+                )
+            failures = [ProcessFailure.from_dict(f) for f in rdzv.failures(round_)]
+            if not failures and result is not None:
+                failures = list(result.failures.values())
+            if round_ >= cfg.max_restarts:
+                self.state = State.FAILED
+                cause = root_cause(failures) if failures else None
+                self.events.emit(
+                    "job_failed",
+                    attempt=round_,
+                    root_cause=cause.to_dict() if cause else None,
+                )
+                if failures:
+                    print(
+                        format_summary(
+                            failures,
+                            run_id=cfg.run_id,
+                            attempts=round_ + 1,
+                            log_dir=str(self.run_dir) if self.run_dir else None,
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return JobResult(1, self.state, round_ + 1, failures, {}, self.run_dir)
+            cause = root_cause(failures) if failures else None
+            self.events.emit(
+                "restart",
+                attempt=round_,
+                next_attempt=round_ + 1,
+                reason=outcome.value,
+                root_cause=cause.to_dict() if cause else None,
+                restarts_left=cfg.max_restarts - round_ - 1,
+            )
+            if cause is not None:
+                logger.warning(
+                    "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
+                    round_,
+                    cause.rank,
+                    cause.describe_exit(),
+                    f" ({cause.message})" if cause.message else "",
+                    round_ + 1,
+                    cfg.max_restarts,
+                )
+            round_ += 1
+
+    def _start(self, info: RendezvousInfo) -> ProcessContext:
+        cfg = self.cfg
+        n = cfg.nproc_per_node
+        ranks = {lr: info.base_rank + lr for lr in range(n)}
+        logs = self.logs.make(info.round, n, ranks, cfg.role, info.group_rank)
+        program, argv = program_argv(cfg)
+        specs = [
+            WorkerSpecEntry(
+                lr, tuple(argv), worker_env(cfg, info, lr, logs[lr]), logs[lr], ranks[lr]
+            )
+            for lr in range(n)
+        ]
+        ctx = ProcessContext(
+            program,
+            specs,
+            start_method=cfg.start_method,
+            run_token=self._token,
+            guardian=self._guardian,
+        )
+        ctx.start()
+        for lr, pid in ctx.pids().items():
+            self.events.emit(
+                "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
+            )
+        return ctx
+
+    def _run_round(
+        self, rdzv: Rendezvous, info: RendezvousInfo
+    ) -> tuple[RoundOutcome, RunResult | None]:
+        cfg = self.cfg
+        self.state = State.RUNNING
+        self._ctx = ctx = self._start(info)
+        outcome: RoundOutcome | None = None
+        result: RunResult | None = None
+        while outcome is None:
+            result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
+            if result is not None:
+                if result.is_failed():
+                    outcome = RoundOutcome.LOCAL_FAILURE
+                    cause = root_cause(list(result.failures.values()))
+                    for f in result.failures.values():
+                        f.node_rank = info.group_rank
+                    rdzv.report_failure(info.round, cause.to_dict())
+                else:
+                    outcome = self._await_peers(rdzv, info.round)
+            elif rdzv.failed(info.round):
+                outcome = RoundOutcome.PEER_FAILURE
+                self.events.emit("peer_failure", attempt=info.round)
+                ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+        self._emit_exits(ctx, info.round)
+        self._ctx = None
+        return outcome, result
+
+    def _await_peers(self, rdzv: Rendezvous, round_: int) -> RoundOutcome:
+        """Local workers succeeded; the job succeeds only if every node's did."""
+        rdzv.report_done(round_)
+        while not rdzv.all_done(round_):
+            if rdzv.failed(round_):
+                return RoundOutcome.PEER_FAILURE
+            time.sleep(self.cfg.monitor_interval)
+        return RoundOutcome.SUCCEEDED
+
+    def _emit_exits(self, ctx: ProcessContext, round_: int) -> None:
+        for lr, (rank, pid, code, when) in ctx.exit_info().items():
+            self.events.emit(
+                "worker_exit",
+                attempt=round_,
+                local_rank=lr,
+                rank=rank,
+                worker_pid=pid,
+                exitcode=code,
+                signal=signal_name(code),
+                exited_at=when,
+            )

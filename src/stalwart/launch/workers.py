@@ -1,0 +1,502 @@
+"""Starting, watching and stopping one node's workers.
+
+A worker is a Python function (run in a ``multiprocessing`` child, its return value sent
+back) or a program (a script through our bootstrap, a module, or any binary).  Every
+worker leads its own process group so a signal reaches its children too, carries the
+kernel's parent-death signal and the run token the guardian hunts for, and has its
+exit time taken from a pidfd the moment it dies, so the root cause is the earliest
+failure and not the first one noticed.
+
+``ProcessContext`` follows torch elastic's contract: ``poll()`` is all-or-nothing (a
+result once every worker succeeded or any failed), ``wait(timeout, period)``,
+``pids()``, ``close(death_sig, timeout)`` with TERM -> KILL escalation.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from stalwart.launch import posix
+from stalwart.launch.errors import ProcessFailure, record
+from stalwart.launch.guardian import TOKEN_ENV
+from stalwart.launch.logs import Tee, WorkerLogs
+
+logger = logging.getLogger(__name__)
+
+# How long to wait for a SIGKILLed worker to be reaped before declaring it unkillable
+# (a process in uninterruptible sleep dies only when its I/O returns).
+KILL_WAIT = 5.0
+
+
+@dataclass
+class RunResult:
+    """Outcome of a worker group, keyed by local rank.  All-or-nothing: either every
+    worker succeeded (``return_values`` full, ``failures`` empty) or ``failures`` says
+    which ones failed and ``return_values`` is empty."""
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return bool(self.failures)
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    pid: int
+    proc: subprocess.Popen[bytes] | mp.process.BaseProcess
+    logs: WorkerLogs
+    rank: int | None
+    conn: Connection | None = None  # function workers: return value channel
+    exited_at: float | None = None
+    returned: bool = False
+    value: Any = None
+
+    def exitcode(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll()
+        return self.proc.exitcode
+
+
+class _ExitWatcher:
+    """Waits on pidfds in a thread: records each worker's exit time and wakes waiters."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Event()
+        self._poller = select.poll()
+        self._fds: dict[int, _Worker] = {}
+        self._r, self._w = os.pipe()  # wakes the thread when closing
+        self._poller.register(self._r, select.POLLIN)
+        self._thread = threading.Thread(target=self._run, name="stalwart-exits", daemon=True)
+        self._closed = False
+
+    def watch(self, w: _Worker) -> None:
+        try:
+            fd = os.pidfd_open(w.pid)
+        except OSError:  # already gone or no pidfd support: poll() still sees it
+            w.exited_at = time.time()
+            self.changed.set()
+            return
+        self._fds[fd] = w
+        self._poller.register(fd, select.POLLIN)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._fds:
+            for fd, _ev in self._poller.poll():
+                if fd == self._r:
+                    return
+                w = self._fds.pop(fd)
+                self._poller.unregister(fd)
+                os.close(fd)
+                w.exited_at = time.time()
+                self.changed.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.write(self._w, b"x")
+        if self._thread.is_alive():
+            self._thread.join()
+        for fd in list(self._fds):
+            os.close(fd)
+        self._fds.clear()
+        os.close(self._r)
+        os.close(self._w)
+
+
+def _function_child(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    stdout: str | None,
+    stderr: str | None,
+    console: bool,
+    conn: Connection,
+    parent: int,
+) -> None:
+    """Body of a function worker (runs in the child)."""
+    os.setpgid(0, 0)
+    posix.pdeathsig_then_check(parent)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    for fdno, path in ((1, stdout), (2, stderr)):
+        target = path if path is not None else (None if console else os.devnull)
+        if target is not None:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, fdno)
+            os.close(fd)
+    os.environ.update(env)
+    ret = record(fn)(*args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(ret)
+    conn.close()
+
+
+def _open_stream(path: Path | None, console: bool) -> int | None:
+    if path is not None:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return None if console else subprocess.DEVNULL
+
+
+class Guardian:
+    """Handle on the guardian process (see ``guardian.py``)."""
+
+    def __init__(self, token: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.launch.guardian", token],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
+        )
+        self._lock = threading.Lock()
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with self._lock:
+            try:
+                self.proc.stdin.write(line.encode() + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                logger.warning("guardian process is gone; orphan protection reduced")
+
+    def register(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def unregister(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        self._send("exit")
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class WorkerSpecEntry:
+    """What one local worker runs: entrypoint, arguments, environment and logs."""
+
+    local_rank: int
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    logs: WorkerLogs
+    rank: int | None = None
+
+
+class ProcessContext:
+    """A group of workers started together and watched as one."""
+
+    def __init__(
+        self,
+        entrypoint: Callable[..., Any] | str,
+        workers: Sequence[WorkerSpecEntry],
+        *,
+        start_method: str = "spawn",
+        run_token: str = "",
+        guardian: Guardian | None = None,
+        inherit_env: bool = True,
+    ) -> None:
+        self.entrypoint = entrypoint
+        self.specs = list(workers)
+        self.start_method = start_method
+        self.run_token = run_token
+        self.guardian = guardian
+        self.inherit_env = inherit_env
+        self._workers: dict[int, _Worker] = {}
+        self._watcher = _ExitWatcher()
+        self._tee = Tee()
+        self._result: RunResult | None = None
+        self._closed = False
+
+    # -- starting ---------------------------------------------------------------------
+    def _env(self, spec: WorkerSpecEntry) -> dict[str, str]:
+        env = dict(os.environ) if self.inherit_env else {}
+        env.update(spec.env)
+        env["STALWART_LAUNCHER_PID"] = str(os.getpid())
+        if self.run_token:
+            env[TOKEN_ENV] = self.run_token
+        return env
+
+    def start(self) -> None:
+        if self._workers:
+            raise RuntimeError("ProcessContext.start() called twice")
+        for spec in self.specs:
+            if callable(self.entrypoint):
+                w = self._start_function(spec)
+            else:
+                w = self._start_program(spec)
+            self._workers[spec.local_rank] = w
+            if self.guardian is not None:
+                self.guardian.register(w.pid)
+            self._watcher.watch(w)
+            if spec.logs.tee_stdout and spec.logs.stdout is not None:
+                self._tee.add(spec.logs.stdout, sys.stdout, spec.logs.prefix)
+            if spec.logs.tee_stderr and spec.logs.stderr is not None:
+                self._tee.add(spec.logs.stderr, sys.stderr, spec.logs.prefix)
+        self._watcher.start()
+        self._tee.start()
+
+    def _start_program(self, spec: WorkerSpecEntry) -> _Worker:
+        assert isinstance(self.entrypoint, str)
+        out = _open_stream(spec.logs.stdout, spec.logs.console)
+        err = _open_stream(spec.logs.stderr, spec.logs.console)
+        parent = os.getpid()
+        try:
+            proc = subprocess.Popen(
+                [self.entrypoint, *map(str, spec.args)],
+                env=self._env(spec),
+                stdout=out,
+                stderr=err,
+                process_group=0,
+                preexec_fn=lambda: posix.pdeathsig_then_check(parent),
+            )
+        finally:
+            for fd in (out, err):
+                if fd is not None and fd >= 0:
+                    os.close(fd)
+        return _Worker(spec.local_rank, proc.pid, proc, spec.logs, spec.rank)
+
+    def _start_function(self, spec: WorkerSpecEntry) -> _Worker:
+        assert callable(self.entrypoint)
+        ctx: Any = mp.get_context(self.start_method)
+        recv, send = ctx.Pipe(duplex=False)
+        env = self._env(spec)
+        proc = ctx.Process(
+            target=_function_child,
+            args=(
+                self.entrypoint,
+                spec.args,
+                env,
+                str(spec.logs.stdout) if spec.logs.stdout else None,
+                str(spec.logs.stderr) if spec.logs.stderr else None,
+                spec.logs.console,
+                send,
+                os.getpid(),
+            ),
+            name=f"stalwart-worker-{spec.local_rank}",
+        )
+        # spawn/forkserver children read os.environ at start: pass the token so even the
+        # window before the child applies *env* is covered by the guardian's sweep.
+        proc.start()
+        send.close()
+        assert proc.pid is not None
+        return _Worker(spec.local_rank, proc.pid, proc, spec.logs, spec.rank, conn=recv)
+
+    # -- watching ---------------------------------------------------------------------
+    def pids(self) -> dict[int, int]:
+        return {lr: w.pid for lr, w in self._workers.items()}
+
+    def _collect_return_values(self) -> None:
+        for w in self._workers.values():
+            if w.conn is not None and not w.returned:
+                try:
+                    if w.conn.poll():
+                        w.value = w.conn.recv()
+                        w.returned = True
+                except (EOFError, OSError):
+                    pass
+
+    def poll(self) -> RunResult | None:
+        """A result once all workers succeeded or any failed (then the rest are stopped)."""
+        if self._result is not None:
+            return self._result
+        self._collect_return_values()
+        failures: dict[int, ProcessFailure] = {}
+        running = 0
+        for lr, w in self._workers.items():
+            code = w.exitcode()
+            if code is None:
+                running += 1
+            elif code != 0:
+                failures[lr] = self._failure(w, code)
+        if failures:
+            self._result = RunResult(failures=failures)
+            self._fill_paths(self._result)
+            self.close()
+            return self._result
+        if running:
+            return None
+        self._collect_return_values()
+        values = {lr: (w.value if w.conn is not None else None) for lr, w in self._workers.items()}
+        self._result = RunResult(return_values=values)
+        self._fill_paths(self._result)
+        self.close()
+        return self._result
+
+    def _failure(self, w: _Worker, code: int) -> ProcessFailure:
+        f = ProcessFailure(
+            local_rank=w.local_rank,
+            pid=w.pid,
+            exitcode=code,
+            error_file=str(w.logs.error_file) if w.logs.error_file else "",
+            rank=w.rank,
+        )
+        exited = w.exited_at if w.exited_at is not None else time.time()
+        # A written error file is the moment of the exception; the exit comes after.
+        if not f.message:
+            f.timestamp = exited
+        else:
+            f.timestamp = min(f.timestamp, exited)
+        return f
+
+    def _fill_paths(self, result: RunResult) -> None:
+        for lr, w in self._workers.items():
+            result.stdouts[lr] = str(w.logs.stdout or "")
+            result.stderrs[lr] = str(w.logs.stderr or "")
+
+    def wait(self, timeout: float = -1, period: float = 0.1) -> RunResult | None:
+        """Blocks until ``poll()`` has a result or *timeout* s passed (negative: forever;
+        zero: a single poll).  Wakes immediately when a worker exits."""
+        if timeout == 0:
+            return self.poll()
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            self._watcher.changed.clear()
+            result = self.poll()
+            if result is not None:
+                return result
+            remaining = period if deadline is None else min(period, deadline - time.monotonic())
+            if remaining <= 0:
+                return None
+            self._watcher.changed.wait(remaining)
+
+    def exit_info(self) -> dict[int, tuple[int | None, int, int | None, float | None]]:
+        """local rank -> (global rank, pid, exit code or None if running, exit time)."""
+        return {lr: (w.rank, w.pid, w.exitcode(), w.exited_at) for lr, w in self._workers.items()}
+
+    # -- stopping ---------------------------------------------------------------------
+    def close(self, death_sig: int | None = None, timeout: float = 30.0) -> None:
+        """Signals every worker's process group with *death_sig* (SIGTERM), waits up to
+        *timeout* s, then SIGKILLs what is left, including stray descendants."""
+        if self._closed:
+            return
+        self._closed = True
+        sig = signal.SIGTERM if death_sig is None else death_sig
+        workers = list(self._workers.values())
+        for w in workers:
+            if w.exitcode() is None:
+                logger.debug("sending %s to worker %d (pid %d)", sig, w.local_rank, w.pid)
+                # The direct kill covers a function worker that has not yet made its group.
+                try:
+                    os.kill(w.pid, sig)
+                except ProcessLookupError:
+                    pass
+            posix.killpg_quiet(w.pid, sig)
+        deadline = time.monotonic() + max(timeout, 0.0)
+        self._wait_exit(workers, deadline)
+        for w in workers:
+            posix.killpg_quiet(w.pid, signal.SIGKILL)
+        self._kill_strays()
+        if not self._wait_exit(workers, time.monotonic() + KILL_WAIT):
+            for w in workers:
+                if w.exitcode() is None:
+                    logger.error(
+                        "worker %d (pid %d) survives SIGKILL (uninterruptible sleep?); "
+                        "giving up on it",
+                        w.local_rank,
+                        w.pid,
+                    )
+        self._collect_return_values()
+        for w in workers:
+            if w.conn is not None:
+                w.conn.close()
+            if self.guardian is not None:
+                self.guardian.unregister(w.pid)
+        self._watcher.close()
+        self._tee.stop()
+
+    def _wait_exit(self, workers: list[_Worker], deadline: float) -> bool:
+        while True:
+            self._collect_return_values()  # a child blocked sending its result must drain
+            if all(w.exitcode() is not None for w in workers):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._watcher.changed.clear()
+            self._watcher.changed.wait(min(left, 0.05))
+
+    def _kill_strays(self) -> None:
+        """Descendants that left their worker's group (setsid) but carry our token."""
+        if not self.run_token:
+            return
+        needle = f"{TOKEN_ENV}={self.run_token}"
+        try:
+            children = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                env = child.environ()
+            except psutil.Error:
+                continue
+            if f"{TOKEN_ENV}={env.get(TOKEN_ENV, '')}" == needle:
+                try:
+                    child.kill()
+                    if child.ppid() == os.getpid() and child.pid not in {
+                        w.pid for w in self._workers.values()
+                    }:
+                        child.wait(1)  # reap re-parented grandchildren (we are subreaper)
+                except psutil.Error:
+                    pass
+
+
+def start_processes(
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, dict[str, str]],
+    logs: Mapping[int, WorkerLogs],
+    *,
+    start_method: str = "spawn",
+    run_token: str = "",
+    guardian: Guardian | None = None,
+) -> ProcessContext:
+    """Starts one worker per local rank of *args* and returns the running context.
+
+    *entrypoint* is a function (return values collected per rank) or a program path
+    (``args`` are its command-line arguments)."""
+    if set(args) != set(envs) or set(args) != set(logs):
+        raise ValueError(
+            f"args, envs and logs must cover the same local ranks: "
+            f"{sorted(args)} / {sorted(envs)} / {sorted(logs)}"
+        )
+    specs = [WorkerSpecEntry(lr, tuple(args[lr]), dict(envs[lr]), logs[lr]) for lr in sorted(args)]
+    for s in specs:
+        rank = s.env.get("RANK")
+        s.rank = int(rank) if rank is not None and rank.isdigit() else None
+    ctx = ProcessContext(
+        entrypoint, specs, start_method=start_method, run_token=run_token, guardian=guardian
+    )
+    ctx.start()
+    return ctx

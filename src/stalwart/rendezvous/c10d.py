@@ -1,0 +1,203 @@
+"""Rendezvous over torch's c10d ``TCPStore``, hosted by a launcher.
+
+One launcher hosts the job's store (the only one for a single node, node rank 0 for a
+static multi-node job); the others connect to it.  Keys are namespaced per round
+(``r<n>/...``).  For every round the host also starts a *fresh* ``TCPStore`` for the
+workers' own ``init_process_group``: torchrun 2.13 shares one store across attempts and
+its restarted workers then read a dead peer's address, failing most restarts here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+from stalwart.rendezvous.api import RendezvousError, RendezvousInfo
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.005  # store round trips are ~0.1 ms; keep joins snappy without spinning
+
+
+@dataclass(frozen=True)
+class StoreEndpoint:
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, value: str, default_port: int = 29400) -> StoreEndpoint:
+        host, sep, port = value.rpartition(":")
+        if not sep:
+            return cls(value, default_port)
+        try:
+            return cls(host.strip("[]"), int(port))
+        except ValueError:
+            raise ValueError(f"--rdzv-endpoint {value!r}: expected HOST[:PORT]") from None
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class C10dRendezvous:
+    """Static-membership rendezvous of *nnodes* launchers through one ``TCPStore``."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        nnodes: int,
+        endpoint: StoreEndpoint,
+        host_store: bool,
+        node_rank: int | None,
+        master_addr: str,
+        join_timeout: float = 600.0,
+        exit_barrier_timeout: float = 30.0,
+    ) -> None:
+        self.run_id = run_id
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.join_timeout = join_timeout
+        self.exit_barrier_timeout = exit_barrier_timeout
+        self.is_host = host_store
+        self._master_addr = master_addr
+        self._worker_stores: dict[int, TCPStore] = {}
+        timeout = timedelta(seconds=join_timeout)
+        try:
+            if host_store:
+                self.store = TCPStore(
+                    endpoint.host,
+                    endpoint.port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timeout,
+                )
+            else:
+                self.store = TCPStore(
+                    endpoint.host, endpoint.port, is_master=False, timeout=timeout
+                )
+        except (RuntimeError, OSError) as err:
+            what = "host" if host_store else "reach"
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RendezvousError(
+                f"cannot {what} the rendezvous store at {endpoint} "
+                f"(within {join_timeout:g}s): {first}"
+            ) from None
+        self.endpoint = StoreEndpoint(endpoint.host, self.store.port)
+        self._check_run_id()
+
+    def _check_run_id(self) -> None:
+        got = self.store.compare_set("run_id", "", self.run_id).decode()
+        if got != self.run_id:
+            raise RendezvousError(
+                f"rendezvous id mismatch at {self.endpoint}: this node has --rdzv-id "
+                f"{self.run_id!r} but the store belongs to job {got!r}"
+            )
+
+    # -- helpers -----------------------------------------------------------------------
+    def _wait(self, keys: list[str], what: str, deadline: float) -> None:
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"rendezvous {self.run_id}: timed out after {self.join_timeout:g}s "
+                    f"waiting for {what}"
+                )
+            time.sleep(_POLL)
+
+    def _local_address(self) -> str:
+        return self._master_addr or socket.getfqdn()
+
+    # -- the protocol ------------------------------------------------------------------
+    def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
+        t0 = time.monotonic()
+        deadline = t0 + self.join_timeout
+        if self.node_rank is None:
+            # Automatic node ranks: in order of first arrival, kept for the whole job.
+            self.node_rank = int(self.store.add("node_counter", 1)) - 1
+            if self.node_rank >= self.nnodes:
+                raise RendezvousError(
+                    f"rendezvous {self.run_id}: already {self.nnodes} nodes; this one is extra"
+                )
+        p = f"r{round_}/"
+        self.store.set(f"{p}nproc/{self.node_rank}", str(local_world_size))
+        self._wait(
+            [f"{p}nproc/{i}" for i in range(self.nnodes)],
+            f"{self.nnodes} node(s) to join round {round_}",
+            deadline,
+        )
+        sizes = [int(self.store.get(f"{p}nproc/{i}")) for i in range(self.nnodes)]
+        if self.node_rank == 0:
+            self._open_worker_store(round_)
+        self._wait([f"{p}master"], "node 0 to publish the worker store", deadline)
+        addr, _, port = self.store.get(f"{p}master").decode().rpartition(":")
+        return RendezvousInfo(
+            round=round_,
+            group_rank=self.node_rank,
+            group_world_size=self.nnodes,
+            base_rank=sum(sizes[: self.node_rank]),
+            world_size=sum(sizes),
+            master_addr=addr,
+            master_port=int(port),
+            duration=time.monotonic() - t0,
+        )
+
+    def _open_worker_store(self, round_: int) -> None:
+        # Old rounds' stores are closed so a straggler of a dead attempt cannot reach its
+        # peers' successors through them.
+        for r in list(self._worker_stores):
+            del self._worker_stores[r]
+        store = TCPStore(
+            "0.0.0.0" if self._master_addr not in ("localhost", "127.0.0.1") else "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.join_timeout),
+        )
+        self._worker_stores[round_] = store
+        self.store.set(f"r{round_}/master", f"{self._local_address()}:{store.port}")
+
+    def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
+        p = f"r{round_}/"
+        self.store.set(f"{p}failure/{self.node_rank}", json.dumps(failure, default=str))
+        self.store.compare_set(f"{p}failed", "", str(self.node_rank))
+
+    def failed(self, round_: int) -> bool:
+        return bool(self.store.check([f"r{round_}/failed"]))
+
+    def failures(self, round_: int) -> list[dict[str, Any]]:
+        out = []
+        for i in range(self.nnodes):
+            key = f"r{round_}/failure/{i}"
+            if self.store.check([key]):
+                try:
+                    out.append(json.loads(self.store.get(key)))
+                except ValueError:
+                    logger.warning("unreadable failure record %s", key)
+        return out
+
+    def report_done(self, round_: int) -> None:
+        self.store.add(f"r{round_}/done", 1)
+
+    def all_done(self, round_: int) -> bool:
+        return int(self.store.add(f"r{round_}/done", 0)) >= self.nnodes
+
+    def leave(self) -> None:
+        """Exit barrier: the host keeps the store up until every node has left."""
+        try:
+            self.store.add("left", 1)
+            if self.is_host and self.nnodes > 1:
+                deadline = time.monotonic() + self.exit_barrier_timeout
+                while int(self.store.add("left", 0)) < self.nnodes:
+                    if time.monotonic() > deadline:
+                        logger.warning("not every node left within %ss", self.exit_barrier_timeout)
+                        break
+                    time.sleep(0.05)
+        except RuntimeError as err:  # the host may already be gone; nothing left to do
+            logger.debug("leave(): %s", err)
+        self._worker_stores.clear()
