@@ -1,0 +1,29 @@
+"""Hang detection: named-pipe timers, heartbeat/section slots in shared memory, learned
+timeouts, and the node monitor that turns a missed deadline into a stack dump, a
+terminated worker and a `HangReport` for the supervisor.
+
+Worker side: `RankMonitorClient`, `timer.expires`, `stacks.install`.
+Launcher side: `NodeMonitor`, `MonitorConfig`.
+Nothing here imports torch at import time, nor the launcher.
+"""
+
+from stalwart.monitor.client import RankMonitorClient, RankMonitorError
+from stalwart.monitor.config import MonitorConfig, parse_section_timeout
+from stalwart.monitor.node import NodeMonitor
+from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
+from stalwart.monitor.timer import TimerClient, TimerUnavailableError, expires
+
+__all__ = [
+    "ControlAction",
+    "ControlRequest",
+    "HangKind",
+    "HangReport",
+    "MonitorConfig",
+    "NodeMonitor",
+    "RankMonitorClient",
+    "RankMonitorError",
+    "TimerClient",
+    "TimerUnavailableError",
+    "expires",
+    "parse_section_timeout",
+]

@@ -1,0 +1,196 @@
+"""Hang-detection settings: the `MonitorConfig` dataclass, its validation and parsers.
+
+The launcher maps CLI flags, YAML and environment values onto this one dataclass; every
+check that can reject a setting lives here so that errors read the same wherever they
+come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+#: Used for the first heartbeat when only `hb_timeout` is given: the first step usually
+#: includes process-group setup and model construction, which is far slower than a step.
+DEFAULT_MIN_INITIAL_TIMEOUT = 60.0
+
+
+def _positive(name: str, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number of seconds, got {value!r}")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+
+
+def parse_seconds(name: str, text: str | float | int) -> float:
+    """Parses a positive number of seconds, naming `name` in the error."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+    _positive(name, value)
+    return value
+
+
+def parse_section_timeout(spec: str) -> tuple[str, float]:
+    """Parses one ``name=secs`` section timeout, as given to ``--section-timeout``."""
+    name, sep, secs = spec.partition("=")
+    name = name.strip()
+    if not sep or not name or not secs.strip():
+        raise ValueError(f"section timeout must look like name=seconds, got {spec!r}")
+    return name, parse_seconds(f"section timeout {name!r}", secs.strip())
+
+
+def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
+    """Accepts ``SIGTERM``, ``TERM``, ``15`` or a `signal.Signals`."""
+    if isinstance(value, signal.Signals):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return signal.Signals(value)
+        except ValueError:
+            raise ValueError(f"term_signal: unknown signal number {value!r}") from None
+    if isinstance(value, str):
+        text = value.strip().upper()
+        if text.isdigit():
+            return parse_signal(int(text))
+        if not text.startswith("SIG"):
+            text = "SIG" + text
+        try:
+            return signal.Signals[text]
+        except KeyError:
+            pass
+    raise ValueError(f"term_signal: unknown signal {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorConfig:
+    """How a node's monitor judges its ranks. A timeout of None means "not checked".
+
+    hb_timeout: longest allowed gap between two heartbeats of a rank.
+    hb_initial_timeout: longest allowed time from client start to the first heartbeat;
+        when None it is max(hb_timeout, 60 s).
+    section_timeouts: longest time each named section may stay open.
+    out_of_section_timeout: longest time a rank may spend with no section open.
+    safety_factor: learned timeouts are the largest observed interval times this.
+    check_interval: how often the scanner looks at the ranks' slots.
+    stack_dump_wait: how long to let a hung rank write its stacks before terminating it.
+    term_signal: signal that terminates a hung rank; SIGKILL follows after term_grace.
+    """
+
+    hb_timeout: float | None = None
+    hb_initial_timeout: float | None = None
+    section_timeouts: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    out_of_section_timeout: float | None = None
+    safety_factor: float = 5.0
+    check_interval: float = 0.1
+    stack_dump_wait: float = 0.2
+    term_signal: signal.Signals = signal.SIGTERM
+    term_grace: float = 3.0
+
+    def __post_init__(self) -> None:
+        _positive("hb_timeout", self.hb_timeout)
+        _positive("hb_initial_timeout", self.hb_initial_timeout)
+        _positive("out_of_section_timeout", self.out_of_section_timeout)
+        _positive("check_interval", self.check_interval)
+        _positive("term_grace", self.term_grace)
+        if isinstance(self.stack_dump_wait, bool) or not isinstance(
+            self.stack_dump_wait, int | float
+        ):
+            raise ValueError(
+                f"stack_dump_wait must be a number of seconds, got {self.stack_dump_wait!r}"
+            )
+        if math.isnan(self.stack_dump_wait) or self.stack_dump_wait < 0:
+            raise ValueError(f"stack_dump_wait must be >= 0 seconds, got {self.stack_dump_wait!r}")
+        _positive("safety_factor", self.safety_factor)
+        if self.safety_factor < 1:
+            raise ValueError(f"safety_factor must be >= 1, got {self.safety_factor!r}")
+        if (
+            self.hb_timeout is not None
+            and self.hb_initial_timeout is not None
+            and self.hb_initial_timeout < self.hb_timeout
+        ):
+            raise ValueError(
+                f"hb_initial_timeout ({self.hb_initial_timeout}) must not be shorter than "
+                f"hb_timeout ({self.hb_timeout})"
+            )
+        for name, secs in self.section_timeouts.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"section timeout names must be non-empty strings, got {name!r}")
+            _positive(f"section timeout {name!r}", secs)
+        # The scanner must never see a hung rank get its own signal number wrong.
+        object.__setattr__(self, "term_signal", parse_signal(self.term_signal))
+        object.__setattr__(self, "section_timeouts", dict(self.section_timeouts))
+
+    @property
+    def effective_initial_timeout(self) -> float | None:
+        """The initial heartbeat timeout actually enforced."""
+        if self.hb_initial_timeout is not None:
+            return self.hb_initial_timeout
+        if self.hb_timeout is None:
+            return None
+        return max(self.hb_timeout, DEFAULT_MIN_INITIAL_TIMEOUT)
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one heartbeat or section timeout is configured."""
+        return (
+            self.hb_timeout is not None
+            or self.hb_initial_timeout is not None
+            or self.out_of_section_timeout is not None
+            or bool(self.section_timeouts)
+        )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> MonitorConfig:
+        """Builds a config from YAML/env style values (strings accepted everywhere).
+
+        ``section_timeouts`` may be a mapping, a list of ``name=secs`` strings or one
+        comma-separated string of them. Unknown keys are an error, named in the message.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown monitor setting(s): {', '.join(map(str, unknown))}")
+        kwargs: dict[str, Any] = {}
+        for key, raw in data.items():
+            if raw is None:
+                continue
+            if key == "section_timeouts":
+                kwargs[key] = _parse_sections(raw)
+            elif key == "term_signal":
+                kwargs[key] = parse_signal(raw)
+            elif key == "stack_dump_wait":
+                try:
+                    kwargs[key] = float(raw)
+                except (TypeError, ValueError):
+                    raise ValueError(
+                        f"stack_dump_wait must be a number of seconds, got {raw!r}"
+                    ) from None
+            else:
+                kwargs[key] = parse_seconds(key, raw)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (JSON-safe), e.g. for events."""
+        out = dataclasses.asdict(self)
+        out["term_signal"] = self.term_signal.name
+        out["section_timeouts"] = dict(self.section_timeouts)
+        return out
+
+
+def _parse_sections(raw: Any) -> dict[str, float]:
+    if isinstance(raw, Mapping):
+        return {str(k): parse_seconds(f"section timeout {k!r}", v) for k, v in raw.items()}
+    if isinstance(raw, str):
+        items = [part for part in raw.split(",") if part.strip()]
+    elif isinstance(raw, list | tuple):
+        items = [str(part) for part in raw]
+    else:
+        raise ValueError(f"section_timeouts must be a mapping or name=secs list, got {raw!r}")
+    return dict(parse_section_timeout(item) for item in items)

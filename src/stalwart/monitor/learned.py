@@ -1,0 +1,156 @@
+"""Learned timeouts: what one rank observed, the max over all ranks, times a safety factor.
+
+Ranks exchange their observations as JSON (never pickles) through torch.distributed
+when the default process group is up, otherwise through the job's store, so that every
+rank computes the same timeouts. torch is imported only inside `gather_json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+STATE_KEY = "stalwart_monitor"
+STATE_VERSION = 1
+
+
+@dataclasses.dataclass
+class Observations:
+    """Longest intervals one rank (or, after merging, the job) has seen, in seconds."""
+
+    hb_initial: float | None = None
+    hb: float | None = None
+    sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    oos: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Observations:
+        def num(value: Any) -> float | None:
+            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                return float(value)
+            return None
+
+        sections_raw = data.get("sections") or {}
+        sections = {
+            str(k): v
+            for k, v in ((k, num(v)) for k, v in dict(sections_raw).items())
+            if v is not None
+        }
+        return cls(num(data.get("hb_initial")), num(data.get("hb")), sections, num(data.get("oos")))
+
+
+def _max(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def merge_max(all_obs: list[Observations]) -> Observations:
+    names = sorted({name for obs in all_obs for name in obs.sections})
+    return Observations(
+        hb_initial=_max(o.hb_initial for o in all_obs),
+        hb=_max(o.hb for o in all_obs),
+        sections={
+            n: v for n in names if (v := _max(o.sections.get(n) for o in all_obs)) is not None
+        },
+        oos=_max(o.oos for o in all_obs),
+    )
+
+
+@dataclasses.dataclass
+class LearnedTimeouts:
+    """Timeouts computed by the ranks; None where nothing was learned (config applies)."""
+
+    hb_initial: float | None = None
+    hb: float | None = None
+    sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    oos: float | None = None
+
+    def to_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"version": STATE_VERSION}
+        if self.hb is not None:
+            state["heartbeat"] = {"initial": self.hb_initial, "subsequent": self.hb}
+        if self.sections:
+            state["sections"] = dict(sorted(self.sections.items()))
+        if self.oos is not None:
+            state["out_of_section"] = self.oos
+        return state
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> LearnedTimeouts:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported learned-timeouts state version {state.get('version')!r}")
+
+        def secs(value: Any, what: str) -> float | None:
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"learned timeout {what} must be > 0 seconds, got {value!r}")
+            return float(value)
+
+        hb = state.get("heartbeat") or {}
+        sections = {str(k): secs(v, repr(k)) for k, v in dict(state.get("sections") or {}).items()}
+        return cls(
+            hb_initial=secs(hb.get("initial"), "initial heartbeat"),
+            hb=secs(hb.get("subsequent"), "heartbeat"),
+            sections={k: v for k, v in sections.items() if v is not None},
+            oos=secs(state.get("out_of_section"), "out-of-section"),
+        )
+
+
+def gather_json(payload: dict[str, Any], store: Any | None, seq: int) -> list[dict[str, Any]]:
+    """Every rank's `payload`, in rank order, via torch.distributed or the store.
+
+    With a single process and neither available, returns just our own payload.
+    """
+    data = json.dumps(payload, separators=(",", ":")).encode()
+    dist = _initialised_dist()
+    if dist is not None:
+        return [json.loads(raw) for raw in _gather_bytes_dist(dist, data)]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if store is not None:
+        rank = int(os.environ.get("RANK", "0"))
+        prefix = f"stalwart/monitor/learn/{seq}"
+        store.set(f"{prefix}/{rank}", data)
+        return [json.loads(bytes(store.get(f"{prefix}/{r}"))) for r in range(world)]
+    if world > 1:
+        raise RuntimeError(
+            "learned timeouts must agree across ranks: initialise torch.distributed first "
+            "or pass store= to RankMonitorClient"
+        )
+    return [payload]
+
+
+def _initialised_dist() -> Any | None:
+    import sys
+
+    # Only look at torch if the program already imported it: we never pull torch in.
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _gather_bytes_dist(dist: Any, data: bytes) -> list[bytes]:
+    import torch
+
+    device = torch.device("cpu")
+    if "nccl" in str(dist.get_backend()).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    size = int(length.item())
+    mine = torch.zeros(size, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [bytes(t.cpu().tolist()).rstrip(b"\0") for t in everyone]

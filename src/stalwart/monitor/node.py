@@ -1,0 +1,420 @@
+"""`NodeMonitor`: the launcher-side owner of one node's hang detection.
+
+It creates the per-run folder (0700), the shared-memory segment and the timer pipe
+(0600), and runs two threads: the timer server and a scanner that judges every armed
+rank's slot each `check_interval`. A hung rank is asked for its stacks (SIGUSR1, with
+SIGCONT in case it is stopped), then sent the terminate signal, then SIGKILL after the
+grace period; a `HangReport` is queued for the supervisor and a `hang_detected` event
+logged. Never imports the launcher: the supervisor drives it through the methods below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stalwart.monitor import envvars, layout, procs
+from stalwart.monitor.config import MonitorConfig
+from stalwart.monitor.judge import Verdict, judge
+from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
+from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
+from stalwart.monitor.wire import ControlMessage
+
+log = logging.getLogger(__name__)
+
+LogEvent = Callable[[str, dict[str, Any]], None]
+
+SHM_NAME = "monitor.shm"
+PIPE_NAME = "timer.pipe"
+STACKS_MAX_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass
+class _Rank:
+    local_rank: int
+    global_rank: int
+    pid: int
+    start_time: int | None
+    stderr: Path | None
+    verified_pids: set[int] = dataclasses.field(default_factory=set)
+    names: list[str] = dataclasses.field(default_factory=list)
+    judged: bool = True  # False once a hang was handled: one report per rank and attempt
+
+
+@dataclasses.dataclass
+class _Hang:
+    """A hang being handled: stacks requested, then terminate, then kill."""
+
+    rank: _Rank
+    target: int  # the process that writes the slot (or holds the timer)
+    verdict: Verdict
+    term_signal: int
+    stderr_offset: int | None
+    detected_at: float
+
+
+def _ensure_private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = os.lstat(path)
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"monitor folder {path} belongs to another user")
+    os.chmod(path, 0o700)
+
+
+class NodeMonitor:
+    """One per node. See docs/monitor.md for the supervisor contract."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: MonitorConfig,
+        local_world_size: int,
+        log_event: LogEvent,
+    ) -> None:
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.local_world_size = local_world_size
+        self._log_event = log_event
+        self.shm_path = self.run_dir / SHM_NAME
+        self.pipe_path = self.run_dir / PIPE_NAME
+        self._mm: Any = None
+        self._lock = threading.RLock()
+        self._event_lock = threading.Lock()
+        self._ranks: dict[int, _Rank] = {}
+        self._global_ranks: dict[int, int] = {}
+        self._attempt: int | None = None
+        self._hangs: list[HangReport] = []
+        self._requests: list[ControlRequest] = []
+        # (due, seq, step, hang): steps run on the scanner thread, in due order.
+        self._schedule: list[tuple[float, int, str, _Hang]] = []
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._scanner: threading.Thread | None = None
+        self._timers = TimerServer(
+            self.pipe_path,
+            on_expired=self._on_timer_expired,
+            on_control=self._on_control,
+            log_event=self._emit,
+            max_interval=min(config.check_interval, 0.1),
+        )
+
+    # -- lifecycle (supervisor thread) -----------------------------------------------
+    def start(self) -> None:
+        _ensure_private_dir(self.run_dir)
+        if self.shm_path.exists() or self.shm_path.is_symlink():
+            self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
+        self._mm = layout.create_segment(self.shm_path, self.local_world_size)
+        self._timers.start()
+        self._stop.clear()
+        self._scanner = threading.Thread(
+            target=self._scan_loop, name="stalwart-monitor", daemon=True
+        )
+        self._scanner.start()
+        self._emit(
+            "monitor_started", {"config": self.config.to_dict(), "run_dir": str(self.run_dir)}
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._scanner is not None:
+            self._scanner.join(timeout=5)
+            self._scanner = None
+        self._run_due(force=True)
+        self._timers.stop(remove=True)
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self.shm_path.unlink(missing_ok=True)
+
+    def worker_env(self, local_rank: int, global_rank: int) -> dict[str, str]:
+        if not 0 <= local_rank < self.local_world_size:
+            raise ValueError(f"local_rank {local_rank} outside 0..{self.local_world_size - 1}")
+        pipe = str(self.pipe_path)
+        with self._lock:
+            self._global_ranks[local_rank] = global_rank
+        return {
+            envvars.TIMER_FILE: pipe,
+            envvars.TORCHELASTIC_TIMER_FILE: pipe,
+            envvars.SHM_FILE: str(self.shm_path),
+            envvars.SLOT: str(local_rank),
+            envvars.GLOBAL_RANK: str(global_rank),
+            envvars.SAFETY_FACTOR: repr(self.config.safety_factor),
+        }
+
+    def begin_attempt(
+        self,
+        attempt: int,
+        pids: dict[int, int],
+        stderr_paths: dict[int, Path] | None = None,
+        global_ranks: dict[int, int] | None = None,
+    ) -> None:
+        """Starts judging the workers of a fresh attempt (local_rank -> pid)."""
+        stderr_paths = stderr_paths or {}
+        with self._lock:
+            self._attempt = attempt
+            self._ranks = {
+                lr: _Rank(
+                    local_rank=lr,
+                    global_rank=(global_ranks or self._global_ranks).get(lr, -1),
+                    pid=pid,
+                    start_time=procs.start_time(pid),
+                    stderr=Path(stderr_paths[lr]) if lr in stderr_paths else None,
+                )
+                for lr, pid in pids.items()
+            }
+        self._emit(
+            "monitor_attempt_started",
+            {"attempt": attempt, "pids": {str(k): v for k, v in pids.items()}},
+        )
+
+    def end_attempt(self) -> None:
+        """Stops judging: the supervisor is tearing the workers down."""
+        with self._lock:
+            for rank in self._ranks.values():
+                self._timers.forget_pid(rank.pid)
+            self._ranks = {}
+            self._attempt = None
+            if self._mm is not None:
+                for i in range(self.local_world_size):
+                    layout.reset_slot(self._mm, i)
+
+    def poll_hangs(self) -> list[HangReport]:
+        with self._lock:
+            out, self._hangs = self._hangs, []
+        return out
+
+    def poll_requests(self) -> list[ControlRequest]:
+        with self._lock:
+            out, self._requests = self._requests, []
+        return out
+
+    # -- helpers ---------------------------------------------------------------------
+    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+        try:
+            with self._event_lock:
+                self._log_event(event, fields)
+        except Exception:  # a broken sink must not stop hang detection
+            log.exception("log_event(%s) failed", event)
+
+    def _rank_of_pid(self, pid: int) -> _Rank | None:
+        with self._lock:
+            for rank in self._ranks.values():
+                if pid == rank.pid or pid in rank.verified_pids:
+                    return rank
+            for rank in self._ranks.values():
+                if procs.is_descendant(pid, rank.pid):
+                    rank.verified_pids.add(pid)
+                    return rank
+        return None
+
+    def _same_process(self, rank: _Rank, pid: int) -> bool:
+        if pid != rank.pid:
+            return procs.is_alive(pid)
+        return rank.start_time is None or procs.start_time(pid) == rank.start_time
+
+    # -- scanner thread --------------------------------------------------------------
+    def _scan_loop(self) -> None:
+        interval = self.config.check_interval
+        while not self._stop.is_set():
+            try:
+                self.scan_once()
+                self._run_due()
+            except Exception:
+                log.exception("monitor scan failed")
+            wait = interval
+            with self._lock:
+                if self._schedule:
+                    wait = max(0.0, min(wait, self._schedule[0][0] - time.monotonic()))
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def scan_once(self) -> None:
+        """Judges every armed rank once (the scanner thread calls this each interval)."""
+        mm = self._mm
+        if mm is None:
+            return
+        with self._lock:
+            ranks = [r for r in self._ranks.values() if r.judged]
+        for rank in ranks:
+            verdict, writer = self._judge_rank(mm, rank)
+            if verdict is None:
+                continue
+            # Re-read once: a slot field read mid-update must not be taken for a hang.
+            again, _ = self._judge_rank(mm, rank)
+            if again is None or again.kind != verdict.kind:
+                continue
+            if not procs.is_alive(writer):
+                continue  # it exited; the supervisor sees the exit, not a hang
+            self._begin_hang(rank, writer, verdict, int(self.config.term_signal))
+
+    def _judge_rank(self, mm: Any, rank: _Rank) -> tuple[Verdict | None, int]:
+        snap = layout.read_slot(mm, rank.local_rank)
+        if snap.pid <= 0:
+            return None, 0
+        if snap.pid != rank.pid and snap.pid not in rank.verified_pids:
+            # Written by a process of an earlier attempt, or by a child of our worker.
+            if not procs.is_descendant(snap.pid, rank.pid):
+                return None, 0
+            rank.verified_pids.add(snap.pid)
+        if len(rank.names) != snap.name_count:
+            rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
+        return judge(snap, rank.names, self.config, time.monotonic()), snap.pid
+
+    def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
+        with self._lock:
+            if not rank.judged:
+                return
+            rank.judged = False
+        hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
+        log.warning(
+            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)",
+            rank.local_rank,
+            target,
+            verdict.kind.value,
+            verdict.timeout,
+            verdict.section,
+        )
+        wait = 0.0
+        if self._stacks_installed(rank.local_rank, target):
+            if rank.stderr is not None:
+                try:
+                    hang.stderr_offset = rank.stderr.stat().st_size
+                except OSError:
+                    hang.stderr_offset = None
+            if procs.signal_pid(target, signal.SIGUSR1):
+                # A stopped process only runs its handler once continued.
+                procs.continue_if_stopped(target)
+                wait = self.config.stack_dump_wait
+        self._plan(time.monotonic() + wait, "terminate", hang)
+
+    def _stacks_installed(self, local_rank: int, pid: int) -> bool:
+        mm = self._mm
+        if mm is None:
+            return False
+        base = layout.slot_offset(local_rank)
+        return int(layout.I64.unpack_from(mm, base + layout.OFF_STACKS_PID)[0]) == pid
+
+    def _plan(self, due: float, step: str, hang: _Hang) -> None:
+        with self._lock:
+            heapq.heappush(self._schedule, (due, next(self._seq), step, hang))
+        self._wake.set()
+
+    def _run_due(self, force: bool = False) -> None:
+        while True:
+            with self._lock:
+                if not self._schedule or (not force and self._schedule[0][0] > time.monotonic()):
+                    return
+                _, _, step, hang = heapq.heappop(self._schedule)
+            if step == "terminate":
+                self._terminate(hang, escalate=not force)
+            elif step == "kill":
+                self._kill(hang)
+
+    def _targets(self, hang: _Hang) -> list[int]:
+        targets = [hang.target]
+        if hang.rank.pid != hang.target:
+            targets.append(hang.rank.pid)
+        return [p for p in targets if self._same_process(hang.rank, p)]
+
+    def _terminate(self, hang: _Hang, escalate: bool = True) -> None:
+        for pid in self._targets(hang):
+            procs.signal_pid(pid, hang.term_signal, group=True)
+            procs.continue_if_stopped(pid, group=True)
+        report = self._report(hang)
+        with self._lock:
+            self._hangs.append(report)
+        fields = report.to_event()
+        fields["attempt"] = self._attempt
+        fields["stacks"] = report.stacks[-16384:]
+        self._emit("hang_detected", fields)
+        if escalate:
+            self._plan(time.monotonic() + self.config.term_grace, "kill", hang)
+        else:
+            self._kill(hang)
+
+    def _kill(self, hang: _Hang) -> None:
+        for pid in self._targets(hang):
+            if procs.is_alive(pid):
+                log.warning("pid %d outlived the terminate signal; sending SIGKILL", pid)
+                procs.signal_pid(pid, signal.SIGKILL, group=True)
+
+    def _report(self, hang: _Hang) -> HangReport:
+        stacks = ""
+        path = hang.rank.stderr
+        if path is not None and hang.stderr_offset is not None:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(hang.stderr_offset)
+                    stacks = f.read(STACKS_MAX_BYTES).decode("utf-8", "replace")
+            except OSError as exc:
+                log.info("could not read stacks from %s: %s", path, exc)
+        v = hang.verdict
+        return HangReport(
+            local_rank=hang.rank.local_rank,
+            global_rank=hang.rank.global_rank,
+            pid=hang.target,
+            kind=v.kind,
+            section=v.section,
+            timeout=v.timeout,
+            last_heartbeat_age=v.last_heartbeat_age,
+            iteration=v.iteration,
+            stacks=stacks,
+            detected_at=hang.detected_at,
+        )
+
+    # -- timer server thread ---------------------------------------------------------
+    def _on_timer_expired(self, timer: ExpiredTimer) -> None:
+        rank = self._rank_of_pid(timer.pid)
+        if rank is None:
+            # Not one of ours to report, but the requester asked for it to die.
+            self._emit("timer_expired", {"pid": timer.pid, "scope": timer.scope_id, "rank": None})
+            procs.signal_pid(timer.pid, timer.signal or signal.SIGKILL)
+            return
+        snap = layout.read_slot(self._mm, rank.local_rank) if self._mm is not None else None
+        hb_age = None
+        iteration = None
+        if snap is not None and snap.pid == timer.pid:
+            now = time.monotonic()
+            hb_age = now - snap.last_hb if snap.last_hb > 0 else None
+            iteration = snap.iteration if snap.iteration >= 0 else None
+        verdict = Verdict(
+            HangKind.TIMER, timer.scope_id, timer.timeout_hint or 0.0, hb_age, iteration
+        )
+        self._begin_hang(rank, timer.pid, verdict, timer.signal)
+        self._wake.set()
+
+    def _on_control(self, msg: ControlMessage) -> None:
+        rank = self._rank_of_pid(msg.pid)
+        req = ControlRequest(
+            action=msg.action,
+            global_rank=msg.global_rank
+            if msg.global_rank is not None
+            else (rank.global_rank if rank else None),
+            local_rank=rank.local_rank if rank else None,
+            pid=msg.pid,
+            received_at=time.time(),
+        )
+        with self._lock:
+            self._requests.append(req)
+        self._emit(
+            "control_request",
+            {
+                "action": req.action.value,
+                "global_rank": req.global_rank,
+                "local_rank": req.local_rank,
+                "pid": req.pid,
+            },
+        )

@@ -1,0 +1,38 @@
+"""Worker side of stack dumps: a SIGUSR1 handler that writes every thread's Python stack.
+
+The node monitor sends SIGUSR1 to a hung rank before terminating it. faulthandler's
+handler runs in C, so it works even while the rank holds the GIL in a C call.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+
+STACK_SIGNAL = signal.SIGUSR1
+
+_installed_pid: int | None = None
+
+
+def install() -> None:
+    """Registers the SIGUSR1 stack dump to stderr (idempotent per process).
+
+    Also tells the node monitor, through this rank's slot when one is assigned, that
+    SIGUSR1 is now safe to send: without the handler SIGUSR1 would kill the process.
+    """
+    global _installed_pid
+    pid = os.getpid()
+    if _installed_pid == pid:
+        return
+    faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    _installed_pid = pid
+    from stalwart.monitor import layout
+
+    layout.mark_stacks_installed(pid)
+
+
+def is_installed() -> bool:
+    """True when this very process registered the handler (a fork must install again)."""
+    return _installed_pid == os.getpid()

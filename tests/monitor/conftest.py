@@ -1,0 +1,91 @@
+"""Fixtures for monitor tests: a started NodeMonitor, worker subprocesses, deadline polling."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalwart.monitor import MonitorConfig, NodeMonitor
+
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class Harness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.monitor: NodeMonitor | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, config: MonitorConfig, nranks: int = 1) -> NodeMonitor:
+        self.monitor = NodeMonitor(
+            self.tmp_path / "run", config, nranks, lambda e, f: self.events.append((e, f))
+        )
+        self.monitor.start()
+        return self.monitor
+
+    def spawn(self, local_rank: int, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        assert self.monitor is not None
+        env = dict(os.environ)
+        env.update(self.monitor.worker_env(local_rank, local_rank))
+        env.update(extra_env or {})
+        out = open(self.stdout_path(local_rank), "wb")
+        err = open(self.stderr_path(local_rank), "wb")
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), *args], env=env, stdout=out, stderr=err, start_new_session=True
+        )
+        out.close()
+        err.close()
+        self.procs.append(proc)
+        return proc
+
+    def stdout_path(self, local_rank: int) -> Path:
+        return self.tmp_path / f"rank{local_rank}.out"
+
+    def stderr_path(self, local_rank: int) -> Path:
+        return self.tmp_path / f"rank{local_rank}.err"
+
+    def wait_ready(self, local_rank: int, timeout: float = 30) -> None:
+        wait_for(
+            lambda: b"READY" in self.stdout_path(local_rank).read_bytes(),
+            timeout,
+            f"rank {local_rank} READY",
+        )
+
+    def event_names(self) -> list[str]:
+        return [e for e, _ in self.events]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        if self.monitor is not None:
+            self.monitor.stop()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()

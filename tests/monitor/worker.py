@@ -1,0 +1,97 @@
+"""A stand-in rank for monitor tests: `python worker.py MODE [ARGS]`.
+
+It uses the client exactly as a training script would, then misbehaves in the way MODE
+names. It prints "READY" once its monitoring is set up so tests can wait for it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+from stalwart.monitor import RankMonitorClient, stacks, timer
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    stacks.install()
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+
+    def ready() -> None:
+        print("READY", flush=True)
+
+    if mode == "healthy":
+        steps, step_s = int(sys.argv[2]), float(sys.argv[3])
+        ready()
+        for i in range(steps):
+            with client.section("step"):
+                time.sleep(step_s)
+            client.send_heartbeat()
+            client.report_iteration(i)
+        client.shutdown_workload_monitoring()
+        print("DONE", flush=True)
+        return
+    # Everything below warms up with a few steps, then hangs.
+    for i in range(3):
+        client.send_heartbeat()
+        client.report_iteration(i)
+    if mode == "stop_heartbeat":
+        ready()
+        time.sleep(600)
+    elif mode == "no_heartbeat":
+        client2 = RankMonitorClient()
+        client.shutdown_workload_monitoring()
+        client2.init_workload_monitoring()
+        ready()
+        time.sleep(600)
+    elif mode == "sigstop":
+        ready()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(600)
+    elif mode == "gil_spin":
+        ready()
+        # PyDLL keeps the GIL during the call: no Python thread of this process can run.
+        libc = ctypes.PyDLL(None)
+        while True:
+            libc.sleep(600)
+    elif mode == "section_hang":
+        client.start_section("outer")
+        client.start_section("data")
+        client.end_section("data")
+        client.start_section("slow")
+        ready()
+        while True:
+            client.send_heartbeat()
+            time.sleep(0.05)
+    elif mode == "oos_hang":
+        with client.section("step"):
+            pass
+        ready()
+        while True:
+            client.send_heartbeat()
+            time.sleep(0.05)
+    elif mode == "timer_hang":
+        ready()
+        with timer.expires(after=float(sys.argv[2]), scope="train_step"):
+            time.sleep(600)
+    elif mode == "timer_ok":
+        n = int(sys.argv[2])
+        for _ in range(n):
+            with timer.expires(after=30, scope="step"):
+                pass
+        ready()
+        print("DONE", flush=True)
+    elif mode == "control":
+        client.send_workload_control_request(sys.argv[2])
+        ready()
+        print("DONE", flush=True)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()
