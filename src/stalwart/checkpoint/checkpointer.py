@@ -1,0 +1,208 @@
+"""The high-level API a training loop uses: ``AsyncCheckpointer``.
+
+One instance per rank. It owns a writer subprocess (started and warmed when the
+checkpointer is built) and turns ``save(state_dict, step)`` into a snapshot
+into shared memory plus an asynchronous, atomic, checksummed write.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import layout
+from .manifest import default_algorithm
+from .process import CheckpointProcess, WriterProcessConfig
+from .staging import plan
+from .writer import SaveResult, TorchFileWriter
+
+logger = logging.getLogger(__name__)
+
+
+class StagingMode(enum.Enum):
+    """When the tensors are copied into the staging buffer.
+
+    SYNC: inside ``save()``; the caller may change its tensors as soon as
+    ``save()`` returns. BACKGROUND: on the I/O thread; ``save()`` returns after
+    pickling the non-tensor state, and the caller must not modify tensors in
+    place until ``wait_staged()`` returns. With ``guard_optimizers`` every
+    ``optimizer.step()`` waits for that automatically, and a tensor that was
+    modified anyway is detected (version counter) and fails that save rather
+    than writing a torn checkpoint.
+    """
+
+    SYNC = "sync"
+    BACKGROUND = "background"
+
+
+def _default_copy_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class CheckpointerConfig:
+    staging: StagingMode = StagingMode.SYNC
+    guard_optimizers: bool = True
+    # The caller is blocked during a SYNC copy anyway, so use several cores.
+    copy_threads: int = 0  # 0: min(4, cpu_count)
+    init_timeout_s: float = 120.0
+    shutdown_timeout_s: float = 30.0
+    write_timeout_s: float | None = None
+    checksum: str | None = None  # None: xxh3_64 if xxhash is installed, else crc32
+    # Size the staging buffer at start-up, off the training thread, so even the
+    # first save() only copies. 0: sized by the first save.
+    reserve_bytes: int = 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+class AsyncCheckpointer:
+    """Asynchronous, atomic checkpoints of one rank into ``directory``.
+
+    ``rank`` and ``world_size`` default to the ``RANK`` / ``WORLD_SIZE``
+    environment variables that stalwart and torchrun set (0 and 1 if unset).
+    A step counts as complete once all ``world_size`` ranks committed it.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep_last: int | None = 3,
+        rank: int | None = None,
+        *,
+        world_size: int | None = None,
+        config: CheckpointerConfig | None = None,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 or None (keep everything)")
+        self.directory = Path(directory)
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        self.config = config or CheckpointerConfig()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.last_stall_s = 0.0
+        self._inflight: list[Future[SaveResult]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._process = CheckpointProcess(
+            TorchFileWriter,
+            {
+                "root": str(self.directory),
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "keep_last": keep_last,
+                "algorithm": self.config.checksum or default_algorithm(),
+            },
+            config=WriterProcessConfig(
+                init_timeout_s=self.config.init_timeout_s,
+                shutdown_timeout_s=self.config.shutdown_timeout_s,
+                write_timeout_s=self.config.write_timeout_s,
+                copy_threads=self.config.copy_threads or _default_copy_threads(),
+                reserve_bytes=self.config.reserve_bytes,
+            ),
+        )
+        self._hook: Any = None
+        if self.config.staging is StagingMode.BACKGROUND and self.config.guard_optimizers:
+            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
+                self._before_optimizer_step
+            )
+
+    @property
+    def writer_pid(self) -> int | None:
+        """Pid of the current writer subprocess (None while none is running)."""
+        return self._process.pid
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the writer subprocess is up (``save`` does not need this)."""
+        self._process.wait_ready(timeout)
+
+    def save(
+        self, state_dict: Any, step: int, *, metadata: dict[str, Any] | None = None
+    ) -> Future[SaveResult]:
+        """Snapshot ``state_dict`` and write it as ``step`` in the background.
+
+        ``state_dict`` may also be a Future of one. Returns a Future of the
+        :class:`SaveResult`; a failed save raises from that Future (and from
+        ``wait``), the previous checkpoints staying intact.
+        """
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer is closed")
+        path = str(layout.step_dir(self.directory, step))
+        kwargs: dict[str, Any] = {"step": step, "metadata": metadata}
+        t0 = time.perf_counter()
+        if isinstance(state_dict, Future):
+            fut: Future[SaveResult] = self._process.write(state_dict, path, **kwargs)
+        else:
+            background = self.config.staging is StagingMode.BACKGROUND
+            fut = self._process.write_planned(
+                plan(state_dict), path, background=background, **kwargs
+            )
+        self.last_stall_s = time.perf_counter() - t0
+        fut.add_done_callback(self._log_failure)
+        with self._lock:
+            self._inflight = [f for f in self._inflight if not f.done()]
+            self._inflight.append(fut)
+        return fut
+
+    def wait_staged(self) -> None:
+        """Block until every snapshot taken so far has been copied out of the caller's tensors."""
+        with self._lock:
+            pending = list(self._inflight)
+        for fut in pending:
+            staged = getattr(fut, "staged", None)
+            if staged is not None:
+                staged.wait()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every in-flight save; re-raise the first failure among them."""
+        with self._lock:
+            pending, self._inflight = self._inflight, []
+        first_error: BaseException | None = None
+        for fut in pending:
+            exc = fut.exception(timeout)
+            if exc is not None and first_error is None:
+                first_error = exc
+        if first_error is not None:
+            raise first_error
+
+    def close(self) -> None:
+        """Finish in-flight saves (failures are logged), then stop the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        except BaseException as exc:
+            logger.error("a checkpoint save failed before close: %s", exc)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._process.close()
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.wait_staged()
+
+    @staticmethod
+    def _log_failure(fut: Future[SaveResult]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            logger.error("checkpoint save failed: %s", fut.exception())

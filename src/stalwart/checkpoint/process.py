@@ -1,0 +1,345 @@
+"""The parent's handle on one writer subprocess (one per rank).
+
+Owns the child's life cycle (spawn, ping handshake, respawn after death,
+shutdown), the shared staging buffer, and the single I/O thread that talks to
+the child, so callers only ever wait for the snapshot copy, never for the disk.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import reduction
+from typing import Any
+
+from .child import CheckpointWriter, writer_main
+from .errors import WriterDiedError, WriterError
+from .messages import Request, RequestKind, Response, ResponseKind, StagedState, WritePayload
+from .staging import SharedBuffer, StagingPlan, plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriterProcessConfig:
+    """Timeouts and sizing of the writer subprocess."""
+
+    init_timeout_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
+    # None: a write may take as long as the disk needs. Otherwise a write still
+    # running after this long gets its child killed and fails with TimeoutError.
+    write_timeout_s: float | None = None
+    copy_threads: int = 1
+    reserve_bytes: int = 0
+    log_level: int = logging.WARNING
+
+
+class _InheritedFd:
+    """Pickles as a duplicate of ``fd`` that the spawned child inherits."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DupFd must be created while the spawn is pickling the child's args:
+        # that is when it can register the fd to be passed to the new process.
+        return (_detach_fd, (reduction.DupFd(self.fd),))
+
+
+def _detach_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+class CheckpointProcess:
+    """A writer subprocess with an asynchronous ``write`` API.
+
+    The child is spawned (``spawn`` start method) in the background as soon as
+    this object is built; ``wait_ready`` blocks until it answered the ping.
+    ``write`` returns a Future at once: the caller only pays for the snapshot
+    copy into shared memory.
+    """
+
+    def __init__(
+        self,
+        writer_factory: Callable[..., CheckpointWriter],
+        writer_kwargs: dict[str, Any] | None = None,
+        *,
+        init_fn: Callable[..., None] | None = None,
+        init_args: tuple[Any, ...] = (),
+        config: WriterProcessConfig | None = None,
+    ) -> None:
+        self.config = config or WriterProcessConfig()
+        self._writer_factory = writer_factory
+        self._writer_kwargs = dict(writer_kwargs or {})
+        self._init_fn = init_fn
+        self._init_args = init_args
+        self._ctx = mp.get_context("spawn")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-ckpt-io")
+        self._buffer = SharedBuffer(copy_threads=self.config.copy_threads)
+        # Held from the moment a snapshot lands in the buffer until the child
+        # says it stopped reading it: one buffer, so the next snapshot waits.
+        self._buffer_free = threading.Semaphore(1)
+        self._deferred_staged: threading.Event | None = None
+        self._proc: Any = None
+        self._conn: mpc.Connection | None = None
+        self._seq = itertools.count(1)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._ready = self._io.submit(self._start_child)
+
+    # -- public API -------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return int(proc.pid) if proc is not None and proc.pid is not None else None
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the first child answered its ping; re-raise a failed start."""
+        self._ready.result(timeout)
+
+    def write(self, state_dict: Any, path: str, **kwargs: Any) -> Future[Any]:
+        """Snapshot ``state_dict`` (or, if it is a Future, its result later) and write it.
+
+        For a plain state dict the snapshot is taken before returning, so the
+        caller may mutate its tensors right after. A Future is resolved and
+        staged on the I/O thread.
+        """
+        if isinstance(state_dict, Future):
+            return self._submit_deferred(state_dict, path, kwargs)
+        return self.write_planned(plan(state_dict), path, background=False, **kwargs)
+
+    def write_planned(
+        self, staging: StagingPlan, path: str, *, background: bool, **kwargs: Any
+    ) -> Future[Any]:
+        """Write an already-pickled plan; copy now, or on the I/O thread if ``background``."""
+        self._check_open()
+        if background:
+            return self._submit_staging(
+                lambda: self._buffer.copy_in(staging, check_versions=True), path, kwargs
+            )
+        self._wait_for_deferred()
+        self._buffer_free.acquire()
+        try:
+            staged = self._buffer.copy_in(staging)
+        except BaseException:
+            self._buffer_free.release()
+            raise
+        return self._io.submit(self._write_job, staged, path, kwargs)
+
+    def reserve(self, nbytes: int) -> Future[None]:
+        """Grow the staging buffer on the I/O thread ahead of the first save."""
+        return self._io.submit(self._buffer.ensure, nbytes)
+
+    def close(self) -> None:
+        """Finish queued writes, ask the child to exit, kill it after the shutdown timeout."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._io.shutdown(wait=True)
+        self._stop_child(graceful=True)
+        self._buffer.close()
+
+    def __enter__(self) -> CheckpointProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- submission ---------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("CheckpointProcess is closed")
+
+    def _wait_for_deferred(self) -> None:
+        # A deferred job queued earlier must take the buffer before we do, or we
+        # would hold it while our own job waits behind that one: a deadlock.
+        evt = self._deferred_staged
+        if evt is not None:
+            evt.wait()
+
+    def _submit_deferred(self, fut: Future[Any], path: str, kwargs: dict[str, Any]) -> Future[Any]:
+        self._check_open()
+        return self._submit_staging(lambda: self._buffer.copy_in(plan(fut.result())), path, kwargs)
+
+    def _submit_staging(
+        self, stage_fn: Callable[[], StagedState], path: str, kwargs: dict[str, Any]
+    ) -> Future[Any]:
+        staged_evt = threading.Event()
+        self._deferred_staged = staged_evt
+
+        def job() -> Any:
+            try:
+                self._buffer_free.acquire()
+                try:
+                    staged = stage_fn()
+                except BaseException:
+                    self._buffer_free.release()
+                    raise
+            finally:
+                staged_evt.set()
+            return self._write_job(staged, path, kwargs)
+
+        result = self._io.submit(job)
+        result.staged = staged_evt  # type: ignore[attr-defined]
+        return result
+
+    # -- I/O thread ---------------------------------------------------------
+
+    def _write_job(self, staged: StagedState, path: str, kwargs: dict[str, Any]) -> Any:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._buffer_free.release()
+
+        try:
+            self._ensure_child()
+            seq = next(self._seq)
+            self._send(Request(RequestKind.WRITE, seq, WritePayload(path, staged, kwargs=kwargs)))
+            deadline = (
+                None
+                if self.config.write_timeout_s is None
+                else time.monotonic() + self.config.write_timeout_s
+            )
+            while True:
+                resp = self._recv(deadline, what=f"write of {path}")
+                if resp.seq != seq:
+                    logger.debug("dropping stale response %s", resp)
+                    continue
+                if resp.kind is ResponseKind.RELEASED:
+                    release()
+                elif resp.kind is ResponseKind.DONE:
+                    return resp.result
+                elif resp.kind is ResponseKind.FAILED:
+                    raise _remote_error(resp)
+                else:
+                    raise WriterError(f"unexpected response {resp.kind} to a write")
+        finally:
+            # A dead or killed child no longer reads the buffer either.
+            release()
+
+    def _ensure_child(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.is_alive() and self._conn is not None:
+            return
+        if proc is not None:
+            logger.warning(
+                "checkpoint writer (pid %s) is gone (exit code %s); starting a new one",
+                proc.pid,
+                proc.exitcode,
+            )
+            self._stop_child(graceful=False)
+        self._start_child()
+
+    def _start_child(self) -> None:
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        if self.config.reserve_bytes:
+            self._buffer.ensure(self.config.reserve_bytes)
+        proc = self._ctx.Process(
+            target=writer_main,
+            args=(
+                child_end,
+                _InheritedFd(self._buffer.fd),
+                self._init_fn,
+                self._init_args,
+                self._writer_factory,
+                self._writer_kwargs,
+                self.config.log_level,
+            ),
+            name="stalwart-ckpt-writer",
+            daemon=True,
+        )
+        proc.start()
+        # Without our copy of the child's end, its death shows up as EOF here.
+        child_end.close()
+        self._proc, self._conn = proc, parent_end
+        seq = next(self._seq)
+        try:
+            self._send(Request(RequestKind.PING, seq))
+            resp = self._recv(
+                time.monotonic() + self.config.init_timeout_s, what="writer start-up", init=True
+            )
+        except BaseException:
+            self._stop_child(graceful=False)
+            raise
+        if resp.kind is ResponseKind.FAILED:
+            self._stop_child(graceful=False)
+            raise _remote_error(resp)
+        logger.debug("checkpoint writer pid %s ready", proc.pid)
+
+    def _send(self, req: Request) -> None:
+        assert self._conn is not None
+        try:
+            self._conn.send(req)
+        except (OSError, ValueError) as exc:
+            raise WriterDiedError(
+                f"checkpoint writer (pid {self.pid}) is not reachable: {exc}"
+            ) from exc
+
+    def _recv(self, deadline: float | None, *, what: str, init: bool = False) -> Response:
+        conn, proc = self._conn, self._proc
+        assert conn is not None and proc is not None
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = mpc.wait([conn, proc.sentinel], timeout)
+        if not ready:
+            self._stop_child(graceful=False)
+            if init:
+                raise TimeoutError(
+                    f"checkpoint writer (pid {proc.pid}) did not answer within "
+                    f"{self.config.init_timeout_s:g} s of starting (init function stuck?)"
+                )
+            raise TimeoutError(f"{what} did not finish within {self.config.write_timeout_s} s")
+        if conn in ready or conn.poll():
+            try:
+                resp: Response = conn.recv()
+                return resp
+            except (EOFError, OSError):
+                pass
+        proc.join(timeout=1.0)
+        raise WriterDiedError(
+            f"checkpoint writer (pid {proc.pid}) died during {what} (exit code {proc.exitcode})"
+        )
+
+    def _stop_child(self, *, graceful: bool) -> None:
+        proc, conn = self._proc, self._conn
+        self._proc, self._conn = None, None
+        if proc is None:
+            return
+        if graceful and proc.is_alive() and conn is not None:
+            try:
+                conn.send(Request(RequestKind.EXIT, next(self._seq)))
+            except (OSError, ValueError):
+                logger.debug("writer pipe already closed")
+            proc.join(self.config.shutdown_timeout_s)
+            if proc.is_alive():
+                logger.warning(
+                    "checkpoint writer (pid %s) did not exit within %g s; killing it",
+                    proc.pid,
+                    self.config.shutdown_timeout_s,
+                )
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5.0)
+        if conn is not None:
+            conn.close()
+
+
+def _remote_error(resp: Response) -> WriterError:
+    return WriterError(
+        resp.error_message,
+        remote_type=resp.error_type,
+        errno=resp.error_errno,
+        remote_traceback=resp.traceback,
+    )

@@ -1,0 +1,315 @@
+"""The shared staging buffer and the snapshot of a state dict into it.
+
+A snapshot has two parts. The *skeleton* is the state dict pickled with every
+tensor replaced by a :class:`TensorRef` (offset, dtype, shape); it is small and
+captures all Python objects at the time of the call. The tensor *bytes* are
+copied into one shared-memory region that the writer child maps too, so tensor
+data is never pickled or sent through a pipe.
+
+The region is an anonymous memory file (``memfd``), handed to the child as an
+inherited file descriptor, so nothing is left behind in ``/dev/shm`` if either
+process is killed. It is allocated and pre-faulted once and grows only when a
+state dict no longer fits: faulting fresh pages costs several times the copy
+itself on this kind of machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import mmap
+import os
+import pickle
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import StagingConflictError
+from .messages import StagedState
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64
+_GROW_GRANULE = 2 << 20
+_GROW_FACTOR = 1.25
+# Copies larger than this are split across the copy threads.
+_SPLIT_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor lives in the staging buffer."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parameter: bool = False
+    requires_grad: bool = False
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _stageable(t: torch.Tensor) -> bool:
+    # Sparse, quantized, nested and meta tensors, and tensor subclasses, fall back
+    # to ordinary pickling inside the skeleton: correct, just not zero-copy.
+    return (
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_nested
+        and t.device.type != "meta"
+    )
+
+
+def _version_of(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference-mode tensors carry no version counter
+        return -1
+
+
+@dataclass
+class StagingPlan:
+    """Tensors found while pickling the skeleton and where each one goes."""
+
+    skeleton: bytes = b""
+    used_bytes: int = 0
+    copies: list[tuple[torch.Tensor, TensorRef, int]] = field(default_factory=list)
+    _by_id: dict[int, TensorRef] = field(default_factory=dict)
+
+    def add(self, t: torch.Tensor) -> TensorRef:
+        known = self._by_id.get(id(t))
+        if known is not None:
+            return known
+        nbytes = t.numel() * t.element_size()
+        ref = TensorRef(
+            offset=self.used_bytes,
+            nbytes=nbytes,
+            dtype=t.dtype,
+            shape=tuple(t.shape),
+            parameter=isinstance(t, torch.nn.Parameter),
+            requires_grad=t.requires_grad,
+        )
+        self.used_bytes = _round_up(self.used_bytes + nbytes, _ALIGN)
+        self._by_id[id(t)] = ref
+        self.copies.append((t, ref, _version_of(t)))
+        return ref
+
+
+class _SkeletonPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, plan: StagingPlan) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._plan = plan
+
+    def persistent_id(self, obj: Any) -> TensorRef | None:
+        if isinstance(obj, torch.Tensor) and _stageable(obj):
+            return self._plan.add(obj)
+        return None
+
+
+def plan(state: Any) -> StagingPlan:
+    """Pickle the skeleton now; tensors are only referenced, not yet copied."""
+    result = StagingPlan()
+    buf = io.BytesIO()
+    _SkeletonPickler(buf, result).dump(state)
+    result.skeleton = buf.getvalue()
+    # Drop the identity map: ids may be reused once the caller frees tensors.
+    result._by_id.clear()
+    return result
+
+
+def _create_memory_file() -> int:
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create("stalwart-ckpt-staging", os.MFD_CLOEXEC)
+    # Portable fallback: an already-unlinked temporary file, RAM-backed if possible.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryFile(dir=shm) as f:
+        return os.dup(f.fileno())
+
+
+def _map(fd: int, size: int, *, populate: bool) -> mmap.mmap:
+    flags = mmap.MAP_SHARED
+    if populate and hasattr(mmap, "MAP_POPULATE"):
+        flags |= mmap.MAP_POPULATE
+    return mmap.mmap(fd, size, flags=flags)
+
+
+def _unmap(m: mmap.mmap | None) -> None:
+    if m is None:
+        return
+    try:
+        m.close()
+    except BufferError:
+        # A tensor (perhaps held by a traceback) still views it; the garbage
+        # collector unmaps it once that reference is gone.
+        logger.debug("staging map still referenced; leaving it to the GC")
+
+
+class SharedBuffer:
+    """Parent side: owns the memory file and copies tensors into it."""
+
+    def __init__(self, copy_threads: int = 1) -> None:
+        self.fd = _create_memory_file()
+        self.capacity = 0
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._copy_threads = max(1, copy_threads)
+        self._lock = threading.Lock()
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow (never shrink) so that ``nbytes`` fit."""
+        with self._lock:
+            if nbytes <= self.capacity:
+                return
+            new_cap = _round_up(max(nbytes, int(self.capacity * _GROW_FACTOR)), _GROW_GRANULE)
+            logger.info("staging buffer: %d -> %d MiB", self.capacity >> 20, new_cap >> 20)
+            self._bytes = None
+            _unmap(self._map)
+            self._map = None
+            os.ftruncate(self.fd, new_cap)
+            with contextlib.suppress(OSError):
+                # Reserve the pages now so a later copy cannot fault on a full tmpfs.
+                os.posix_fallocate(self.fd, 0, new_cap)
+            self._map = _map(self.fd, new_cap, populate=True)
+            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.capacity = new_cap
+
+    def _dest(self, ref: TensorRef) -> torch.Tensor:
+        assert self._bytes is not None
+        region = self._bytes[ref.offset : ref.offset + ref.nbytes]
+        return region.view(ref.dtype).view(ref.shape)
+
+    def copy_in(self, staging: StagingPlan, *, check_versions: bool = False) -> StagedState:
+        """Copy the planned tensors into the buffer (growing it first if needed)."""
+        self.ensure(max(staging.used_bytes, 1))
+        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for src, ref, _ in staging.copies:
+            if ref.nbytes == 0:
+                continue
+            dst = self._dest(ref)
+            s = src.detach()
+            if self._copy_threads > 1 and ref.nbytes >= _SPLIT_BYTES and s.is_contiguous():
+                # Split big tensors so every copy thread gets a share.
+                for d_part, s_part in zip(
+                    dst.view(-1).chunk(self._copy_threads),
+                    s.view(-1).chunk(self._copy_threads),
+                    strict=True,
+                ):
+                    jobs.append((d_part, s_part))
+            else:
+                jobs.append((dst, s))
+        _run_copies(jobs, self._copy_threads)
+        if check_versions:
+            for src, _, version in staging.copies:
+                if version >= 0 and _version_of(src) != version:
+                    raise StagingConflictError(
+                        "a tensor in the state dict was modified in place while the "
+                        "background snapshot was copying it; wait for staging "
+                        "(AsyncCheckpointer.wait_staged) before mutating the model"
+                    )
+        return StagedState(
+            skeleton=staging.skeleton, used_bytes=staging.used_bytes, capacity=self.capacity
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._bytes = None
+            _unmap(self._map)
+            self._map = None
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+def _run_copies(jobs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+    with torch.no_grad():
+        if threads <= 1 or len(jobs) <= 1:
+            for dst, src in jobs:
+                dst.copy_(src)
+            return
+        # Round-robin by size keeps the threads balanced; copy_ drops the GIL.
+        order = sorted(jobs, key=lambda j: j[0].numel() * j[0].element_size(), reverse=True)
+        buckets: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+        loads = [0] * threads
+        for job in order:
+            i = loads.index(min(loads))
+            buckets[i].append(job)
+            loads[i] += job[0].numel() * job[0].element_size()
+        errors: list[BaseException] = []
+
+        def work(bucket: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            try:
+                with torch.no_grad():
+                    for dst, src in bucket:
+                        dst.copy_(src)
+            except BaseException as exc:
+                errors.append(exc)
+
+        helpers = [threading.Thread(target=work, args=(b,), daemon=True) for b in buckets[1:]]
+        for h in helpers:
+            h.start()
+        work(buckets[0])
+        for h in helpers:
+            h.join()
+        if errors:
+            raise errors[0]
+
+
+def stage(state: Any, buffer: SharedBuffer) -> StagedState:
+    """Snapshot ``state`` into ``buffer`` synchronously."""
+    return buffer.copy_in(plan(state))
+
+
+class BufferView:
+    """Child side: maps the inherited memory file and rebuilds tensors from it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._map: mmap.mmap | None = None
+        self._size = 0
+
+    def _attach(self, capacity: int) -> mmap.mmap:
+        if self._map is None or self._size != capacity:
+            _unmap(self._map)
+            self._map = _map(self._fd, capacity, populate=False)
+            self._size = capacity
+        return self._map
+
+    def unstage(self, staged: StagedState) -> Any:
+        m = self._attach(staged.capacity)
+        return _SkeletonUnpickler(io.BytesIO(staged.skeleton), m).load()
+
+
+def _tensor_from_map(m: mmap.mmap, ref: TensorRef) -> torch.Tensor:
+    if ref.nbytes == 0:
+        t = torch.empty(ref.shape, dtype=ref.dtype)
+    else:
+        count = ref.nbytes // torch.empty((), dtype=ref.dtype).element_size()
+        # frombuffer gives each tensor its own storage of exactly its bytes, so
+        # torch.save writes one record per tensor straight from shared memory.
+        t = torch.frombuffer(m, dtype=ref.dtype, count=count, offset=ref.offset).view(ref.shape)
+    if ref.parameter:
+        return torch.nn.Parameter(t, requires_grad=ref.requires_grad)
+    return t
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, m: mmap.mmap) -> None:
+        super().__init__(file)
+        self._m = m
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, TensorRef):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        return _tensor_from_map(self._m, pid)
+
+
+CopyFn = Callable[[], StagedState]

@@ -1,0 +1,221 @@
+"""The default writer, run inside the writer subprocess: one ``torch.save`` file
+per rank, written to a temporary folder, checksummed, fsync'd and renamed into
+the step folder; then the ``latest`` pointer and retention are updated.
+
+Commit order for rank r of step S (each arrow is ordered by an fsync):
+
+1. ``<root>/.tmp-step_S-rank_r-<token>/`` gets ``rank_r.pt`` and its manifest,
+   both fsync'd, then the folder itself is fsync'd.
+2. If ``step_S/`` does not exist yet, the temp folder is renamed to it (one
+   atomic rename). Otherwise the data file is renamed in first and the
+   manifest last; a data file without a manifest is never trusted.
+3. The root is fsync'd; if every rank's manifest is now present, ``latest`` is
+   repointed (symlink replace) and steps older than the ``keep_last`` newest
+   complete ones are deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+import torch
+
+from . import layout
+from .errors import CheckpointError
+from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
+from .manifest import FORMAT_VERSION, FileEntry, Hasher, Manifest, encode, new_hasher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a completed save wrote."""
+
+    step: int
+    rank: int
+    path: Path
+    nbytes: int
+    checksum: str
+    write_s: float
+    step_complete: bool
+
+
+class _HashingFile:
+    """File-like sink for torch.save that checksums bytes as they are written.
+
+    Hashing on the way out avoids reading a freshly written file back.
+    """
+
+    def __init__(self, raw: Any, hasher: Hasher) -> None:
+        self._raw = raw
+        self._hasher = hasher
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        total = len(view)
+        done = 0
+        while done < total:
+            n = self._raw.write(view[done:])
+            if n is None or n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+        self.size += total
+        return total
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+
+class TorchFileWriter:
+    """Writes rank ``rank``'s file of a step; built by the writer subprocess."""
+
+    def __init__(
+        self, root: str, rank: int, world_size: int, keep_last: int | None, algorithm: str
+    ) -> None:
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_last = keep_last
+        self.algorithm = algorithm
+        # Our manifest checksum covers the whole file; torch's per-record zip
+        # CRC would double the hashing cost. torch.load does not need it.
+        with contextlib.suppress(AttributeError):
+            torch.serialization.set_crc32_options(False)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._clean_stale_tmp()
+
+    def _clean_stale_tmp(self) -> None:
+        # Left behind by an earlier writer of this rank that was killed mid-save.
+        for stale in self.root.glob(layout.tmp_glob_for_rank(self.rank)):
+            logger.info("removing abandoned %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.root.glob(f"{layout.TMP_PREFIX}delete-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def write(
+        self,
+        state_dict: Any,
+        path: str,
+        *,
+        release: Callable[[], None],
+        **kwargs: Any,
+    ) -> SaveResult:
+        """Write one rank's share of a step; ``kwargs``: ``step`` (int), ``metadata`` (dict)."""
+        t0 = time.monotonic()
+        step = int(kwargs["step"])
+        metadata: dict[str, Any] | None = kwargs.get("metadata")
+        final = Path(path)
+        root = final.parent
+        tmp = root / layout.tmp_dir_name(step, self.rank, uuid.uuid4().hex[:12])
+        data_name = layout.data_name(self.rank)
+        manifest_name = layout.manifest_name(self.rank)
+        try:
+            tmp.mkdir(parents=True)
+            hasher = new_hasher(self.algorithm)
+            with open(tmp / data_name, "wb", buffering=0) as raw:
+                sink = _HashingFile(raw, hasher)
+                torch.save(state_dict, cast(IO[bytes], sink))
+                # The bytes are in the page cache now; the parent may reuse the buffer.
+                release()
+                os.fsync(raw.fileno())
+            digest = hasher.hexdigest()
+            manifest = Manifest(
+                format=FORMAT_VERSION,
+                step=step,
+                rank=self.rank,
+                world_size=self.world_size,
+                files={data_name: FileEntry(sink.size, digest, self.algorithm)},
+                created_unix=time.time(),
+                metadata=dict(metadata or {}),
+            )
+            write_file_durably(tmp / manifest_name, encode(manifest))
+            fsync_dir(tmp)
+            self._commit(tmp, final, data_name, manifest_name)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os_error = _find_os_error(exc)
+            if os_error is None:
+                raise
+            # torch.save may wrap our sink's OSError; name the real cause.
+            raise CheckpointError(
+                f"saving step {step} of rank {self.rank} under {root} failed: "
+                f"{os_error.strerror or os_error} (errno {os_error.errno}); "
+                "the previous checkpoint is untouched"
+            ) from exc
+        complete = layout.is_complete(final, self.world_size)
+        if complete:
+            self._advance_latest(root, step)
+            if self.keep_last:
+                self._retain(root)
+        return SaveResult(
+            step=step,
+            rank=self.rank,
+            path=final / data_name,
+            nbytes=sink.size,
+            checksum=f"{self.algorithm}:{digest}",
+            write_s=time.monotonic() - t0,
+            step_complete=complete,
+        )
+
+    def _commit(self, tmp: Path, final: Path, data_name: str, manifest_name: str) -> None:
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Another rank (or an earlier save of this step) owns the folder.
+            # Manifest out first and in last, so a reader never pairs a new
+            # data file with an old manifest.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final / manifest_name)
+            os.replace(tmp / data_name, final / data_name)
+            fsync_dir(final)
+            os.replace(tmp / manifest_name, final / manifest_name)
+            fsync_dir(final)
+            shutil.rmtree(tmp, ignore_errors=True)
+        fsync_dir(final.parent)
+
+    def _advance_latest(self, root: Path, step: int) -> None:
+        current = layout.read_latest(root)
+        if current is not None and current > step:
+            return
+        replace_symlink(root / layout.LATEST, layout.step_dir_name(step))
+
+    def _retain(self, root: Path) -> None:
+        assert self.keep_last is not None
+        complete = [
+            s
+            for s in layout.list_steps(root)
+            if layout.is_complete(layout.step_dir(root, s), self.world_size)
+        ]
+        if len(complete) <= self.keep_last:
+            return
+        oldest_kept = complete[self.keep_last - 1]
+        for s in layout.list_steps(root):
+            if s < oldest_kept:
+                logger.info("retention: deleting step %d", s)
+                remove_tree(layout.step_dir(root, s))
+
+
+def _find_os_error(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
