@@ -79,7 +79,7 @@ class LaunchConfig:
     rdzv_endpoint: str = ""
     run_id: str = ""
     rdzv_conf: dict[str, str] = field(default_factory=dict)
-    master_addr: str = "127.0.0.1"
+    master_addr: str = ""  # "": localhost for one node, 127.0.0.1 for several (as torchrun)
     master_port: int = 29500
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -106,6 +106,12 @@ class LaunchConfig:
     @property
     def nnodes(self) -> int:
         return self.max_nodes
+
+    @property
+    def effective_master_addr(self) -> str:
+        if self.master_addr:
+            return self.master_addr
+        return "localhost" if self.max_nodes == 1 else "127.0.0.1"
 
     def validate(self) -> None:
         if self.module and self.no_python:

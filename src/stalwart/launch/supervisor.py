@@ -81,11 +81,11 @@ def build_rendezvous(cfg: LaunchConfig) -> C10dRendezvous:
             endpoint=StoreEndpoint("127.0.0.1", 0),
             host_store=True,
             node_rank=0,
-            master_addr="localhost" if cfg.standalone else cfg.master_addr,
+            master_addr=cfg.effective_master_addr,
             join_timeout=join_timeout,
         )
     if cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
-        endpoint = StoreEndpoint(cfg.master_addr, cfg.master_port)
+        endpoint = StoreEndpoint(cfg.effective_master_addr, cfg.master_port)
         if cfg.rdzv_endpoint:
             endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint, cfg.master_port)
         is_host = cfg.node_rank == 0

@@ -243,6 +243,8 @@ class ProcessContext:
     def _env(self, spec: WorkerSpecEntry) -> dict[str, str]:
         env = dict(os.environ) if self.inherit_env else {}
         env.update(spec.env)
+        if spec.logs.error_file is not None:
+            env["TORCHELASTIC_ERROR_FILE"] = str(spec.logs.error_file)
         env["STALWART_LAUNCHER_PID"] = str(os.getpid())
         if self.run_token:
             env[TOKEN_ENV] = self.run_token

@@ -1,0 +1,26 @@
+"""Starts a grandchild, records pids, then sleeps; can ignore SIGTERM or log it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+out_dir, mode = sys.argv[1], sys.argv[2]
+rank = os.environ["RANK"]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.path.join(out_dir, f"pids_{rank}"), "w") as fh:
+    fh.write(f"{os.getpid()} {child.pid}\n")
+
+
+def on_term(signum, frame):
+    with open(os.path.join(out_dir, f"term_{rank}"), "w") as fh:
+        fh.write(signal.Signals(signum).name)
+    if mode != "ignore":
+        sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, on_term)
+while True:
+    time.sleep(0.1)

@@ -1,0 +1,82 @@
+"""The command line: torchrun's flags, one-line errors for bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.cli import build_config
+from stalwart.config import ConfigError
+from stalwart.launch.logs import Std
+
+from .helpers import SCRIPTS, stalwart
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "needle"),
+    [
+        ("--redirects", "7", "--redirects '7'"),
+        ("--tee", "0:3,x", "--tee '0:3,x'"),
+        ("--nnodes", "two", "--nnodes 'two'"),
+        ("--nproc-per-node", "-1", "--nproc-per-node '-1'"),
+        ("--inject", "explode:rank=1,step=3", "unknown fault 'explode'"),
+        ("--inject", "crash:rank=1", "step=N is required"),
+        ("--local-ranks-filter", "a,b", "--local-ranks-filter 'a,b'"),
+        ("--max-restarts", "-2", "--max-restarts -2"),
+        ("--rdzv-backend", "zookeeper", "--rdzv-backend 'zookeeper'"),
+    ],
+)
+def test_bad_value_is_one_line_error(flag: str, value: str, needle: str, tmp_path: Path) -> None:
+    proc = stalwart(flag, value, "--log-dir", tmp_path, SCRIPTS / "envdump.py", tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be started or written on a bad flag"
+
+
+def test_torchrun_spellings_and_per_rank_maps() -> None:
+    cfg, _ = build_config(
+        [
+            "--nproc_per_node",
+            "3",
+            "--max_restarts=2",
+            "-r",
+            "0:3,2:1",
+            "-t",
+            "2",
+            "--local_ranks_filter",
+            "0,2",
+            "--role",
+            "trainer",
+            "-m",
+            "pkg.mod",
+            "--",
+            "--x",
+            "1",
+        ]
+    )
+    assert cfg.nproc_per_node == 3 and cfg.max_restarts == 2
+    assert cfg.redirects == {0: Std.ALL, 2: Std.OUT}
+    assert cfg.tee == Std.ERR
+    assert cfg.local_ranks_filter == {0, 2}
+    assert cfg.role == "trainer" and cfg.module and cfg.entrypoint == "pkg.mod"
+    assert cfg.args == ["--x", "1"]
+
+
+def test_precedence_defaults_yaml_env_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("max-restarts: 4\nshutdown_timeout: 7\nmonitor_interval: 0.5\n")
+    monkeypatch.setenv("STALWART_SHUTDOWN_TIMEOUT", "9")
+    cfg, _ = build_config(["--config", str(conf), "--monitor-interval", "0.2", "x.py"])
+    assert cfg.max_restarts == 4  # YAML over default
+    assert cfg.shutdown_timeout == 9.0  # env over YAML
+    assert cfg.monitor_interval == 0.2  # flag over YAML
+    with pytest.raises(ConfigError, match="--module and --no-python"):
+        build_config(["-m", "--no-python", "x"])
