@@ -42,18 +42,24 @@ class Harness:
         self.monitor.start()
         return self.monitor
 
-    def spawn(self, local_rank: int, *args: str, extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self, local_rank: int, *args: str, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         assert self.monitor is not None
         env = dict(os.environ)
         env.update(self.monitor.worker_env(local_rank, local_rank))
         env.update(extra_env or {})
-        out = open(self.stdout_path(local_rank), "wb")
-        err = open(self.stderr_path(local_rank), "wb")
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), *args], env=env, stdout=out, stderr=err, start_new_session=True
-        )
-        out.close()
-        err.close()
+        with (
+            open(self.stdout_path(local_rank), "wb") as out,
+            open(self.stderr_path(local_rank), "wb") as err,
+        ):
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER), *args],
+                env=env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 

@@ -46,3 +46,118 @@ def test_heartbeat_timeout_detected_with_stacks(harness: Harness) -> None:
     fields = dict(harness.events)["hang_detected"]
     assert fields["kind"] == "heartbeat" and fields["local_rank"] == 0
     mon.end_attempt()
+
+
+@pytest.mark.timeout(60)
+def test_initial_heartbeat_timeout(harness: Harness) -> None:
+    mon = harness.start(MonitorConfig(hb_timeout=1.0, hb_initial_timeout=1.5, **FAST))
+    proc = harness.spawn(0, "no_heartbeat")
+    mon.begin_attempt(0, {0: proc.pid})
+    report = _one_hang(harness, 20)
+    assert report.kind is HangKind.INITIAL_HEARTBEAT  # type: ignore[attr-defined]
+    assert report.timeout == 1.5  # type: ignore[attr-defined]
+    assert report.last_heartbeat_age is None  # type: ignore[attr-defined]
+    proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_section_timeout_names_the_section(harness: Harness) -> None:
+    mon = harness.start(
+        MonitorConfig(hb_timeout=5.0, section_timeouts={"slow": 1.0, "outer": 30.0}, **FAST)
+    )
+    proc = harness.spawn(0, "section_hang")
+    mon.begin_attempt(0, {0: proc.pid})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.SECTION  # type: ignore[attr-defined]
+    assert report.section == "slow" and report.timeout == 1.0  # type: ignore[attr-defined]
+    proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_out_of_section_timeout(harness: Harness) -> None:
+    mon = harness.start(MonitorConfig(hb_timeout=5.0, out_of_section_timeout=1.0, **FAST))
+    proc = harness.spawn(0, "oos_hang")
+    mon.begin_attempt(0, {0: proc.pid})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.OUT_OF_SECTION  # type: ignore[attr-defined]
+    assert report.section == "step"  # type: ignore[attr-defined]
+    proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_sigstopped_rank_dumps_stacks_and_dies(harness: Harness) -> None:
+    mon = harness.start(MonitorConfig(hb_timeout=1.0, **FAST))
+    proc = harness.spawn(0, "sigstop")
+    mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
+    assert "worker.py" in report.stacks  # type: ignore[attr-defined]
+    assert proc.wait(timeout=10) != 0
+
+
+@pytest.mark.timeout(60)
+def test_rank_spinning_in_c_with_gil_held(harness: Harness) -> None:
+    mon = harness.start(MonitorConfig(hb_timeout=1.0, **FAST))
+    proc = harness.spawn(0, "gil_spin")
+    mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
+    assert "worker.py" in report.stacks  # type: ignore[attr-defined]
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+
+
+@pytest.mark.timeout(60)
+def test_term_escalates_to_kill(harness: Harness) -> None:
+    # SIGWINCH is ignored by default, so only the SIGKILL that follows can end the worker.
+    mon = harness.start(
+        MonitorConfig(hb_timeout=1.0, term_signal=signal.SIGWINCH, **{**FAST, "term_grace": 0.5})
+    )
+    proc = harness.spawn(0, "stop_heartbeat")
+    mon.begin_attempt(0, {0: proc.pid})
+    harness.wait_ready(0)
+    _one_hang(harness, 10)
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+def test_no_false_positive_when_healthy_or_torn_down(harness: Harness) -> None:
+    config = MonitorConfig(
+        hb_timeout=0.5,
+        hb_initial_timeout=20,
+        section_timeouts={"step": 0.5},
+        out_of_section_timeout=0.5,
+        **FAST,
+    )
+    mon = harness.start(config, nranks=2)
+    healthy = harness.spawn(0, "healthy", "150", "0.01")
+    stuck = harness.spawn(1, "stop_heartbeat")
+    mon.begin_attempt(0, {0: healthy.pid, 1: stuck.pid})
+    harness.wait_ready(1)
+    mon.end_attempt()  # the supervisor is tearing the attempt down: rank 1 is not judged
+    mon.begin_attempt(1, {0: healthy.pid})
+    assert healthy.wait(timeout=30) == 0
+    assert b"DONE" in harness.stdout_path(0).read_bytes()
+    time.sleep(1.2)
+    assert mon.poll_hangs() == []
+    assert "hang_detected" not in harness.event_names()
+
+
+@pytest.mark.timeout(90)
+def test_rank_blocked_in_gloo_collective(harness: Harness) -> None:
+    from .test_learned import free_port
+
+    mon = harness.start(MonitorConfig(hb_timeout=2.0, **FAST), nranks=2)
+    port = str(free_port())
+    r0 = harness.spawn(0, "gloo_block", "0", port)
+    r1 = harness.spawn(1, "gloo_block", "1", port)
+    mon.begin_attempt(0, {0: r0.pid, 1: r1.pid}, stderr_paths={0: harness.stderr_path(0)})
+    harness.wait_ready(0, timeout=60)
+    report = _one_hang(harness, 20)
+    assert report.local_rank == 0 and report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
+    assert "all_reduce" in report.stacks  # type: ignore[attr-defined]
+    assert r0.wait(timeout=10) != 0
+    assert r1.poll() is None  # the healthy peer is the supervisor's to stop

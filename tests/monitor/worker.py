@@ -89,8 +89,45 @@ def main() -> None:
         client.send_workload_control_request(sys.argv[2])
         ready()
         print("DONE", flush=True)
+    elif mode in ("gloo_block", "learn"):
+        gloo(client, mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+def gloo(client: RankMonitorClient, mode: str, rank: int, port: int, rest: list[str]) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
+    )
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    if mode == "gloo_block":
+        print("READY", flush=True)
+        if rank == 0:
+            client.send_heartbeat()
+            dist.all_reduce(torch.ones(1))  # the peer never joins
+        while True:
+            client.send_heartbeat()
+            time.sleep(0.05)
+    # learn: rank 1 is the slower one, so the agreed timeouts must come from it.
+    gap = 0.02 * (rank + 1)
+    for _ in range(4):
+        time.sleep(gap)
+        client.send_heartbeat()
+        with client.section("step"):
+            time.sleep(2 * gap)
+    client.calculate_and_set_hb_timeouts()
+    client.calculate_and_set_section_timeouts()
+    with open(rest[0], "w") as f:
+        json.dump(client.state_dict(), f)
+    dist.barrier()
+    print("READY", flush=True)
+    print("DONE", flush=True)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -118,11 +118,9 @@ class RankMonitorClient:
         self._off_oos = base + layout.OFF_OOS_START
         self._off_last = base + layout.OFF_LAST_SECTION
         buf = self._buf
-        # Hide the slot from the scanner (pid 0) while rewriting it, keep the stack marker.
+        # Hide the slot from the scanner (pid 0) while rewriting it.
         _pack_i64(buf, base + layout.OFF_PID, 0)
-        stacks_pid = layout.I64.unpack_from(buf, base + layout.OFF_STACKS_PID)[0]
         buf[base : base + layout.SLOT_SIZE] = bytes(layout.SLOT_SIZE)
-        _pack_i64(buf, base + layout.OFF_STACKS_PID, stacks_pid)
         _pack_i64(buf, self._off_iter, -1)
         _pack_i64(buf, self._off_last, -1)
         now = _monotonic()

@@ -7,7 +7,7 @@ CLOCK_MONOTONIC on Linux, so timestamps written by one process compare with anot
 
 Slot layout (native byte order, all fields 8 bytes):
   0 pid          writer's pid, written last on attach (0 = nobody attached)
-  8 stacks_pid   pid that registered the SIGUSR1 stack dump
+  8 reserved
  16 state        SlotState
  24 attach_time  monotonic time of attach
  32 last_hb      monotonic time of the last heartbeat (0 = none yet)
@@ -48,7 +48,7 @@ I64 = struct.Struct("=q")
 SECTIONS = struct.Struct(f"={MAX_SECTIONS}d")
 
 OFF_PID = 0
-OFF_STACKS_PID = 8
+OFF_RESERVED = 8
 OFF_STATE = 16
 OFF_ATTACH = 24
 OFF_LAST_HB = 32
@@ -134,7 +134,7 @@ class SlotSnapshot:
     """A consistent-enough copy of one slot, read by the scanner in three memcpys."""
 
     pid: int
-    stacks_pid: int
+    reserved: int
     state: int
     attach_time: float
     last_hb: float
@@ -153,7 +153,7 @@ def read_slot(mm: mmap.mmap, index: int) -> SlotSnapshot:
     base = slot_offset(index)
     (
         pid,
-        stacks_pid,
+        reserved,
         state,
         attach,
         last_hb,
@@ -167,7 +167,7 @@ def read_slot(mm: mmap.mmap, index: int) -> SlotSnapshot:
     ) = FIXED.unpack_from(mm, base)
     return SlotSnapshot(
         pid,
-        stacks_pid,
+        reserved,
         state,
         attach,
         last_hb,
@@ -203,39 +203,25 @@ def write_name(mm: mmap.mmap | bytearray, index: int, position: int, name: str) 
 def slot_from_env() -> tuple[mmap.mmap, int] | None:
     """This process's (segment, slot index) from the environment, or None without one.
 
-    The mapping is cached per process so the stack-dump installer and the rank client
+    Mappings are cached per process and path, so clients created one after another
     share one mmap.
     """
-    global _env_cache
-    pid = os.getpid()
-    if _env_cache is not None and _env_cache[0] == pid:
-        return _env_cache[1]
     path = os.environ.get(envvars.SHM_FILE)
     slot = os.environ.get(envvars.SLOT)
-    result: tuple[mmap.mmap, int] | None = None
-    if path and slot is not None:
-        try:
-            index = int(slot)
-        except ValueError:
-            raise LayoutError(f"{envvars.SLOT} must be an integer, got {slot!r}") from None
-        mm, nslots = open_segment(path)
-        if not 0 <= index < nslots:
-            mm.close()
-            raise LayoutError(f"{envvars.SLOT}={index} is outside the segment's {nslots} slots")
-        result = (mm, index)
-    _env_cache = (pid, result)
-    return result
-
-
-_env_cache: tuple[int, tuple[mmap.mmap, int] | None] | None = None
-
-
-def mark_stacks_installed(pid: int) -> None:
-    """Records in this rank's slot (if any) that SIGUSR1 now dumps stacks."""
+    if not path or slot is None:
+        return None
     try:
-        found = slot_from_env()
-    except LayoutError:
-        return
-    if found is not None:
-        mm, index = found
-        I64.pack_into(mm, slot_offset(index) + OFF_STACKS_PID, pid)
+        index = int(slot)
+    except ValueError:
+        raise LayoutError(f"{envvars.SLOT} must be an integer, got {slot!r}") from None
+    key = (os.getpid(), path)
+    cached = _mappings.get(key)
+    if cached is None:
+        cached = _mappings[key] = open_segment(path)
+    mm, nslots = cached
+    if not 0 <= index < nslots:
+        raise LayoutError(f"{envvars.SLOT}={index} is outside the segment's {nslots} slots")
+    return mm, index
+
+
+_mappings: dict[tuple[int, str], tuple[mmap.mmap, int]] = {}

@@ -288,7 +288,7 @@ class NodeMonitor:
             verdict.section,
         )
         wait = 0.0
-        if self._stacks_installed(rank.local_rank, target):
+        if procs.catches_signal(target, signal.SIGUSR1):
             if rank.stderr is not None:
                 try:
                     hang.stderr_offset = rank.stderr.stat().st_size
@@ -299,13 +299,6 @@ class NodeMonitor:
                 procs.continue_if_stopped(target)
                 wait = self.config.stack_dump_wait
         self._plan(time.monotonic() + wait, "terminate", hang)
-
-    def _stacks_installed(self, local_rank: int, pid: int) -> bool:
-        mm = self._mm
-        if mm is None:
-            return False
-        base = layout.slot_offset(local_rank)
-        return int(layout.I64.unpack_from(mm, base + layout.OFF_STACKS_PID)[0]) == pid
 
     def _plan(self, due: float, step: str, hang: _Hang) -> None:
         with self._lock:

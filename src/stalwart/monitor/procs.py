@@ -89,3 +89,20 @@ def continue_if_stopped(pid: int, group: bool = False) -> bool:
     with contextlib.suppress(OSError):
         signal_pid(pid, signal.SIGCONT, group=group)
     return True
+
+
+def catches_signal(pid: int, sig: int) -> bool:
+    """True if `pid` has a handler for `sig` (SigCgt in /proc/<pid>/status).
+
+    Asked before sending SIGUSR1: to a process without the stack-dump handler it would
+    be fatal, and whoever registered the handler (our `stacks.install` or a launcher's
+    bootstrap) the kernel's view is the one that counts.
+    """
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

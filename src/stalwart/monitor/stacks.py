@@ -19,8 +19,8 @@ _installed_pid: int | None = None
 def install() -> None:
     """Registers the SIGUSR1 stack dump to stderr (idempotent per process).
 
-    Also tells the node monitor, through this rank's slot when one is assigned, that
-    SIGUSR1 is now safe to send: without the handler SIGUSR1 would kill the process.
+    The node monitor only sends SIGUSR1 to a process whose kernel signal mask shows a
+    handler, since without one SIGUSR1 would kill it before it could say anything.
     """
     global _installed_pid
     pid = os.getpid()
@@ -28,9 +28,6 @@ def install() -> None:
         return
     faulthandler.register(STACK_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
     _installed_pid = pid
-    from stalwart.monitor import layout
-
-    layout.mark_stacks_installed(pid)
 
 
 def is_installed() -> bool:
