@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import layout
 from .manifest import default_algorithm
@@ -117,9 +117,7 @@ class AsyncCheckpointer:
         )
         self._hook: Any = None
         if self.config.staging is StagingMode.BACKGROUND and self.config.guard_optimizers:
-            self._hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
-                self._before_optimizer_step
-            )
+            self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     @property
     def writer_pid(self) -> int | None:

@@ -305,11 +305,18 @@ class _SkeletonUnpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, m: mmap.mmap) -> None:
         super().__init__(file)
         self._m = m
+        # One tensor per ref, so an object saved twice stays one object.
+        self._seen: dict[int, torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, TensorRef):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        return _tensor_from_map(self._m, pid)
+        t = self._seen.get(pid.offset) if pid.nbytes else None
+        if t is None:
+            t = _tensor_from_map(self._m, pid)
+            if pid.nbytes:
+                self._seen[pid.offset] = t
+        return t
 
 
 CopyFn = Callable[[], StagedState]
