@@ -1,7 +1,6 @@
 """Rank 1 raises first; rank 0 notices later and exits with its own error."""
 
 import os
-import sys
 import time
 
 from stalwart.launch.errors import record

@@ -20,7 +20,7 @@ def on_term(signum, frame):
         sys.exit(0)
 
 
-signal.signal(signal.SIGTERM, on_term)
-signal.signal(signal.SIGINT, on_term)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(sig, on_term)
 while True:
     time.sleep(0.1)

@@ -1,0 +1,96 @@
+"""Restarts: every one must work, the count increments, the budget is enforced."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stalwart.launch.errors import ProcessFailure, root_cause
+
+from .helpers import SCRIPTS, events, kinds, stalwart
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = stalwart(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "10",
+        "--log-dir",
+        tmp_path / "logs",
+        SCRIPTS / "gloo_restart.py",
+        "10",
+        out,
+        timeout=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Every attempt formed its process group: both ranks passed the all_reduce.
+    for attempt in range(11):
+        for rank in (0, 1):
+            assert (out / f"ok_{attempt}_{rank}").read_text() == str(attempt)
+    evs = events(tmp_path / "logs")
+    restarts = [e for e in evs if e["event"] == "restart"]
+    assert [e["next_attempt"] for e in restarts] == list(range(1, 11))
+    assert all(e["root_cause"]["exitcode"] == 5 for e in restarts)
+    assert [e["root_cause"]["rank"] for e in restarts] == [a % 2 for a in range(10)]
+    assert kinds(evs)[-2:] == ["job_succeeded", "launcher_exit"]
+
+
+def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = stalwart(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        tmp_path / "logs",
+        SCRIPTS / "gloo_restart.py",
+        "5",
+        out,
+    )
+    assert proc.returncode == 1
+    assert "FAILED after 2 attempt(s)" in proc.stderr
+    assert "root cause: rank 1" in proc.stderr and "exit code 5" in proc.stderr
+    assert "attempt_1/1/stdout.log" in proc.stderr
+    evs = events(tmp_path / "logs")
+    assert kinds(evs).count("restart") == 1 and "job_failed" in kinds(evs)
+    assert evs[-1] == {**evs[-1], "event": "launcher_exit", "exit_code": 1}
+
+
+def test_summary_names_root_cause_exception_and_error_file(tmp_path: Path) -> None:
+    proc = stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
+    assert proc.returncode == 1
+    assert "root cause: rank 1" in proc.stderr
+    assert "ValueError: rank one broke first" in proc.stderr
+    err_file = next(tmp_path.glob("*/attempt_0/1/error.json"))
+    data = json.loads(err_file.read_text())
+    assert data["message"]["message"] == "ValueError: rank one broke first"
+    assert "root_cause.py" in data["message"]["extraInfo"]["py_callstack"]
+
+
+def test_error_file_readable_by_torch_elastic(tmp_path: Path) -> None:
+    stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchFailure
+
+    err_file = next(tmp_path.glob("*/attempt_0/1/error.json"))
+    tf = TorchFailure(local_rank=1, pid=1, exitcode=1, error_file=str(err_file))
+    # torch keeps the whole message record and parses the whole-second timestamp.
+    assert tf.message["message"] == "ValueError: rank one broke first"
+    assert "root_cause.py" in tf.message["extraInfo"]["py_callstack"]
+    assert tf.timestamp > 1_700_000_000
+
+
+def test_root_cause_is_the_earliest_failure() -> None:
+    late = ProcessFailure(local_rank=0, pid=10, exitcode=1, rank=0)
+    early = ProcessFailure(local_rank=1, pid=11, exitcode=-9, rank=1)
+    late.timestamp, early.timestamp = 100.5, 100.2
+    assert root_cause([late, early]) is early
+    assert early.describe_exit() == "signal SIGKILL"

@@ -1,0 +1,89 @@
+"""Signals reach every worker's process group; nothing outlives the launcher."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from .helpers import SCRIPTS, alive, events, kinds, start_stalwart, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _pids(out: Path, n: int) -> list[tuple[int, int]]:
+    def ready() -> list[tuple[int, int]] | None:
+        files = [out / f"pids_{r}" for r in range(n)]
+        if not all(f.exists() and f.read_text().endswith("\n") for f in files):
+            return None
+        return [tuple(map(int, f.read_text().split())) for f in files]  # type: ignore[misc]
+
+    return wait_for(ready, 30, "workers to record their pids")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT])
+def test_signal_forwarded_to_workers_and_grandchildren(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = start_stalwart(
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        tmp_path / "logs",
+        SCRIPTS / "sleeper.py",
+        tmp_path,
+        "log",
+    )
+    pids = _pids(tmp_path, 2)
+    proc.send_signal(sig)
+    proc.wait(30)
+    assert proc.returncode == 128 + sig
+    for rank in (0, 1):
+        assert (tmp_path / f"term_{rank}").read_text() == sig.name
+    for worker, grandchild in pids:
+        wait_for(lambda w=worker, g=grandchild: not alive(w) and not alive(g), 5, "tree to die")
+    evs = events(tmp_path / "logs")
+    assert "shutdown" in kinds(evs) and kinds(evs)[-1] == "launcher_exit"
+
+
+def test_term_then_kill_after_shutdown_timeout(tmp_path: Path) -> None:
+    proc = start_stalwart(
+        "--nproc-per-node",
+        "1",
+        "--shutdown-timeout",
+        "1",
+        "--log-dir",
+        tmp_path / "logs",
+        SCRIPTS / "sleeper.py",
+        tmp_path,
+        "ignore",
+    )
+    ((worker, grandchild),) = _pids(tmp_path, 1)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    elapsed = time.monotonic() - t0
+    assert (tmp_path / "term_0").read_text() == "SIGTERM"  # it got TERM and ignored it ...
+    assert not alive(worker) and not alive(grandchild)  # ... so it got KILL
+    assert 1.0 <= elapsed < 10, elapsed
+    exits = [e for e in events(tmp_path / "logs") if e["event"] == "worker_exit"]
+    assert exits[0]["signal"] == "SIGKILL"
+
+
+def test_no_orphans_when_launcher_is_sigkilled(tmp_path: Path) -> None:
+    proc = start_stalwart(
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        tmp_path / "logs",
+        SCRIPTS / "sleeper.py",
+        tmp_path,
+        "ignore",
+    )
+    pids = _pids(tmp_path, 2)
+    proc.kill()
+    proc.wait(10)
+    t0 = time.monotonic()
+    everyone = [p for pair in pids for p in pair]
+    wait_for(lambda: not any(alive(p) for p in everyone), 2.0, "workers and grandchildren to die")
+    assert time.monotonic() - t0 < 2.0
