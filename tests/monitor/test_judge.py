@@ -1,0 +1,64 @@
+"""The verdict rules on synthetic slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from stalwart.monitor import HangKind, MonitorConfig
+from stalwart.monitor.judge import judge
+from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
+
+ZERO = (0.0,) * MAX_SECTIONS
+
+
+def slot(**kw: object) -> SlotSnapshot:
+    base = SlotSnapshot(
+        pid=10, reserved=0, state=SlotState.ATTACHED, attach_time=100.0, last_hb=0.0,
+        iteration=-1, oos_start=100.0, hb_initial_override=0.0, hb_override=0.0,
+        oos_override=0.0, last_section=-1, name_count=0, open_times=ZERO, limits=ZERO,
+    )  # fmt: skip
+    return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
+
+
+def opened(idx: int, t: float) -> tuple[float, ...]:
+    return tuple(t if i == idx else 0.0 for i in range(MAX_SECTIONS))
+
+
+def test_initial_then_subsequent_heartbeat() -> None:
+    cfg = MonitorConfig(hb_timeout=2, hb_initial_timeout=10)
+    assert judge(slot(), [], cfg, 109) is None
+    v = judge(slot(), [], cfg, 111)
+    assert v is not None and v.kind is HangKind.INITIAL_HEARTBEAT and v.timeout == 10
+    assert judge(slot(last_hb=110.0), [], cfg, 111.9) is None
+    v = judge(slot(last_hb=110.0, iteration=5), [], cfg, 112.5)
+    assert v is not None and v.kind is HangKind.HEARTBEAT and v.iteration == 5
+    assert v.last_heartbeat_age == 2.5
+
+
+def test_learned_override_wins_and_inf_disables() -> None:
+    cfg = MonitorConfig(hb_timeout=2)
+    assert judge(slot(last_hb=110.0, hb_override=5.0), [], cfg, 114) is None
+    assert judge(slot(last_hb=110.0, hb_override=math.inf), [], cfg, 1e6) is None
+    v = judge(slot(last_hb=110.0, hb_override=1.0), [], MonitorConfig(), 111.5)
+    assert v is not None and v.timeout == 1.0
+
+
+def test_open_section_suspends_out_of_section() -> None:
+    cfg = MonitorConfig(section_timeouts={"fwd": 3}, out_of_section_timeout=1)
+    names = ["io", "fwd"]
+    # "io" has no timeout: it may run for ever, and while it is open OOS is not judged.
+    assert judge(slot(name_count=2, open_times=opened(0, 100.0)), names, cfg, 500) is None
+    v = judge(slot(name_count=2, open_times=opened(1, 100.0)), names, cfg, 103.5)
+    assert v is not None and v.kind is HangKind.SECTION and v.section == "fwd"
+    v = judge(slot(name_count=2, oos_start=200.0, last_section=1), names, cfg, 201.5)
+    assert v is not None and v.kind is HangKind.OUT_OF_SECTION and v.section == "fwd"
+    lim = tuple(0.5 if i == 1 else 0.0 for i in range(MAX_SECTIONS))
+    v = judge(slot(name_count=2, open_times=opened(1, 100.0), limits=lim), names, cfg, 100.6)
+    assert v is not None and v.timeout == 0.5
+
+
+def test_detached_or_free_slots_are_never_judged() -> None:
+    cfg = MonitorConfig(hb_timeout=1, hb_initial_timeout=1)
+    assert judge(slot(state=SlotState.DETACHED), [], cfg, 1e9) is None
+    assert judge(slot(pid=0), [], cfg, 1e9) is None
