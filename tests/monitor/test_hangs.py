@@ -11,7 +11,7 @@ from stalwart.monitor import HangKind, MonitorConfig
 
 from .conftest import Harness, wait_for
 
-FAST = dict(check_interval=0.05, stack_dump_wait=0.3, term_grace=1.0)
+FAST = dict(check_interval=0.05, stack_dump_wait=0.5, term_grace=1.0)
 
 
 def _one_hang(h: Harness, timeout: float) -> object:
@@ -158,6 +158,6 @@ def test_rank_blocked_in_gloo_collective(harness: Harness) -> None:
     harness.wait_ready(0, timeout=60)
     report = _one_hang(harness, 20)
     assert report.local_rank == 0 and report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
-    assert "all_reduce" in report.stacks  # type: ignore[attr-defined]
+    assert "all_reduce" in report.stacks, report.stacks  # type: ignore[attr-defined]
     assert r0.wait(timeout=10) != 0
     assert r1.poll() is None  # the healthy peer is the supervisor's to stop
