@@ -98,8 +98,11 @@ class CheckpointProcess:
 
     @property
     def pid(self) -> int | None:
+        """Pid of the live writer child; None while none is running."""
         proc = self._proc
-        return int(proc.pid) if proc is not None and proc.pid is not None else None
+        if proc is None or proc.pid is None or not proc.is_alive():
+            return None
+        return int(proc.pid)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the first child answered its ping; re-raise a failed start."""
