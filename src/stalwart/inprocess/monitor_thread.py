@@ -1,0 +1,141 @@
+"""The per-iteration monitor thread: turns a fault anywhere into a restart here.
+
+It polls the iteration's fault flag in the store (a few ms per poll), and every
+``interval`` checks this rank's soft timeout and the peers' heartbeats.  When
+the iteration must restart it waits for any ``atomic()`` block to finish, runs
+``abort`` (which frees a main thread blocked in a collective) and injects
+``RestartAbort`` into the main thread.  It fires at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .asyncexc import raise_in_thread
+from .errors import RestartAbort
+from .progress import ProgressClock
+from .state import Interruption, InterruptionRecord, State
+from .store import CoordStore
+
+log = logging.getLogger(__name__)
+
+_FLAG_POLL = 0.005
+
+
+class AtomicGate:
+    """Lets the main thread hold off a restart during an ``atomic()`` block."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.depth = 0
+
+    def enter(self) -> None:
+        with self.cond:
+            self.depth += 1
+
+    def exit(self) -> None:
+        with self.cond:
+            self.depth -= 1
+            self.cond.notify_all()
+
+
+class MonitorThread(threading.Thread):
+    def __init__(
+        self,
+        *,
+        state: State,
+        store: CoordStore,
+        participants: list[int],
+        clock: ProgressClock,
+        gate: AtomicGate,
+        abort: Callable[[State], None] | None,
+        interval: float,
+        soft_timeout: float,
+        main_thread_id: int,
+    ) -> None:
+        super().__init__(name=f"stalwart-inprocess-monitor-{state.iteration}", daemon=True)
+        self.state = state
+        self.store = store
+        self.peers = [r for r in participants if r != state.initial_rank]
+        self.clock = clock
+        self.gate = gate
+        self.abort = abort
+        self.interval = interval
+        self.soft_timeout = soft_timeout
+        self.main_thread_id = main_thread_id
+        self.fired = False
+        self.reason: InterruptionRecord | None = None
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._watch()
+        except Exception:
+            if not self._stop_event.is_set():
+                log.exception("monitor thread failed on rank %d", self.state.rank)
+
+    def _watch(self) -> None:
+        it = self.state.iteration
+        next_check = time.monotonic() + self.interval
+        while not self._stop_event.wait(_FLAG_POLL):
+            record = self.store.fault(it)
+            if record is None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.interval
+                record = self._local_checks()
+                if record is not None:
+                    self.store.record_interruption(record)
+            if record is not None:
+                self._fire(record)
+                return
+
+    def _local_checks(self) -> InterruptionRecord | None:
+        it = self.state.iteration
+        age = self.clock.manual_age()
+        if age is not None and age > self.soft_timeout:
+            log.warning(
+                "rank %d: no progress for %.2fs (soft timeout %.2fs), restarting",
+                self.state.rank,
+                age,
+                self.soft_timeout,
+            )
+            return InterruptionRecord(
+                self.state.initial_rank, it, Interruption.SOFT_TIMEOUT, f"no ping for {age:.2f}s"
+            )
+        for peer in self.peers:
+            if self.store.is_gone(peer):
+                self.store.record_terminated(peer, "heartbeat lost")
+                return InterruptionRecord(peer, it, Interruption.MISSING, "heartbeat lost")
+        return None
+
+    def _fire(self, record: InterruptionRecord) -> None:
+        with self.gate.cond:
+            while self.gate.depth > 0 and not self._stop_event.is_set():
+                self.gate.cond.wait(0.05)
+            if self._stop_event.is_set():
+                return
+            self.fired = True
+            self.reason = record
+            log.info(
+                "rank %d iteration %d: restart (initial rank %d: %s %s)",
+                self.state.rank,
+                self.state.iteration,
+                record.rank,
+                record.kind.value,
+                record.message[:200],
+            )
+            if self.abort is not None:
+                try:
+                    self.abort(self.state)
+                except Exception:
+                    log.exception("abort failed on rank %d", self.state.rank)
+            raise_in_thread(self.main_thread_id, RestartAbort)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        with self.gate.cond:
+            self.gate.cond.notify_all()
+        if self.is_alive() and threading.get_ident() != self.ident:
+            self.join()

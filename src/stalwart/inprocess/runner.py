@@ -1,0 +1,417 @@
+"""One invocation of a wrapped function: the restart loop.
+
+Per iteration ``n``: assign ranks from the authoritative terminated set, export
+``RANK``/``WORLD_SIZE``/``MASTER_PORT``, start the monitor thread, run
+``initialize`` and the function (or wait as a spare), then the completion
+barrier.  On a fault anywhere: record it, abort communication, stop the monitor
+thread, destroy process groups, run ``finalize`` and the health check, meet the
+survivors at the termination barrier, and go to ``n + 1``.
+
+The main thread may receive ``RestartAbort`` at any bytecode while the monitor
+thread runs, so everything up to the point where that thread is joined sits in
+one retry loop (``_run_body``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import gc
+import logging
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+
+from .abort import destroy_process_groups
+from .asyncexc import clear_pending
+from .call import Call, inject_call
+from .errors import (
+    HealthCheckError,
+    HookError,
+    InProcessError,
+    RankTerminated,
+    RestartAbort,
+    RestartError,
+)
+from .monitor_process import MonitorProcess
+from .monitor_thread import AtomicGate, MonitorThread
+from .options import Options
+from .progress import ProgressClock, Ticker
+from .sockets import open_socket_fds
+from .state import Interruption, InterruptionRecord, Mode, State
+from .store import CoordStore, Liveness, store_port
+
+log = logging.getLogger(__name__)
+
+HOST_RANK = 0
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise InProcessError(f"{name} is not set: run under torchrun or `stalwart run`")
+    return int(value)
+
+
+class _IterationStores:
+    """On the store host: one fresh TCPStore server per iteration for ``env://`` users.
+
+    Each iteration's ``init_process_group`` then meets an empty, already
+    listening store (as a client, like under a torchrun agent), so no key of a
+    failed iteration is ever read and no rank waits for a server to come up.
+    """
+
+    def __init__(self) -> None:
+        self._stores: dict[int, TCPStore] = {}
+
+    def open(self, iteration: int) -> int:
+        store = TCPStore(
+            "0.0.0.0",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+            use_libuv=True,
+        )
+        self._stores[iteration] = store
+        return int(store.port)
+
+    def close_before(self, iteration: int) -> None:
+        for it in [i for i in self._stores if i < iteration]:
+            del self._stores[it]
+
+    def close(self) -> None:
+        self._stores.clear()
+
+
+@dataclasses.dataclass
+class _Outcome:
+    finished: bool = False
+    value: Any = None
+    error: Exception | None = None
+    interrupted: bool = False
+
+
+class Runner:
+    """Owns the store clients, ticker, monitor process and gate for one call."""
+
+    def __init__(self, options: Options) -> None:
+        if dist.is_available() and dist.is_initialized():
+            raise InProcessError(
+                "torch.distributed is already initialized: call init_process_group "
+                "inside the wrapped function"
+            )
+        self.opts = options
+        rank = _env_int("RANK")
+        world = _env_int("WORLD_SIZE")
+        self.state = State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
+        self.main_tid = threading.get_ident()
+        self.is_host = rank == HOST_RANK
+        self._closers: list[Callable[[], None]] = []
+        try:
+            self._start()
+        except BaseException:
+            self._close()
+            raise
+
+    def _start(self) -> None:
+        opts, rank = self.opts, self.state.initial_rank
+        self.liveness = Liveness(opts.heartbeat_timeout)
+        main_store = opts.store_factory(is_host=self.is_host, **opts.store_kwargs)
+        self.coord = CoordStore(main_store, rank, self.liveness)
+        self.monitor_coord = CoordStore(
+            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness
+        )
+        ticker_coord = CoordStore(
+            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness
+        )
+        port = store_port(main_store)
+        self.protected_ports = frozenset([port]) if port is not None else frozenset()
+        self.clock = ProgressClock()
+        self._closers.append(self.clock.close)
+        self.monitor_process = MonitorProcess(
+            self.clock,
+            rank,
+            opts.monitor_process_interval,
+            opts.hard_timeout,
+            opts.termination_grace_time,
+            opts.monitor_process_logfile,
+        )
+        self._closers.append(self.monitor_process.stop)
+        self.ticker = Ticker(self.clock, ticker_coord.heartbeat, opts.progress_watchdog_interval)
+        self.ticker.beat()
+        self.ticker.start()
+        self._closers.append(self.ticker.stop)
+        self.gate = AtomicGate()
+        self.iteration_stores = _IterationStores()
+        self._closers.append(self.iteration_stores.close)
+        self.call_obj = Call(self.state, self.clock, self.gate, None)
+
+    def _close(self) -> None:
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception:
+                log.exception("cleanup step failed")
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        opts, coord = self.opts, self.coord
+        state = self.state
+        clean_exit = False
+        try:
+            if self.is_host:
+                coord.publish_port(0, self.iteration_stores.open(0))
+            terminated = coord.barrier(
+                "init", list(range(state.initial_world_size)), opts.barrier_timeout
+            )
+            iteration = 0
+            while True:
+                state = self._assign(state, iteration, terminated)
+                self.state = state
+                outcome = self._run_iteration(fn, args, kwargs, state)
+                if outcome.finished:
+                    self._hook("finalize", opts.finalize, state)
+                    clean_exit = True
+                    return outcome.value if state.mode is Mode.ACTIVE else None
+                del outcome  # its traceback pins the failed iteration's tensors and groups
+                self._after_fault(state)
+                if self.is_host:
+                    coord.publish_port(iteration + 1, self.iteration_stores.open(iteration + 1))
+                terminated = terminated | coord.barrier(
+                    f"it{iteration}/end", state.alive_ranks, opts.barrier_timeout
+                )
+                iteration += 1
+        except BaseException as exc:
+            self._leave_abnormally(state, exc)
+            raise
+        finally:
+            if clean_exit:
+                with contextlib.suppress(Exception):
+                    coord.record_left()
+            self._finish()
+
+    def _assign(self, state: State, iteration: int, terminated: frozenset[int]) -> State:
+        opts = self.opts
+        if state.initial_rank in terminated:
+            raise RankTerminated(f"initial rank {state.initial_rank} was declared terminated")
+        if opts.max_iterations is not None and iteration >= opts.max_iterations:
+            raise RestartError(f"max_iterations={opts.max_iterations} reached")
+        state = dataclasses.replace(state, iteration=iteration)
+        state = opts.rank_assignment(state, terminated)
+        if state.mode is Mode.TERMINATED:
+            raise RankTerminated(
+                f"initial rank {state.initial_rank} has no rank in the new assignment"
+            )
+        if opts.rank_filter is not None:
+            state = opts.rank_filter(state)
+        os.environ["RANK"] = str(state.rank)
+        os.environ["WORLD_SIZE"] = str(state.world_size)
+        os.environ["STALWART_INPROCESS_ITERATION"] = str(iteration)
+        if self.is_host:
+            self.iteration_stores.close_before(iteration)
+        port = self.coord.port(iteration)
+        if port is not None:
+            # env:// connects as a client to this iteration's fresh store.
+            os.environ["MASTER_PORT"] = str(port)
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+        state = dataclasses.replace(
+            state,
+            protected_fds=open_socket_fds(),
+            protected_ports=self.protected_ports,
+        )
+        if iteration > 0:
+            log.info(
+                "initial rank %d enters iteration %d as rank %d/%d (%s)",
+                state.initial_rank,
+                iteration,
+                state.rank,
+                state.world_size,
+                state.mode.value,
+            )
+        return state
+
+    def _run_iteration(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], state: State
+    ) -> _Outcome:
+        opts = self.opts
+        self.clock.disarm()
+        self.call_obj._advance(state, self.coord.user_store(state.iteration))
+        call_args, call_kwargs = inject_call(fn, args, kwargs, self.call_obj)
+        monitor = MonitorThread(
+            state=state,
+            store=self.monitor_coord,
+            participants=state.alive_ranks,
+            clock=self.clock,
+            gate=self.gate,
+            abort=opts.abort,
+            interval=opts.monitor_thread_interval,
+            soft_timeout=opts.soft_timeout,
+            main_thread_id=self.main_tid,
+        )
+        monitor.start()
+        outcome = self._run_body(fn, call_args, call_kwargs, state, monitor)
+        if outcome.finished and monitor.fired:
+            log.warning("rank %d: restart requested after completion; ignored", state.rank)
+        if outcome.error is not None:
+            self._report_fault(state, outcome.error)
+        return outcome
+
+    def _run_body(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        state: State,
+        monitor: MonitorThread,
+    ) -> _Outcome:
+        outcome: _Outcome | None = None
+        while True:
+            try:
+                if outcome is None:
+                    try:
+                        value = self._body(fn, args, kwargs, state)
+                        outcome = _Outcome(finished=True, value=value)
+                    except Exception as exc:
+                        outcome = _Outcome(error=exc)
+                if outcome.error is not None and not monitor.fired:
+                    # Tell peers before anything slow: their monitors poll this flag.
+                    self._record(state, outcome.error)
+                monitor.stop()
+                clear_pending(self.main_tid)
+                return outcome
+            except RestartAbort:
+                if outcome is None:
+                    outcome = _Outcome(interrupted=True)
+
+    def _body(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], state: State
+    ) -> Any:
+        opts, coord = self.opts, self.coord
+        self._hook("initialize", opts.initialize, state)
+        value = None
+        if state.mode is Mode.ACTIVE:
+            value = fn(*args, **kwargs)
+            self.clock.disarm()
+            coord.record_completed(state.iteration)
+        it = state.iteration
+        coord.barrier(
+            f"it{it}/complete",
+            state.alive_ranks,
+            opts.completion_timeout,
+            clock_starts=lambda: coord.any_completed(it),
+        )
+        return value
+
+    def _record(self, state: State, error: Exception) -> None:
+        kind = Interruption.HOOK if isinstance(error, HookError) else Interruption.EXCEPTION
+        record = InterruptionRecord(
+            state.initial_rank, state.iteration, kind, f"{type(error).__name__}: {error}"
+        )
+        try:
+            self.coord.record_interruption(record)
+        except Exception:
+            log.exception("could not record the interruption in the store")
+
+    def _report_fault(self, state: State, error: Exception) -> None:
+        log.warning(
+            "rank %d iteration %d failed: %s",
+            state.rank,
+            state.iteration,
+            "".join(traceback.format_exception_only(type(error), error)).strip(),
+        )
+        log.debug("traceback", exc_info=error)
+        error.__traceback__ = None
+        if self.opts.abort is not None:
+            try:
+                self.opts.abort(state)
+            except Exception as exc:
+                log.exception("abort failed")
+                raise HookError("abort", state.rank, state.iteration, exc) from exc
+
+    def _after_fault(self, state: State) -> None:
+        destroy_process_groups()
+        self.clock.disarm()
+        self._hook("finalize", self.opts.finalize, state)
+        if self.opts.health_check is not None:
+            try:
+                self.opts.health_check(state)
+            except Exception as exc:
+                log.error("rank %d failed its health check: %s", state.rank, exc)
+                raise HealthCheckError("health_check", state.rank, state.iteration, exc) from exc
+        gc.collect()
+
+    def _hook(self, name: str, hook: Callable[[State], None] | None, state: State) -> None:
+        if hook is None:
+            return
+        try:
+            hook(state)
+        except Exception as exc:
+            log.error(
+                "%s hook failed on rank %d in iteration %d", name, state.rank, state.iteration
+            )
+            raise HookError(name, state.rank, state.iteration, exc) from exc
+
+    # -- leaving -----------------------------------------------------------------------
+    def _leave_abnormally(self, state: State, exc: BaseException) -> None:
+        """Mark this rank terminated so survivors do not wait for its heartbeat to stop."""
+        log.error(
+            "initial rank %d leaves the job: %s: %s", state.initial_rank, type(exc).__name__, exc
+        )
+        with contextlib.suppress(Exception):
+            destroy_process_groups()
+        with contextlib.suppress(Exception):
+            self.coord.record_terminated(state.initial_rank, type(exc).__name__)
+            self.coord.record_interruption(
+                InterruptionRecord(
+                    state.initial_rank,
+                    state.iteration,
+                    Interruption.BASE_EXCEPTION,
+                    f"{type(exc).__name__}: {exc}",
+                )
+            )
+
+    def _finish(self) -> None:
+        if self.is_host:
+            self._keep_store_until_peers_leave()
+        self._close()
+        gc.collect()
+
+    def _keep_store_until_peers_leave(self) -> None:
+        """The store lives in this process: peers still need it to finish their exit."""
+        coord = self.coord
+        deadline = time.monotonic() + self.opts.completion_timeout
+        pending = [r for r in range(self.state.initial_world_size) if r != self.state.initial_rank]
+        while pending and time.monotonic() < deadline:
+            try:
+                pending = [r for r in pending if not (coord.has_left(r) or coord.is_gone(r))]
+            except Exception:
+                return
+            if pending:
+                time.sleep(0.01)
+        if pending:
+            log.warning("store host stops waiting for ranks %s", pending)
+
+
+def run_wrapped(
+    options: Options, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    runner = Runner(options)
+    return runner.run(fn, args, kwargs)
+
+
+def run_plain(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Disabled wrapper: call once, with a detached ``Call`` if the function asks for one."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    call = Call(State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world))
+    call_args, call_kwargs = inject_call(fn, args, kwargs, call)
+    return fn(*call_args, **call_kwargs)

@@ -1,0 +1,90 @@
+"""Plain data describing a rank: its identity across restarts and per-iteration role.
+
+``State`` is what hooks, rank assignment and the rank filter receive; records
+(``InterruptionRecord``) are what ranks publish to each other through the store,
+always as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Any
+
+
+class Mode(enum.Enum):
+    """Role of a rank in one iteration."""
+
+    ACTIVE = "active"  # calls the wrapped function
+    INACTIVE = "inactive"  # spare: waits, pinging, until needed or until completion
+    TERMINATED = "terminated"  # has left the job
+
+
+class Interruption(enum.Enum):
+    """Why an iteration was interrupted."""
+
+    EXCEPTION = "exception"
+    SOFT_TIMEOUT = "soft_timeout"
+    MISSING = "missing"  # heartbeat stopped: the rank vanished or froze
+    HEALTH_CHECK = "health_check"
+    HOOK = "hook"
+    BASE_EXCEPTION = "base_exception"
+
+
+@dataclasses.dataclass(frozen=True)
+class InterruptionRecord:
+    """Which rank (by initial rank) interrupted which iteration, and why."""
+
+    rank: int
+    iteration: int
+    kind: Interruption
+    message: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "rank": self.rank,
+                "iteration": self.iteration,
+                "kind": self.kind.value,
+                "message": self.message[:2000],
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> InterruptionRecord:
+        data: dict[str, Any] = json.loads(raw)
+        return cls(
+            rank=int(data["rank"]),
+            iteration=int(data["iteration"]),
+            kind=Interruption(data["kind"]),
+            message=str(data.get("message", "")),
+        )
+
+
+@dataclasses.dataclass
+class State:
+    """A rank's identity and role.
+
+    ``initial_rank`` never changes and names the rank in every store record;
+    ``rank``/``world_size`` are the numbers the wrapped function sees in the
+    current iteration (only active ranks count in ``world_size``).
+    """
+
+    rank: int
+    world_size: int
+    initial_rank: int
+    initial_world_size: int
+    iteration: int = 0
+    mode: Mode = Mode.ACTIVE
+    active_world_size: int = 0
+    terminated: frozenset[int] = frozenset()
+    # Socket fds the wrapper itself owns during this iteration (store clients,
+    # monitor pipes); abort must leave them alone.
+    protected_fds: frozenset[int] = frozenset()
+    protected_ports: frozenset[int] = frozenset()
+
+    @property
+    def alive_ranks(self) -> list[int]:
+        """Initial ranks still in the job, in order."""
+        return [r for r in range(self.initial_world_size) if r not in self.terminated]

@@ -1,0 +1,222 @@
+"""Coordination through the wrapper's key-value store: key layout, barriers and records.
+
+Every key lives under one prefix, and everything per-iteration under
+``it{n}/``, so iterations never read each other's state.  Ranks are named by
+their *initial* rank.  Values are JSON or decimal text, never pickles.  The
+torch store client is not used with ``wait(timeout)`` because a timed-out wait
+leaves a TCPStore client connection unusable (measured on torch 2.13); waiting
+is done by polling ``check``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from .errors import BarrierTimeout
+from .state import InterruptionRecord
+
+log = logging.getLogger(__name__)
+
+PREFIX = "stalwart/inprocess/"
+_POLL_MIN = 0.002
+_POLL_MAX = 0.02
+
+
+def tcp_store(
+    *,
+    is_host: bool,
+    host: str | None = None,
+    port: int | None = None,
+    timeout: float = 300.0,
+) -> Store:
+    """The default store factory: a ``TCPStore`` hosted by initial rank 0.
+
+    ``MASTER_PORT`` belongs to the training code's own ``init_process_group``,
+    so the default port is ``STALWART_INPROCESS_PORT`` or ``MASTER_PORT + 1``.
+    """
+    addr = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if port is None:
+        env_port = os.environ.get("STALWART_INPROCESS_PORT")
+        port = int(env_port) if env_port else int(os.environ.get("MASTER_PORT", "29500")) + 1
+    return TCPStore(
+        addr,
+        port,
+        is_master=is_host,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+        use_libuv=True,
+    )
+
+
+def store_port(store: Store) -> int | None:
+    """The TCP port of a TCPStore, to keep its connections out of an abort."""
+    inner: Any = store
+    while isinstance(inner, PrefixStore):
+        inner = inner.underlying_store
+    port = getattr(inner, "port", None)
+    return int(port) if port is not None else None
+
+
+class Liveness:
+    """Tells from heartbeat counters which ranks stopped beating.
+
+    A counter that has not moved for ``timeout`` seconds of *local* time means
+    the rank is gone, so no clocks are compared across hosts.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._lock = threading.Lock()
+
+    def stale(self, rank: int, value: int) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            last = self._seen.get(rank)
+            if last is None or last[0] != value:
+                self._seen[rank] = (value, now)
+                return False
+            return now - last[1] > self.timeout
+
+
+class CoordStore:
+    """The wrapper's view of the store for one rank (one client per thread)."""
+
+    def __init__(self, store: Store, initial_rank: int, liveness: Liveness) -> None:
+        self.store = PrefixStore(PREFIX, store)
+        self.raw = store
+        self.me = initial_rank
+        self.liveness = liveness
+
+    # -- heartbeats and liveness -------------------------------------------------
+    def heartbeat(self) -> None:
+        self.store.add(f"hb/{self.me}", 1)
+
+    def heartbeat_value(self, rank: int) -> int:
+        return int(self.store.add(f"hb/{rank}", 0))
+
+    def is_gone(self, rank: int) -> bool:
+        """Terminated on record, or its heartbeat stopped."""
+        if self.is_terminated(rank):
+            return True
+        return self.liveness.stale(rank, self.heartbeat_value(rank))
+
+    # -- terminated ranks ----------------------------------------------------------
+    def record_terminated(self, rank: int, reason: str) -> None:
+        self.store.compare_set(f"term/{rank}", "", reason)
+
+    def is_terminated(self, rank: int) -> bool:
+        return bool(self.store.check([f"term/{rank}"]))
+
+    def terminated_ranks(self, ranks: Iterable[int]) -> frozenset[int]:
+        return frozenset(r for r in ranks if self.is_terminated(r))
+
+    # -- interruptions -------------------------------------------------------------
+    def record_interruption(self, record: InterruptionRecord) -> None:
+        """Store the record and raise the iteration's fault flag (first record wins)."""
+        it = record.iteration
+        self.store.set(f"it{it}/int/{record.rank}", record.to_json().decode())
+        self.store.compare_set(f"it{it}/fault", "", record.to_json().decode())
+
+    def fault(self, iteration: int) -> InterruptionRecord | None:
+        key = f"it{iteration}/fault"
+        if not self.store.check([key]):
+            return None
+        return InterruptionRecord.from_json(self.store.get(key))
+
+    def interruptions(self, iteration: int, ranks: Iterable[int]) -> list[InterruptionRecord]:
+        out = []
+        for r in ranks:
+            key = f"it{iteration}/int/{r}"
+            if self.store.check([key]):
+                out.append(InterruptionRecord.from_json(self.store.get(key)))
+        return out
+
+    # -- completion and leaving ------------------------------------------------------
+    def record_completed(self, iteration: int) -> None:
+        self.store.set(f"it{iteration}/completed/{self.me}", "1")
+        self.store.compare_set(f"it{iteration}/anycompleted", "", str(self.me))
+
+    def any_completed(self, iteration: int) -> bool:
+        return bool(self.store.check([f"it{iteration}/anycompleted"]))
+
+    def record_left(self) -> None:
+        self.store.set(f"left/{self.me}", "1")
+
+    def has_left(self, rank: int) -> bool:
+        return bool(self.store.check([f"left/{rank}"]))
+
+    # -- per-iteration port for env:// users -------------------------------------------
+    def publish_port(self, iteration: int, port: int) -> None:
+        self.store.set(f"it{iteration}/port", str(port))
+
+    def port(self, iteration: int) -> int | None:
+        key = f"it{iteration}/port"
+        if not self.store.check([key]):
+            return None
+        return int(self.store.get(key))
+
+    def user_store(self, iteration: int) -> Store:
+        """A store for the wrapped function's own ``init_process_group(store=...)``."""
+        return PrefixStore(f"{PREFIX}it{iteration}/user/", self.raw)
+
+    # -- barriers -----------------------------------------------------------------------
+    def barrier(
+        self,
+        name: str,
+        participants: list[int],
+        timeout: float | None,
+        *,
+        clock_starts: Callable[[], bool] | None = None,
+        analyse_every: float = 0.1,
+    ) -> frozenset[int]:
+        """Wait until every participant arrived or is gone; returns the gone ones.
+
+        The rank that completes the barrier writes the terminated set into the
+        ``done`` key with compare-and-set, so all ranks read one answer even if
+        their views of heartbeats differ.  ``clock_starts`` delays the timeout
+        (spares wait in the completion barrier for as long as training lasts).
+        """
+        base = f"b/{name}"
+        done = f"{base}/done"
+        self.store.set(f"{base}/a/{self.me}", "1")
+        if int(self.store.add(f"{base}/n", 1)) >= len(participants):
+            self._finish(base, participants)
+        start: float | None = time.monotonic() if clock_starts is None else None
+        poll = _POLL_MIN
+        next_analysis = time.monotonic() + analyse_every
+        while True:
+            if self.store.check([done]):
+                raw = self.store.get(done)
+                return frozenset(int(r) for r in json.loads(raw))
+            now = time.monotonic()
+            if start is None and clock_starts is not None and clock_starts():
+                start = now
+            if now >= next_analysis:
+                next_analysis = now + analyse_every
+                missing = [r for r in participants if not self._arrived(base, r)]
+                if all(self.is_gone(r) for r in missing):
+                    for r in missing:
+                        self.record_terminated(r, "missing at barrier " + name)
+                    self._finish(base, participants)
+                    continue
+            if timeout is not None and start is not None and now - start > timeout:
+                raise BarrierTimeout(f"barrier {name!r} timed out after {timeout:.1f}s")
+            time.sleep(poll)
+            poll = min(poll * 2, _POLL_MAX)
+
+    def _arrived(self, base: str, rank: int) -> bool:
+        return bool(self.store.check([f"{base}/a/{rank}"]))
+
+    def _finish(self, base: str, participants: list[int]) -> None:
+        gone = sorted(self.terminated_ranks(participants))
+        self.store.compare_set(f"{base}/done", "", json.dumps(gone))

@@ -1,0 +1,221 @@
+"""Worker program for the in-process restart tests: one rank, one scenario.
+
+Prints one ``EVENT {json}`` line per observation; the tests read them back.
+Usage: ``python worker.py SCENARIO`` with torchrun's env vars set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.inprocess import ActiveWorldSize, Call, State, Wrapper
+from stalwart.inprocess.sockets import open_fd_count
+
+INITIAL_RANK = int(os.environ["RANK"])
+GLOO_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def emit(kind: str, **fields: Any) -> None:
+    fields.update(kind=kind, t=time.time(), initial_rank=INITIAL_RANK)
+    sys.stdout.write("EVENT " + json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def fast(**overrides: Any) -> dict[str, Any]:
+    """Timeouts small enough for tests on a loaded 2-core machine."""
+    opts: dict[str, Any] = dict(
+        monitor_thread_interval=0.1,
+        monitor_process_interval=0.1,
+        progress_watchdog_interval=0.1,
+        soft_timeout=20.0,
+        hard_timeout=25.0,
+        heartbeat_timeout=1.5,
+        barrier_timeout=30.0,
+        completion_timeout=30.0,
+        termination_grace_time=1.0,
+    )
+    opts.update(overrides)
+    return opts
+
+
+def train(call: Call, progress: dict[str, int], steps: int, fault: Any = None) -> int:
+    """A small all_reduce loop; ``progress`` survives restarts (in-memory state)."""
+    emit("enter", iteration=call.iteration, rank=call.rank, world_size=call.world_size)
+    dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    while progress["step"] < steps:
+        call.ping()
+        if fault is not None:
+            fault(call, progress["step"])
+        emit("step_begin", iteration=call.iteration, step=progress["step"])
+        dist.all_reduce(t)
+        with call.atomic():
+            progress["step"] += 1
+    dist.barrier()
+    dist.destroy_process_group()
+    emit("done", iteration=call.iteration, step=progress["step"], world_size=call.world_size)
+    return progress["step"]
+
+
+def scenario_exception() -> None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 5 and call.rank == 1:
+            time.sleep(0.5)  # rank 0 is blocked in all_reduce by now
+            emit("fault")
+            raise RuntimeError("injected")
+
+    @Wrapper(**fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 10, fault)
+
+    emit("result", value=fn())
+
+
+def scenario_soft_hang() -> None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.rank == 1:
+            emit("fault")
+            time.sleep(60)
+
+    @Wrapper(**fast(soft_timeout=1.0, hard_timeout=20.0))
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault)
+
+    emit("result", value=fn())
+
+
+def scenario_gil_hang() -> None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.rank == 1:
+            emit("fault")
+            # libc sleep through PyDLL keeps the GIL: no Python thread can run.
+            ctypes.PyDLL(None).sleep(60)
+
+    @Wrapper(**fast(soft_timeout=1.0, hard_timeout=2.0, termination_grace_time=0.5))
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault)
+
+    emit("result", value=fn())
+
+
+def scenario_sigkill() -> None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.initial_rank == 1:
+            emit("fault")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    kwargs: dict[str, Any] = fast()
+    if os.environ.get("SPARES"):
+        kwargs["rank_filter"] = ActiveWorldSize(int(os.environ["WORLD_SIZE"]) - 1)
+
+    @Wrapper(**kwargs)
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault)
+
+    emit("result", value=fn())
+
+
+def scenario_health() -> None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 2 and call.rank == 1:
+            raise RuntimeError("injected")
+
+    def health_check(state: State) -> None:
+        if state.initial_rank == 1:
+            raise RuntimeError("unhealthy device")
+
+    @Wrapper(health_check=health_check, **fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 5, fault)
+
+    try:
+        emit("result", value=fn())
+    except Exception as exc:
+        emit("error", type=type(exc).__name__, message=str(exc))
+        sys.exit(3)
+
+
+def scenario_hooks() -> None:
+    progress = {"step": 0}
+
+    def initialize(state: State) -> None:
+        emit("initialize", iteration=state.iteration)
+        if state.iteration == 0 and state.initial_rank == 1:
+            raise ValueError("bad init")
+
+    def finalize(state: State) -> None:
+        emit("finalize", iteration=state.iteration)
+        if state.iteration == 1 and state.initial_rank == 0:
+            raise ValueError("bad finalize")
+
+    @Wrapper(initialize=initialize, finalize=finalize, **fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 3)
+
+    try:
+        emit("result", value=fn())
+    except Exception as exc:
+        emit("error", type=type(exc).__name__, message=str(exc))
+
+
+def scenario_leaks() -> None:
+    restarts = int(os.environ.get("RESTARTS", "20"))
+
+    @Wrapper(max_iterations=restarts + 5, **fast())
+    def fn(call: Call) -> int:
+        gc.collect()
+        emit(
+            "resources",
+            iteration=call.iteration,
+            threads=threading.active_count(),
+            fds=open_fd_count(),
+        )
+        dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if call.iteration < restarts:
+            if call.rank == call.iteration % 2:
+                raise RuntimeError("injected")
+            dist.all_reduce(t)  # the survivor blocks here until released
+        dist.destroy_process_group()
+        return call.iteration
+
+    emit("result", value=fn())
+
+
+def scenario_max_iterations() -> None:
+    @Wrapper(max_iterations=2, **fast())
+    def fn(call: Call) -> int:
+        raise RuntimeError(f"always fails (iteration {call.iteration})")
+
+    try:
+        fn()
+    except Exception as exc:
+        emit("error", type=type(exc).__name__, message=str(exc))
+
+
+if __name__ == "__main__":
+    globals()[f"scenario_{sys.argv[1]}"]()
