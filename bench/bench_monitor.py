@@ -98,7 +98,10 @@ def bench_stalwart(tmp: Path, repeats: int, scale: int) -> dict[str, list[float]
 
 
 def bench_torch(tmp: Path, repeats: int) -> dict[str, list[float]]:
-    from torch.distributed.elastic.timer import FileTimerClient, FileTimerServer
+    from torch.distributed.elastic.timer.file_based_local_timer import (
+        FileTimerClient,
+        FileTimerServer,
+    )
 
     path = str(tmp / "torch.pipe")
     server = FileTimerServer(path, "bench", max_interval=0.1, daemon=True)
