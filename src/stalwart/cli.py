@@ -23,9 +23,10 @@ from stalwart.config import (
     parse_nproc,
 )
 from stalwart.launch.logs import DEFAULT_PREFIX, parse_ranks_filter, parse_std
+from stalwart.monitor.config import MonitorConfig
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, **kw: Any) -> None:
+def _flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kw: Any) -> None:
     """Adds ``--a-b`` with torchrun's ``--a_b`` spelling as an alias."""
     names = [name]
     if "-" in name[2:]:
@@ -64,6 +65,21 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(p, "--shutdown-timeout", type=float, default=None, help="TERM -> KILL grace, seconds")
     p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
     p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
+    hang = p.add_argument_group("hang detection (see docs/monitor.md)")
+    _flag(hang, "--hb-timeout", default=None, help="max seconds between heartbeats")
+    _flag(hang, "--hb-initial-timeout", default=None, help="max seconds to the first heartbeat")
+    _flag(
+        hang,
+        "--section-timeout",
+        action="append",
+        default=None,
+        metavar="NAME=SECS",
+        help="max seconds a named section may stay open (repeatable)",
+    )
+    _flag(hang, "--out-of-section-timeout", default=None, help="max seconds with no section open")
+    _flag(hang, "--safety-factor", default=None, help="learned timeout = max observed x this")
+    _flag(hang, "--hang-signal", default=None, help="signal sent to a hung rank (default TERM)")
+    _flag(hang, "--stack-dump-wait", default=None, help="seconds to let a hung rank dump stacks")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("entrypoint", help="script, module (-m) or program (--no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -100,6 +116,40 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
     return merged
+
+
+_MONITOR_FLAGS = {
+    "hb_timeout": "hb_timeout",
+    "hb_initial_timeout": "hb_initial_timeout",
+    "section_timeout": "section_timeouts",
+    "out_of_section_timeout": "out_of_section_timeout",
+    "safety_factor": "safety_factor",
+    "hang_signal": "term_signal",
+    "stack_dump_wait": "stack_dump_wait",
+}
+
+
+def _monitor_config(ns: argparse.Namespace, merged: dict[str, Any]) -> MonitorConfig:
+    """defaults < YAML ``monitor:`` mapping < ``STALWART_HB_TIMEOUT``-style env < flags."""
+    data: dict[str, Any] = {}
+    yaml_part = merged.get("monitor") or {}
+    if not isinstance(yaml_part, dict):
+        raise ConfigError("--config: 'monitor' must be a mapping of hang-detection settings")
+    data.update({str(k).replace("-", "_"): v for k, v in yaml_part.items()})
+    for flag, key in _MONITOR_FLAGS.items():
+        env = os.environ.get("STALWART_" + flag.upper())
+        if env is not None:
+            data[key] = env
+    for flag, key in _MONITOR_FLAGS.items():
+        value = getattr(ns, flag)
+        if value is not None:
+            data[key] = value
+    if "monitor_interval" in merged:
+        data.setdefault("check_interval", merged["monitor_interval"])
+    try:
+        return MonitorConfig.from_mapping(data)
+    except ValueError as err:
+        raise ConfigError(f"hang detection: {err}") from None
 
 
 def _typed(name: str, value: Any, conv: type) -> Any:
@@ -171,6 +221,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         kw.setdefault("run_id", "none")
     elif max_nodes > 1 and kw.get("rdzv_backend", "static") == "c10d" and "node_rank" not in m:
         kw["node_rank"] = None  # assigned by the rendezvous in order of arrival
+    kw["monitor"] = _monitor_config(ns, m)
     return LaunchConfig(**kw), ns.verbose
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch.logs import DEFAULT_PREFIX, Std
+from stalwart.monitor.config import MonitorConfig
 
 
 class ConfigError(ValueError):
@@ -96,6 +97,7 @@ class LaunchConfig:
     shutdown_timeout: float = 30.0
     inject: str = ""
     standalone: bool = False
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self) -> None:
         if self.run_id in ("", "none"):
@@ -178,7 +180,7 @@ def env_overrides(prefix: str = "STALWART_") -> dict[str, str]:
     for key, value in os.environ.items():
         if key.startswith(prefix):
             name = key[len(prefix) :].lower()
-            if name in names and name not in ("entrypoint", "args"):
+            if name in names and name not in ("entrypoint", "args", "monitor"):
                 out[name] = value
     return out
 

@@ -48,9 +48,8 @@ def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     if cause.get("signal")
                     else f"exit {cause.get('exitcode')}"
                 )
-                row["cause"] = f"rank {cause.get('rank')} {how} {cause.get('message', '')}".strip()
-        elif kind == "hang_detected":
-            row["cause"] = f"hang on rank {ev.get('rank')}: {ev.get('kind')} {ev.get('timeout')}s"
+                why = cause.get("reason") or cause.get("message") or ""
+                row["cause"] = f"rank {cause.get('rank')} {how} {why}".strip()
         elif kind == "job_succeeded":
             row["outcome"] = "succeeded"
     return [rows[k] for k in sorted(rows)]

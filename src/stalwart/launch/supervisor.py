@@ -30,6 +30,7 @@ from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, s
 from stalwart.launch.events import EventLog
 from stalwart.launch.logs import LogSpec, WorkerLogs
 from stalwart.launch.workers import Guardian, ProcessContext, RunResult, WorkerSpecEntry
+from stalwart.monitor import ControlAction, HangReport, NodeMonitor
 from stalwart.rendezvous import C10dRendezvous, Rendezvous, RendezvousInfo, StoreEndpoint
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,12 @@ class RoundOutcome(Enum):
     SUCCEEDED = "succeeded"
     LOCAL_FAILURE = "local_failure"
     PEER_FAILURE = "peer_failure"
+    SHUTDOWN_REQUESTED = "shutdown_requested"
+
+
+# How long to wait for the monitor's report after a worker it terminated has exited: the
+# report is filed microseconds after the signal, so this only bounds a pathological case.
+_HANG_REPORT_WAIT = 1.0
 
 
 class SignalReceived(Exception):
@@ -179,6 +186,8 @@ class Supervisor:
         self._token = uuid.uuid4().hex
         self._stopping = False
         self._old_handlers: dict[int, Any] = {}
+        self._monitor: NodeMonitor | None = None
+        self._hangs: dict[int, HangReport] = {}  # pid -> report, this round
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -215,6 +224,7 @@ class Supervisor:
         result: JobResult | None = None
         try:
             self._guardian = Guardian(self._token)
+            self._monitor = self._start_monitor()
             if self._rdzv is None:
                 self._rdzv = build_rendezvous(cfg)
             result = self._loop(self._rdzv)
@@ -228,11 +238,26 @@ class Supervisor:
                 self._rdzv.leave()
             if self._guardian is not None:
                 self._guardian.close()
+            if self._monitor is not None:
+                self._monitor.stop()
             code = result.exit_code if result is not None else 1
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
             self._restore_signals()
         return result
+
+    def _start_monitor(self) -> NodeMonitor:
+        """The node's hang monitor: timers always, heartbeats/sections when configured.
+        Its pipe and shared memory live in a private local folder (0700), never on the
+        log folder, which may be a shared filesystem where named pipes do not work."""
+        ipc = Path(tempfile.mkdtemp(prefix=f"stalwart-{self.cfg.run_id}-"))
+
+        def log_event(event: str, fields: dict[str, Any]) -> None:
+            self.events.emit(event, **fields)
+
+        mon = NodeMonitor(ipc, self.cfg.monitor, self.cfg.nproc_per_node, log_event)
+        mon.start()
+        return mon
 
     def _interrupted(self, sig: int) -> JobResult:
         self._stopping = True
@@ -266,6 +291,18 @@ class Supervisor:
                 duration=info.duration,
             )
             outcome, result = self._run_round(rdzv, info)
+            if outcome is RoundOutcome.SHUTDOWN_REQUESTED or (
+                outcome is RoundOutcome.PEER_FAILURE and self._peer_shutdown(rdzv, round_)
+            ):
+                self.state = State.FAILED
+                self.events.emit("job_stopped", attempt=round_, reason="shutdown requested")
+                print(
+                    f"stalwart: job {cfg.run_id} stopped at the request of a rank "
+                    f"(attempt {round_}); not restarting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return JobResult(1, self.state, round_ + 1, [], {}, self.run_dir)
             if outcome is RoundOutcome.SUCCEEDED:
                 self.state = State.SUCCEEDED
                 self.events.emit("job_succeeded", attempt=round_)
@@ -277,7 +314,9 @@ class Supervisor:
                     result.return_values if result else {},
                     self.run_dir,
                 )
-            failures = [ProcessFailure.from_dict(f) for f in rdzv.failures(round_)]
+            failures = [
+                ProcessFailure.from_dict(f) for f in rdzv.failures(round_) if f["local_rank"] >= 0
+            ]
             if not failures and result is not None:
                 failures = list(result.failures.values())
             if round_ >= cfg.max_restarts:
@@ -315,7 +354,7 @@ class Supervisor:
                     round_,
                     cause.rank,
                     cause.describe_exit(),
-                    f" ({cause.message})" if cause.message else "",
+                    f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
                     round_ + 1,
                     cfg.max_restarts,
                 )
@@ -327,20 +366,29 @@ class Supervisor:
         ranks = {lr: info.base_rank + lr for lr in range(n)}
         logs = self.logs.make(info.round, n, ranks, cfg.role, info.group_rank)
         program, argv = program_argv(cfg)
-        specs = [
-            WorkerSpecEntry(
-                lr, tuple(argv), worker_env(cfg, info, lr, logs[lr]), logs[lr], ranks[lr]
-            )
-            for lr in range(n)
-        ]
+        specs = []
+        for lr in range(n):
+            env = worker_env(cfg, info, lr, logs[lr])
+            if self._monitor is not None:
+                env.update(self._monitor.worker_env(lr, ranks[lr]))
+            specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,
             specs,
             start_method=cfg.start_method,
             run_token=self._token,
             guardian=self._guardian,
+            autoclose=False,
         )
         ctx.start()
+        self._hangs = {}
+        if self._monitor is not None:
+            self._monitor.begin_attempt(
+                info.round,
+                ctx.pids(),
+                stderr_paths={lr: p for lr in range(n) if (p := logs[lr].stderr) is not None},
+                global_ranks=ranks,
+            )
         for lr, pid in ctx.pids().items():
             self.events.emit(
                 "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
@@ -357,22 +405,101 @@ class Supervisor:
         result: RunResult | None = None
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
+            self._collect_hangs()
             if result is not None:
                 if result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
+                    self._explain(result, info)
                     cause = root_cause(list(result.failures.values()))
-                    for f in result.failures.values():
-                        f.node_rank = info.group_rank
                     rdzv.report_failure(info.round, cause.to_dict())
                 else:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
                 outcome = RoundOutcome.PEER_FAILURE
                 self.events.emit("peer_failure", attempt=info.round)
-                ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+            elif self._shutdown_requested(info):
+                outcome = RoundOutcome.SHUTDOWN_REQUESTED
+                rdzv.report_failure(
+                    info.round,
+                    {
+                        "local_rank": -1,
+                        "pid": os.getpid(),
+                        "exitcode": 0,
+                        "node_rank": info.group_rank,
+                        "reason": "a rank asked to shut the workload down",
+                    },
+                )
+        if self._monitor is not None:
+            self._monitor.end_attempt()
+        ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
         self._emit_exits(ctx, info.round)
         self._ctx = None
         return outcome, result
+
+    def _collect_hangs(self) -> None:
+        if self._monitor is not None:
+            for report in self._monitor.poll_hangs():
+                self._hangs[report.pid] = report
+
+    def _explain(self, result: RunResult, info: RendezvousInfo) -> None:
+        """Marks failures with their node and, for workers the monitor terminated, the
+        hang that caused it (its stacks stand in for a traceback)."""
+        for f in result.failures.values():
+            f.node_rank = info.group_rank
+        if self._monitor is None:
+            return
+        deadline = time.monotonic() + _HANG_REPORT_WAIT
+        pending = [f for f in result.failures.values() if f.pid not in self._hangs]
+        while pending and time.monotonic() < deadline and self._monitor_killed(pending):
+            time.sleep(0.01)
+            self._collect_hangs()
+            pending = [f for f in pending if f.pid not in self._hangs]
+        for f in result.failures.values():
+            hang = self._hangs.get(f.pid)
+            if hang is None:
+                continue
+            bits = [f"hang detected: {hang.kind.value} timeout {hang.timeout:g}s"]
+            if hang.section:
+                bits.append(f"section {hang.section!r}")
+            if hang.last_heartbeat_age is not None:
+                bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
+            if hang.iteration is not None:
+                bits.append(f"iteration {hang.iteration}")
+            f.reason = ", ".join(bits)
+            f.timestamp = min(f.timestamp, hang.detected_at)
+            if hang.stacks and not f.traceback:
+                f.traceback = hang.stacks
+
+    def _monitor_killed(self, failures: list[ProcessFailure]) -> bool:
+        """Whether any of these deaths looks like the monitor's terminate signal."""
+        sig = int(self.cfg.monitor.term_signal)
+        return any(f.exitcode in (-sig, -int(signal.SIGKILL)) for f in failures)
+
+    def _shutdown_requested(self, info: RendezvousInfo) -> bool:
+        if self._monitor is None:
+            return False
+        stop = False
+        for req in self._monitor.poll_requests():
+            self.events.emit(
+                "control_request",
+                attempt=info.round,
+                action=req.action.value,
+                rank=req.global_rank,
+                worker_pid=req.pid,
+            )
+            if req.action in (ControlAction.SHUTDOWN_WORKLOAD, ControlAction.EXCLUDE_NODE):
+                # With static membership a node cannot leave a running job, so excluding
+                # this node ends the job as a shutdown does; say so.
+                logger.error(
+                    "rank %s asked to %s: stopping the job without restart",
+                    req.global_rank,
+                    req.action.value.replace("_", " "),
+                )
+                stop = True
+        return stop
+
+    def _peer_shutdown(self, rdzv: Rendezvous, round_: int) -> bool:
+        return any(f.get("local_rank", 0) < 0 for f in rdzv.failures(round_))
 
     def _await_peers(self, rdzv: Rendezvous, round_: int) -> RoundOutcome:
         """Local workers succeeded; the job succeeds only if every node's did."""

@@ -226,6 +226,7 @@ class ProcessContext:
         run_token: str = "",
         guardian: Guardian | None = None,
         inherit_env: bool = True,
+        autoclose: bool = True,
     ) -> None:
         self.entrypoint = entrypoint
         self.specs = list(workers)
@@ -233,6 +234,9 @@ class ProcessContext:
         self.run_token = run_token
         self.guardian = guardian
         self.inherit_env = inherit_env
+        # False: poll() reports a result but leaves stopping the rest to the caller (the
+        # supervisor first tells the hang monitor to stop judging the workers).
+        self.autoclose = autoclose
         self._workers: dict[int, _Worker] = {}
         self._watcher = _ExitWatcher()
         self._tee = Tee()
@@ -345,7 +349,8 @@ class ProcessContext:
         if failures:
             self._result = RunResult(failures=failures)
             self._fill_paths(self._result)
-            self.close()
+            if self.autoclose:
+                self.close()
             return self._result
         if running:
             return None
@@ -353,7 +358,8 @@ class ProcessContext:
         values = {lr: (w.value if w.conn is not None else None) for lr, w in self._workers.items()}
         self._result = RunResult(return_values=values)
         self._fill_paths(self._result)
-        self.close()
+        if self.autoclose:
+            self.close()
         return self._result
 
     def _failure(self, w: _Worker, code: int) -> ProcessFailure:
