@@ -10,6 +10,7 @@ logged. Never imports the launcher: the supervisor drives it through the methods
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -46,6 +47,7 @@ class _Rank:
     start_time: int | None
     stderr: Path | None
     verified_pids: set[int] = dataclasses.field(default_factory=set)
+    foreign_pids: set[int] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
 
@@ -138,6 +140,8 @@ class NodeMonitor:
             self._mm.close()
             self._mm = None
         self.shm_path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.run_dir.rmdir()  # only if nothing else lives there
 
     def worker_env(self, local_rank: int, global_rank: int) -> dict[str, str]:
         if not 0 <= local_rank < self.local_world_size:
@@ -266,7 +270,8 @@ class NodeMonitor:
             return None, 0
         if snap.pid != rank.pid and snap.pid not in rank.verified_pids:
             # Written by a process of an earlier attempt, or by a child of our worker.
-            if not procs.is_descendant(snap.pid, rank.pid):
+            if snap.pid in rank.foreign_pids or not procs.is_descendant(snap.pid, rank.pid):
+                rank.foreign_pids.add(snap.pid)
                 return None, 0
             rank.verified_pids.add(snap.pid)
         if len(rank.names) != snap.name_count:

@@ -155,9 +155,12 @@ class TimerServer:
 
     def _drop(self, why: str, sample: bytes) -> None:
         self.dropped += 1
+        # A client stuck writing garbage in a loop must not flood the log or the events.
+        if self.dropped > 10 and self.dropped % 1000:
+            return
         log.warning("timer server dropped a request: %s (%r)", why, sample[:80])
         if self.log_event is not None:
-            self.log_event("monitor_bad_request", {"reason": why})
+            self.log_event("monitor_bad_request", {"reason": why, "dropped": self.dropped})
 
     def _handle_line(self, line: bytes) -> None:
         if not line.strip():
