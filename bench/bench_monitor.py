@@ -179,31 +179,38 @@ time.sleep(600)
 
 
 def bench_detection(tmp: Path, repeats: int, timeout: float = 2.0) -> dict[str, list[float]]:
-    detected, reported = [], []
+    detected, reported, stacks = [], [], []
     mon = NodeMonitor(tmp / "detect", MonitorConfig(hb_timeout=timeout), 1, lambda e, f: None)
     mon.start()
     try:
         for attempt in range(repeats):
             child_env = dict(os.environ, **mon.worker_env(0, 0))
-            proc = subprocess.Popen(
-                [sys.executable, "-c", HUNG_WORKER],
-                env=child_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-            mon.begin_attempt(attempt, {0: proc.pid})
+            err_path = tmp / f"detect{attempt}.err"
+            with open(err_path, "wb") as err:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", HUNG_WORKER],
+                    env=child_env,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    text=True,
+                )
+            mon.begin_attempt(attempt, {0: proc.pid}, stderr_paths={0: err_path})
             assert proc.stdout is not None
             last_hb = float(proc.stdout.readline())
             while not (hangs := mon.poll_hangs()):
                 time.sleep(0.005)
             reported.append(time.monotonic() - last_hb)
             detected.append(hangs[0].last_heartbeat_age or float("nan"))
+            stacks.append(1.0 if "<string>" in hangs[0].stacks else 0.0)
             proc.wait(10)
             mon.end_attempt()
     finally:
         mon.stop()
-    return {"detected (s after last heartbeat)": detected, "report delivered (s)": reported}
+    return {
+        "detected (s after last heartbeat)": detected,
+        "reported, stacks included (s)": reported,
+        "stacks captured (fraction)": stacks,
+    }
 
 
 def fmt(values: list[float] | None) -> str:

@@ -37,6 +37,8 @@ LogEvent = Callable[[str, dict[str, Any]], None]
 SHM_NAME = "monitor.shm"
 PIPE_NAME = "timer.pipe"
 STACKS_MAX_BYTES = 64 * 1024
+STACKS_POLL = 0.02
+STACKS_MAX_WAIT_FACTOR = 5
 
 
 @dataclasses.dataclass
@@ -62,6 +64,8 @@ class _Hang:
     term_signal: int
     stderr_offset: int | None
     detected_at: float
+    dump_sent_at: float = 0.0
+    last_size: int = -1
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -292,8 +296,8 @@ class NodeMonitor:
             verdict.timeout,
             verdict.section,
         )
-        wait = 0.0
-        if procs.catches_signal(target, signal.SIGUSR1):
+        step, wait = "terminate", 0.0
+        if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
             if rank.stderr is not None:
                 try:
                     hang.stderr_offset = rank.stderr.stat().st_size
@@ -302,8 +306,32 @@ class NodeMonitor:
             if procs.signal_pid(target, signal.SIGUSR1):
                 # A stopped process only runs its handler once continued.
                 procs.continue_if_stopped(target)
-                wait = self.config.stack_dump_wait
-        self._plan(time.monotonic() + wait, "terminate", hang)
+                hang.dump_sent_at = time.monotonic()
+                if hang.stderr_offset is None:
+                    wait = self.config.stack_dump_wait
+                else:
+                    step, wait = "await_stacks", STACKS_POLL
+        self._plan(time.monotonic() + wait, step, hang)
+
+    def _await_stacks(self, hang: _Hang) -> None:
+        """Terminates once the dump is written, polling the rank's stderr file.
+
+        On a loaded node the rank may need longer than `stack_dump_wait` to be scheduled
+        and write; waiting for the file to grow and settle captures the stacks there and
+        saves time everywhere else. Bounded by STACKS_MAX_WAIT_FACTOR x stack_dump_wait.
+        """
+        assert hang.rank.stderr is not None and hang.stderr_offset is not None
+        try:
+            size = hang.rank.stderr.stat().st_size
+        except OSError:
+            size = hang.stderr_offset
+        elapsed = time.monotonic() - hang.dump_sent_at
+        written_and_settled = size > hang.stderr_offset and size == hang.last_size
+        if written_and_settled or elapsed >= STACKS_MAX_WAIT_FACTOR * self.config.stack_dump_wait:
+            self._terminate(hang)
+            return
+        hang.last_size = size
+        self._plan(time.monotonic() + STACKS_POLL, "await_stacks", hang)
 
     def _plan(self, due: float, step: str, hang: _Hang) -> None:
         with self._lock:
@@ -316,8 +344,10 @@ class NodeMonitor:
                 if not self._schedule or (not force and self._schedule[0][0] > time.monotonic()):
                     return
                 _, _, step, hang = heapq.heappop(self._schedule)
-            if step == "terminate":
+            if step == "terminate" or (step == "await_stacks" and force):
                 self._terminate(hang, escalate=not force)
+            elif step == "await_stacks":
+                self._await_stacks(hang)
             elif step == "kill":
                 self._kill(hang)
 
