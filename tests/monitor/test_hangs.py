@@ -161,3 +161,24 @@ def test_rank_blocked_in_gloo_collective(harness: Harness) -> None:
     assert "all_reduce" in report.stacks, report.stacks  # type: ignore[attr-defined]
     assert r0.wait(timeout=10) != 0
     assert r1.poll() is None  # the healthy peer is the supervisor's to stop
+
+
+@pytest.mark.timeout(60)
+def test_end_attempt_reports_a_hang_still_waiting_for_stacks(harness: Harness) -> None:
+    # No stderr path given: the monitor waits the full stack_dump_wait (10 s) before
+    # terminating, unless the supervisor ends the attempt first.
+    mon = harness.start(MonitorConfig(hb_timeout=1.0, check_interval=0.05, stack_dump_wait=10))
+    proc = harness.spawn(0, "stop_heartbeat")
+    mon.begin_attempt(4, {0: proc.pid})
+    harness.wait_ready(0)
+    wait_for(
+        lambda: b"most recent call first" in harness.stderr_path(0).read_bytes(), 10, "stack dump"
+    )
+    assert mon.poll_hangs() == []
+    t0 = time.monotonic()
+    mon.end_attempt()
+    (report,) = mon.poll_hangs()
+    assert report.kind is HangKind.HEARTBEAT and report.pid == proc.pid
+    assert proc.wait(timeout=5) == -signal.SIGTERM
+    assert time.monotonic() - t0 < 5
+    assert dict(harness.events)["hang_detected"]["attempt"] == 4

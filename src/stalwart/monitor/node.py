@@ -64,8 +64,10 @@ class _Hang:
     term_signal: int
     stderr_offset: int | None
     detected_at: float
+    attempt: int | None = None
     dump_sent_at: float = 0.0
     last_size: int = -1
+    terminated: bool = False
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -189,7 +191,11 @@ class NodeMonitor:
         )
 
     def end_attempt(self) -> None:
-        """Stops judging: the supervisor is tearing the workers down."""
+        """Stops judging: the supervisor is tearing the workers down.
+
+        A hang still waiting for its stack dump is reported now, so the supervisor's next
+        poll_hangs() sees every hang of the attempt it is ending.
+        """
         with self._lock:
             for rank in self._ranks.values():
                 self._timers.forget_pid(rank.pid)
@@ -198,6 +204,11 @@ class NodeMonitor:
             if self._mm is not None:
                 for i in range(self.local_world_size):
                     layout.reset_slot(self._mm, i)
+            pending = [item for item in self._schedule if item[2] != "kill"]
+            self._schedule = [item for item in self._schedule if item[2] == "kill"]
+            heapq.heapify(self._schedule)
+        for _, _, _, hang in sorted(pending, key=lambda item: item[:2]):
+            self._terminate(hang)
 
     def poll_hangs(self) -> list[HangReport]:
         with self._lock:
@@ -288,6 +299,7 @@ class NodeMonitor:
                 return
             rank.judged = False
         hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
+        hang.attempt = self._attempt
         log.warning(
             "rank %d (pid %d) hung: %s timeout %.3f s (section %s)",
             rank.local_rank,
@@ -358,16 +370,22 @@ class NodeMonitor:
         return [p for p in targets if self._same_process(hang.rank, p)]
 
     def _terminate(self, hang: _Hang, escalate: bool = True) -> None:
-        for pid in self._targets(hang):
-            procs.signal_pid(pid, hang.term_signal, group=True)
-            procs.continue_if_stopped(pid, group=True)
+        with self._lock:
+            if hang.terminated:
+                return
+            hang.terminated = True
+        # Queued before the signal: when the supervisor sees the worker exit, the reason
+        # is already waiting in poll_hangs().
         report = self._report(hang)
         with self._lock:
             self._hangs.append(report)
         fields = report.to_event()
-        fields["attempt"] = self._attempt
+        fields["attempt"] = hang.attempt
         fields["stacks"] = report.stacks[-16384:]
         self._emit("hang_detected", fields)
+        for pid in self._targets(hang):
+            procs.signal_pid(pid, hang.term_signal, group=True)
+            procs.continue_if_stopped(pid, group=True)
         if escalate:
             self._plan(time.monotonic() + self.config.term_grace, "kill", hang)
         else:
