@@ -33,7 +33,8 @@ import torch
 from . import layout
 from .errors import CheckpointError
 from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
-from .manifest import FORMAT_VERSION, FileEntry, Hasher, Manifest, encode, new_hasher
+from .manifest import FORMAT_VERSION, FileEntry, Manifest, encode, new_hasher
+from .streaming import ChecksumFollower, ProgressSink
 
 logger = logging.getLogger(__name__)
 
@@ -49,34 +50,6 @@ class SaveResult:
     checksum: str
     write_s: float
     step_complete: bool
-
-
-class _HashingFile:
-    """File-like sink for torch.save that checksums bytes as they are written.
-
-    Hashing on the way out avoids reading a freshly written file back.
-    """
-
-    def __init__(self, raw: Any, hasher: Hasher) -> None:
-        self._raw = raw
-        self._hasher = hasher
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._hasher.update(view)
-        total = len(view)
-        done = 0
-        while done < total:
-            n = self._raw.write(view[done:])
-            if n is None or n <= 0:
-                raise OSError(errno.EIO, "short write")
-            done += n
-        self.size += total
-        return total
-
-    def flush(self) -> None:
-        self._raw.flush()
 
 
 class TorchFileWriter:
@@ -125,12 +98,19 @@ class TorchFileWriter:
         try:
             tmp.mkdir(parents=True)
             hasher = new_hasher(self.algorithm)
-            with open(tmp / data_name, "wb", buffering=0) as raw:
-                sink = _HashingFile(raw, hasher)
-                torch.save(state_dict, cast(IO[bytes], sink))
+            with open(tmp / data_name, "w+b", buffering=0) as raw:
+                follower = ChecksumFollower(raw.fileno(), hasher)
+                follower.start()
+                sink = ProgressSink(raw, follower)
+                try:
+                    torch.save(state_dict, cast(IO[bytes], sink))
+                finally:
+                    hashed = follower.finish(sink.size)
                 # The bytes are in the page cache now; the parent may reuse the buffer.
                 release()
                 os.fsync(raw.fileno())
+            if hashed != sink.size:
+                raise CheckpointError(f"hashed {hashed} bytes of {sink.size} written")
             digest = hasher.hexdigest()
             manifest = Manifest(
                 format=FORMAT_VERSION,
