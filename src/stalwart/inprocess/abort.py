@@ -27,12 +27,30 @@ class Abort(Protocol):
 
 def destroy_process_groups() -> None:
     """Destroy every torch.distributed process group, ignoring a half-torn state."""
-    if not dist.is_available() or not dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a group already broken by the abort is expected here
+            log.debug("destroy_process_group: %s", exc)
+    _reset_group_counter()
+
+
+def _reset_group_counter() -> None:
+    """Undo what an interrupted ``init_process_group`` left behind.
+
+    It bumps the counter that names groups before it rendezvouses; if it fails
+    there, this rank would name the next iteration's default group "1" while
+    its peers say "0", and the next rendezvous would never meet.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is None or getattr(world, "pg_map", None):
         return
     try:
-        dist.destroy_process_group()
-    except Exception as exc:  # a group already broken by the abort is expected here
-        log.debug("destroy_process_group: %s", exc)
+        world.group_count = 0
+    except Exception as exc:
+        log.debug("could not reset the process group counter: %s", exc)
 
 
 class AbortTorchDistributed:

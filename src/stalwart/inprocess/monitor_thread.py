@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .asyncexc import raise_in_thread
+from .asyncexc import raise_in_thread, wake
 from .errors import RestartAbort
 from .progress import ProgressClock
 from .state import Interruption, InterruptionRecord, State
@@ -26,20 +26,32 @@ _FLAG_POLL = 0.005
 
 
 class AtomicGate:
-    """Lets the main thread hold off a restart during an ``atomic()`` block."""
+    """Lets the main thread hold off a restart during an ``atomic()`` block.
+
+    Deliberately lock-free: an async exception can land in the main thread
+    between a lock's acquire and its release (even inside ``Condition.__exit__``)
+    and leave the lock held forever.  Only the main thread writes ``depth`` and
+    only the monitor writes ``pending``; the GIL orders the two, and each side
+    checks the other's flag after writing its own, so a block is either entered
+    before the restart starts (the restart waits for it) or not at all.
+    """
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
         self.depth = 0
+        self.pending = False
 
     def enter(self) -> None:
-        with self.cond:
+        self.depth += 1
+        if self.pending and self.depth == 1:
+            # A restart is on its way: do not start the block, wait to be interrupted.
+            self.depth -= 1
+            deadline = time.monotonic() + 60.0
+            while self.pending and time.monotonic() < deadline:
+                time.sleep(0.001)
             self.depth += 1
 
     def exit(self) -> None:
-        with self.cond:
-            self.depth -= 1
-            self.cond.notify_all()
+        self.depth -= 1
 
 
 class MonitorThread(threading.Thread):
@@ -111,31 +123,31 @@ class MonitorThread(threading.Thread):
         return None
 
     def _fire(self, record: InterruptionRecord) -> None:
-        with self.gate.cond:
-            while self.gate.depth > 0 and not self._stop_event.is_set():
-                self.gate.cond.wait(0.05)
-            if self._stop_event.is_set():
-                return
-            self.fired = True
-            self.reason = record
-            log.info(
-                "rank %d iteration %d: restart (initial rank %d: %s %s)",
-                self.state.rank,
-                self.state.iteration,
-                record.rank,
-                record.kind.value,
-                record.message[:200],
-            )
-            if self.abort is not None:
-                try:
-                    self.abort(self.state)
-                except Exception:
-                    log.exception("abort failed on rank %d", self.state.rank)
-            raise_in_thread(self.main_thread_id, RestartAbort)
+        self.gate.pending = True
+        while self.gate.depth > 0 and not self._stop_event.is_set():
+            time.sleep(0.001)
+        if self._stop_event.is_set():
+            self.gate.pending = False
+            return
+        self.fired = True
+        self.reason = record
+        log.info(
+            "rank %d iteration %d: restart (initial rank %d: %s %s)",
+            self.state.rank,
+            self.state.iteration,
+            record.rank,
+            record.kind.value,
+            record.message[:200],
+        )
+        if self.abort is not None:
+            try:
+                self.abort(self.state)
+            except Exception:
+                log.exception("abort failed on rank %d", self.state.rank)
+        raise_in_thread(self.main_thread_id, RestartAbort)
+        wake(self.main_thread_id)
 
     def stop(self) -> None:
         self._stop_event.set()
-        with self.gate.cond:
-            self.gate.cond.notify_all()
         if self.is_alive() and threading.get_ident() != self.ident:
             self.join()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 
 from .abort import destroy_process_groups
-from .asyncexc import clear_pending
+from .asyncexc import clear_pending, install_wake_handler
 from .call import Call, inject_call
 from .errors import (
     HealthCheckError,
@@ -150,6 +150,7 @@ class Runner:
         self.ticker.start()
         self._closers.append(self.ticker.stop)
         self.gate = AtomicGate()
+        self._closers.append(install_wake_handler())
         self.iteration_stores = _IterationStores()
         self._closers.append(self.iteration_stores.close)
         self.call_obj = Call(self.state, self.clock, self.gate, None)
@@ -287,6 +288,8 @@ class Runner:
                     self._record(state, outcome.error)
                 monitor.stop()
                 clear_pending(self.main_tid)
+                self.gate.pending = False
+                self.gate.depth = 0
                 return outcome
             except RestartAbort:
                 if outcome is None:
