@@ -1,0 +1,52 @@
+"""A 2-rank gloo job for the end-to-end monitor tests, run by `stalwart run`.
+
+`python e2e_job.py MODE STEPS`: on the first attempt rank 1 hangs at step 5 in the way
+MODE names; after the restart every rank runs all steps and the job succeeds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from stalwart.monitor import RankMonitorClient, timer
+
+
+def hang(mode: str) -> None:
+    if mode == "sleep":
+        time.sleep(600)
+    elif mode == "sigstop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "gil":
+        ctypes.PyDLL(None).sleep(600)
+    elif mode == "timer":
+        with timer.expires(after=1.5, scope="stuck_step"):
+            time.sleep(600)
+    elif mode == "section":
+        with client.section("step"):
+            time.sleep(600)
+
+
+mode, steps = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+client = RankMonitorClient(strict=True)
+client.init_workload_monitoring()
+for step in range(steps):
+    if attempt == 0 and rank == 1 and step == 5:
+        hang(mode)
+    with client.section("step"):
+        dist.all_reduce(torch.ones(4))
+    client.send_heartbeat()
+    client.report_iteration(step)
+    time.sleep(0.02)
+client.shutdown_workload_monitoring()
+dist.destroy_process_group()
+print(f"rank {rank} finished attempt {attempt}", flush=True)

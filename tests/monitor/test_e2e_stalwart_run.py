@@ -1,0 +1,79 @@
+"""End to end: `stalwart run` with a rank that hangs; the monitor reports it, the job
+restarts and finishes. Reads the run's events.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = Path(__file__).with_name("e2e_job.py")
+
+
+def run_job(
+    tmp_path: Path, mode: str, *flags: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2",
+         "--max-restarts", "2", "--rdzv-id", f"e2e-{mode}", "--log-dir", str(logs),
+         "--hb-initial-timeout", "60", *flags, str(JOB), mode, "12"],
+        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+    )  # fmt: skip
+    events_file = logs / f"e2e-{mode}" / "events.jsonl"
+    assert events_file.exists(), proc.stderr[-3000:]
+    events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
+    return proc, events
+
+
+def check(
+    proc: subprocess.CompletedProcess[str], events: list[dict[str, Any]], kind: str
+) -> dict[str, Any]:
+    names = [e["event"] for e in events]
+    assert proc.returncode == 0, (names, proc.stderr[-3000:])
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    mine = [h for h in hangs if h["global_rank"] == 1]
+    assert mine, (names, proc.stderr[-3000:])
+    assert mine[0]["kind"] == kind and mine[0]["attempt"] == 0
+    assert names.index("hang_detected") < names.index("restart") < names.index("job_succeeded")
+    return mine[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_sleeping_rank_is_restarted(tmp_path: Path) -> None:
+    proc, events = run_job(tmp_path, "sleep", "--hb-timeout", "2", "--redirects", "3")
+    hang = check(proc, events, "heartbeat")
+    assert hang["iteration"] == 4 and hang["timeout"] == 2
+    assert "e2e_job.py" in hang["stacks"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_sigstopped_rank_is_restarted(tmp_path: Path) -> None:
+    proc, events = run_job(tmp_path, "sigstop", "--hb-timeout", "2")
+    check(proc, events, "heartbeat")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_section_timeout_restarts(tmp_path: Path) -> None:
+    proc, events = run_job(tmp_path, "section", "--section-timeout", "step=2")
+    hang = check(proc, events, "section")
+    assert hang["section"] == "step"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_expired_timer_restarts(tmp_path: Path) -> None:
+    # No heartbeat timeout at all: only the rank's own timer catches the hang.
+    proc, events = run_job(tmp_path, "timer")
+    hang = check(proc, events, "timer")
+    assert hang["section"] == "stuck_step"
