@@ -71,6 +71,17 @@ def _serve_write(
         release()
 
 
+def _housekeeping(writer: CheckpointWriter) -> None:
+    # Optional hook: work that must not delay the caller's Future (retention).
+    hook = getattr(writer, "housekeeping", None)
+    if hook is None:
+        return
+    try:
+        hook()
+    except Exception:
+        logger.exception("checkpoint housekeeping failed")
+
+
 def writer_main(
     conn: Connection,
     buffer_fd: int,
@@ -115,5 +126,6 @@ def writer_main(
                 conn.send(_failure(seq, exc))
             else:
                 conn.send(Response(ResponseKind.DONE, seq, result=result))
+                _housekeeping(writer)
         else:
             conn.send(_failure(seq, ValueError(f"unknown request {req.kind!r}")))

@@ -24,7 +24,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -50,6 +50,8 @@ class SaveResult:
     checksum: str
     write_s: float
     step_complete: bool
+    # Seconds spent per phase in the writer: serialize, hash_tail, fsync, commit.
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class TorchFileWriter:
@@ -68,6 +70,7 @@ class TorchFileWriter:
         with contextlib.suppress(AttributeError):
             torch.serialization.set_crc32_options(False)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._retention_due = False
         self._clean_stale_tmp()
 
     def _clean_stale_tmp(self) -> None:
@@ -88,6 +91,7 @@ class TorchFileWriter:
     ) -> SaveResult:
         """Write one rank's share of a step; ``kwargs``: ``step`` (int), ``metadata`` (dict)."""
         t0 = time.monotonic()
+        phases: dict[str, float] = {}
         step = int(kwargs["step"])
         metadata: dict[str, Any] | None = kwargs.get("metadata")
         final = Path(path)
@@ -104,11 +108,16 @@ class TorchFileWriter:
                 sink = ProgressSink(raw, follower)
                 try:
                     torch.save(state_dict, cast(IO[bytes], sink))
+                    # Every byte is in the page cache and the follower hashes the
+                    # file, not the buffer: the parent may reuse the buffer now.
+                    release()
+                    phases["serialize"] = time.monotonic() - t0
                 finally:
                     hashed = follower.finish(sink.size)
-                # The bytes are in the page cache now; the parent may reuse the buffer.
-                release()
+                phases["hash_tail"] = time.monotonic() - t0 - phases["serialize"]
+                t1 = time.monotonic()
                 os.fsync(raw.fileno())
+                phases["fsync"] = time.monotonic() - t1
             if hashed != sink.size:
                 raise CheckpointError(f"hashed {hashed} bytes of {sink.size} written")
             digest = hasher.hexdigest()
@@ -121,9 +130,11 @@ class TorchFileWriter:
                 created_unix=time.time(),
                 metadata=dict(metadata or {}),
             )
+            t1 = time.monotonic()
             write_file_durably(tmp / manifest_name, encode(manifest))
             fsync_dir(tmp)
             self._commit(tmp, final, data_name, manifest_name)
+            phases["commit"] = time.monotonic() - t1
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             os_error = _find_os_error(exc)
@@ -138,8 +149,7 @@ class TorchFileWriter:
         complete = layout.is_complete(final, self.world_size)
         if complete:
             self._advance_latest(root, step)
-            if self.keep_last:
-                self._retain(root)
+            self._retention_due = True
         return SaveResult(
             step=step,
             rank=self.rank,
@@ -148,7 +158,15 @@ class TorchFileWriter:
             checksum=f"{self.algorithm}:{digest}",
             write_s=time.monotonic() - t0,
             step_complete=complete,
+            phases=phases,
         )
+
+    def housekeeping(self) -> None:
+        """Delete old steps; the child runs this after reporting the save done,
+        so deleting a large old checkpoint never delays the caller's Future."""
+        if self._retention_due and self.keep_last:
+            self._retention_due = False
+            self._retain(self.root)
 
     def _commit(self, tmp: Path, final: Path, data_name: str, manifest_name: str) -> None:
         try:
