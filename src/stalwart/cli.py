@@ -225,6 +225,22 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     return LaunchConfig(**kw), ns.verbose
 
 
+def _quiet_torch_import(verbose: bool) -> None:
+    """The launcher reports store errors in one line of its own; torch's C++ layer would
+    add a stack trace per connection retry.  The level is read when torch loads, so it is
+    set for the import and restored at once: workers inherit the user's setting."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    try:
+        import torch.distributed  # noqa: F401
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+
 def cmd_run(argv: list[str]) -> int:
     try:
         cfg, verbose = build_config(argv)
@@ -236,6 +252,7 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
+    _quiet_torch_import(verbose)
     from stalwart.launch.supervisor import Supervisor
     from stalwart.rendezvous import RendezvousError
 

@@ -370,7 +370,12 @@ class Supervisor:
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])
             if self._monitor is not None:
-                env.update(self._monitor.worker_env(lr, ranks[lr]))
+                mon_env = self._monitor.worker_env(lr, ranks[lr])
+                # torchrun names its timer pipe only when file timers are enabled; do the
+                # same so a worker's environment matches torchrun's (ours has its own name).
+                if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
+                    mon_env.pop("TORCHELASTIC_TIMER_FILE", None)
+                env.update(mon_env)
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,

@@ -1,0 +1,139 @@
+"""Two launchers on this machine form one job through node 0's store (static rendezvous)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from .helpers import SCRIPTS, events, stalwart, start_stalwart
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_nodes_restart_together_with_job_wide_count(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(_free_port())
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--rdzv-id",
+        "job42",
+    ]
+    node1 = start_stalwart(
+        *common,
+        "--node-rank",
+        "1",
+        "--log-dir",
+        tmp_path / "n1",
+        SCRIPTS / "gloo_restart.py",
+        "2",
+        out,
+    )
+    node0 = stalwart(
+        *common,
+        "--node-rank",
+        "0",
+        "--log-dir",
+        tmp_path / "n0",
+        SCRIPTS / "gloo_restart.py",
+        "2",
+        out,
+        timeout=150,
+    )
+    node1.wait(60)
+    assert node0.returncode == 0, node0.stderr[-2000:]
+    assert node1.returncode == 0, node1.stderr.read()[-2000:] if node1.stderr else ""
+    for attempt in range(3):
+        for rank in (0, 1):
+            assert (out / f"ok_{attempt}_{rank}").read_text() == str(attempt)
+    ev0, ev1 = events(tmp_path / "n0"), events(tmp_path / "n1")
+    # Attempt 0: rank 0 (node 0) failed, node 1 followed; attempt 1: the other way round.
+    r0 = [e["event"] for e in ev0 if e["event"] in ("restart", "peer_failure")]
+    r1 = [e["event"] for e in ev1 if e["event"] in ("restart", "peer_failure")]
+    assert r0 == ["restart", "peer_failure", "restart"]
+    assert r1 == ["peer_failure", "restart", "restart"]
+    spawns = [e for e in ev1 if e["event"] == "worker_spawn"]
+    assert [s["rank"] for s in spawns] == [1, 1, 1] and ev1[0]["node_rank"] == 1
+
+
+def test_mismatched_job_id_is_a_clear_error(tmp_path: Path) -> None:
+    port = str(_free_port())
+    common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
+    host = start_stalwart(
+        *common,
+        "--node-rank",
+        "0",
+        "--rdzv-id",
+        "alpha",
+        "--log-dir",
+        tmp_path / "a",
+        SCRIPTS / "steps.py",
+        tmp_path,
+    )
+    try:
+        other = stalwart(
+            *common,
+            "--node-rank",
+            "1",
+            "--rdzv-id",
+            "beta",
+            "--rdzv-conf",
+            "join_timeout=20",
+            "--log-dir",
+            tmp_path / "b",
+            SCRIPTS / "steps.py",
+            tmp_path,
+        )
+        assert other.returncode == 3
+        assert "rendezvous id mismatch" in other.stderr and "'beta'" in other.stderr
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
+    proc = stalwart(
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "--rdzv-conf",
+        "join_timeout=2",
+        "--log-dir",
+        tmp_path,
+        SCRIPTS / "steps.py",
+        tmp_path,
+    )
+    assert proc.returncode == 3
+    assert "cannot reach the rendezvous store at 127.0.0.1:" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
