@@ -35,7 +35,7 @@ class RankResult:
 def launch(
     scenario: str, world_size: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
 ) -> list[RankResult]:
-    port = free_port()
+    port, store_port = free_port(), free_port()
     procs = []
     for rank in range(world_size):
         penv = dict(os.environ)
@@ -46,7 +46,7 @@ def launch(
             LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            STALWART_INPROCESS_PORT=str(free_port()),
+            STALWART_INPROCESS_PORT=str(store_port),
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
         )

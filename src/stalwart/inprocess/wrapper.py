@@ -55,7 +55,7 @@ class Wrapper:
     ) -> None:
         self.options = Options(
             store_factory=store_factory,
-            store_kwargs=dict(store_kwargs or {}),
+            store_kwargs=store_kwargs if store_kwargs is not None else {},
             initialize=initialize,
             abort=abort,
             finalize=finalize,
