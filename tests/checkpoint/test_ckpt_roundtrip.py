@@ -209,3 +209,14 @@ def test_two_ranks_share_a_step_folder(tmp_path: Path) -> None:
     finally:
         r0.close()
         r1.close()
+
+
+@pytest.mark.timeout(60)
+def test_reserve_for_sizes_the_buffer_ahead_of_the_first_save(tmp_path: Path) -> None:
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000)}
+    with AsyncCheckpointer(tmp_path, keep_last=1, rank=0, world_size=1) as ckpt:
+        ckpt.reserve_for(state).result(timeout=30)
+        capacity = ckpt._process._buffer.capacity
+        assert capacity >= (1 << 22)
+        ckpt.save(state, step=1).result(timeout=30)
+        assert ckpt._process._buffer.capacity == capacity  # no growth on the first save

@@ -92,7 +92,7 @@ class CheckpointProcess:
         self._seq = itertools.count(1)
         self._closed = False
         self._lock = threading.Lock()
-        self._ready = self._io.submit(self._start_child)
+        self._ready = self._io.submit(self._first_start)
 
     # -- public API -------------------------------------------------------
 
@@ -139,7 +139,14 @@ class CheckpointProcess:
 
     def reserve(self, nbytes: int) -> Future[None]:
         """Grow the staging buffer on the I/O thread ahead of the first save."""
-        return self._io.submit(self._buffer.ensure, nbytes)
+        self._check_open()
+        return self._io.submit(self._reserve, nbytes)
+
+    def _reserve(self, nbytes: int) -> None:
+        # Remapping under a copy in progress would pull the memory from under
+        # it, so growth takes the buffer like a snapshot does.
+        with self._buffer_free:
+            self._buffer.ensure(nbytes)
 
     def close(self) -> None:
         """Finish queued writes, ask the child to exit, kill it after the shutdown timeout."""
@@ -246,10 +253,13 @@ class CheckpointProcess:
             self._stop_child(graceful=False)
         self._start_child()
 
+    def _first_start(self) -> None:
+        self._start_child()
+        if self.config.reserve_bytes:
+            self._reserve(self.config.reserve_bytes)
+
     def _start_child(self) -> None:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
-        if self.config.reserve_bytes:
-            self._buffer.ensure(self.config.reserve_bytes)
         proc = self._ctx.Process(
             target=writer_main,
             args=(
