@@ -97,7 +97,12 @@ def main() -> None:
         if rank == 0:
             print(f"resumed from {found.path} at step {start} (attempt {attempt})", flush=True)
     ddp = DDP(model)
-    ckpt = AsyncCheckpointer(ckpt_dir, keep_last=args.keep_last, rank=0) if rank == 0 else None
+    # One writer for a replicated state: the checkpoint is complete when rank 0 committed it.
+    ckpt = (
+        AsyncCheckpointer(ckpt_dir, keep_last=args.keep_last, rank=0, world_size=1)
+        if rank == 0
+        else None
+    )
     progress = open(args.progress, "a") if args.progress and rank == 0 else None  # noqa: SIM115
 
     loss_value = float("nan")

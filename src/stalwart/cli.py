@@ -35,7 +35,9 @@ def _flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, 
 
 
 def run_parser() -> argparse.ArgumentParser:
+    # No abbreviations: the script's own flags (``--out``) must never be taken for ours.
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="stalwart run",
         description="Launch and supervise a distributed PyTorch job (a drop-in torchrun).",
     )

@@ -80,3 +80,12 @@ def test_precedence_defaults_yaml_env_flags(
     assert cfg.monitor_interval == 0.2  # flag over YAML
     with pytest.raises(ConfigError, match="--module and --no-python"):
         build_config(["-m", "--no-python", "x"])
+
+
+def test_script_flags_are_never_taken_for_ours() -> None:
+    cfg, _ = build_config(
+        ["--nproc-per-node", "2", "train.py", "--out", "x", "--max-restarts", "9"]
+    )
+    assert cfg.entrypoint == "train.py"
+    assert cfg.args == ["--out", "x", "--max-restarts", "9"]
+    assert cfg.max_restarts == 0

@@ -1,0 +1,55 @@
+"""The README's main job: a DDP run with an injected crash ends exactly where an
+uninterrupted run ends, having resumed from its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .helpers import ROOT, stalwart
+
+pytestmark = pytest.mark.timeout(240)
+
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+
+
+def _train(tmp_path: Path, name: str, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / f"{name}.json"
+    proc = stalwart(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--log-dir",
+        tmp_path / name,
+        *extra,
+        EXAMPLE,
+        "--steps",
+        "60",
+        "--ckpt-every",
+        "10",
+        "--width",
+        "64",
+        "--step-sleep",
+        "0.1",
+        "--ckpt-dir",
+        tmp_path / f"{name}_ckpt",
+        "--out",
+        out,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_crash_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+    faulty, stdout = _train(tmp_path, "faulty", "--inject", "crash:rank=1,step=45")
+    assert faulty["attempt"] == 1
+    resumed = [ln for ln in stdout.splitlines() if "resumed from" in ln]
+    assert resumed and "at step 40" in resumed[0], stdout[-2000:]
+    clean, _ = _train(tmp_path, "clean")
+    assert clean["attempt"] == 0
+    assert faulty["checksum"] == clean["checksum"]
+    assert faulty["loss"] == clean["loss"]
