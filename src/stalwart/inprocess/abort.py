@@ -7,7 +7,6 @@ must be safe to call from any thread and more than once.
 
 from __future__ import annotations
 
-import gc
 import logging
 from typing import Protocol
 
@@ -70,7 +69,6 @@ class AbortTorchDistributed:
             release_iteration_sockets(state.protected_fds, state.protected_ports)
         if self.destroy:
             destroy_process_groups()
-            gc.collect()
 
     def __repr__(self) -> str:
         return (

@@ -151,6 +151,11 @@ class Runner:
         self._closers.append(self.ticker.stop)
         self.gate = AtomicGate()
         self._closers.append(install_wake_handler())
+        # Everything alive now (torch, the user's model) outlives every restart;
+        # freezing it keeps the collection between iterations from walking it
+        # (measured: 0.25 s -> <1 ms with DDP loaded).
+        gc.freeze()
+        self._closers.append(gc.unfreeze)
         self.iteration_stores = _IterationStores()
         self._closers.append(self.iteration_stores.close)
         self.call_obj = Call(self.state, self.clock, self.gate, None)
@@ -184,11 +189,18 @@ class Runner:
                     clean_exit = True
                     return outcome.value if state.mode is Mode.ACTIVE else None
                 del outcome  # its traceback pins the failed iteration's tensors and groups
+                t0 = time.monotonic()
                 self._after_fault(state)
+                t1 = time.monotonic()
                 if self.is_host:
                     coord.publish_port(iteration + 1, self.iteration_stores.open(iteration + 1))
                 terminated = terminated | coord.barrier(
                     f"it{iteration}/end", state.alive_ranks, opts.barrier_timeout
+                )
+                log.debug(
+                    "restart phases: cleanup %.3fs, termination barrier %.3fs",
+                    t1 - t0,
+                    time.monotonic() - t1,
                 )
                 iteration += 1
         except BaseException as exc:
@@ -332,7 +344,13 @@ class Runner:
             "".join(traceback.format_exception_only(type(error), error)).strip(),
         )
         log.debug("traceback", exc_info=error)
-        error.__traceback__ = None
+        # The tracebacks pin the failed iteration's frames (its DDP, groups, tensors).
+        seen: set[int] = set()
+        link: BaseException | None = error
+        while link is not None and id(link) not in seen:
+            seen.add(id(link))
+            link.__traceback__ = None
+            link = link.__cause__ or link.__context__
         if self.opts.abort is not None:
             try:
                 self.opts.abort(state)
