@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: medians, the machine line, rich tables and markdown."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+
+def machine() -> str:
+    import torch
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, {mem:.0f} GiB, "
+        f"{platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def med(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def fmt(x: float | None, unit: str = "s", digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f} {unit}".strip()
+
+
+def spread(xs: Sequence[float], unit: str = "s", digits: int = 2) -> str:
+    if not xs:
+        return "n/a"
+    return (
+        f"{min(xs):.{digits}f} / {statistics.median(xs):.{digits}f} / {max(xs):.{digits}f} {unit}"
+    )
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b in (None, 0) else f"{a / b:.2f}x"
+
+
+def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> None:
+    if markdown:
+        print(f"\n### {title}\n")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        print()
+        return
+    table = Table(title=title)
+    for h in header:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*row)
+    Console(file=sys.stdout).print(table)
