@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -87,3 +88,47 @@ def test_no_orphans_when_launcher_is_sigkilled(tmp_path: Path) -> None:
     everyone = [p for pair in pids for p in pair]
     wait_for(lambda: not any(alive(p) for p in everyone), 2.0, "workers and grandchildren to die")
     assert time.monotonic() - t0 < 2.0
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(
+    not (FREEZER / "cgroup.procs").exists() or os.geteuid() != 0,
+    reason="needs root and a cgroup-v1 freezer to put a worker in uninterruptible sleep",
+)
+def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path) -> None:
+    group = FREEZER / f"stalwart_test_{os.getpid()}"
+    group.mkdir()
+    proc = start_stalwart(
+        "--nproc-per-node",
+        "1",
+        "--shutdown-timeout",
+        "0.5",
+        "--log-dir",
+        tmp_path / "logs",
+        # Output to files: a frozen worker holding our pipes would block communicate().
+        "-r",
+        "3",
+        SCRIPTS / "sleeper.py",
+        tmp_path,
+        "log",
+    )
+    try:
+        ((worker, _grandchild),) = _pids(tmp_path, 1)
+        (group / "cgroup.procs").write_text(str(worker))
+        (group / "freezer.state").write_text("FROZEN")
+        wait_for(lambda: (group / "freezer.state").read_text().strip() == "FROZEN", 5, "freeze")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 15
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "survives SIGKILL" in err
+        assert alive(worker)  # still stuck: the launcher gave up on it rather than hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        (group / "freezer.state").write_text("THAWED")
+        wait_for(lambda: not alive(worker), 10, "the thawed worker to die")
+        group.rmdir()
