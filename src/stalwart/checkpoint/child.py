@@ -90,9 +90,15 @@ def writer_main(
     writer_factory: Callable[..., CheckpointWriter],
     writer_kwargs: dict[str, Any],
     log_level: int,
+    nice: int = 0,
 ) -> None:
     """Entry point of the writer subprocess."""
     logging.basicConfig(level=log_level, format="[ckpt-writer %(process)d] %(message)s")
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as exc:
+            logger.debug("could not lower the writer's priority: %s", exc)
     seq = 0
     try:
         if init_fn is not None:

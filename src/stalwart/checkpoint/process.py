@@ -39,6 +39,9 @@ class WriterProcessConfig:
     copy_threads: int = 1
     reserve_bytes: int = 0
     log_level: int = logging.WARNING
+    # Added to the writer's nice value: it then runs on spare cycles and the
+    # training processes win any contention for a core.
+    nice: int = 10
 
 
 class _InheritedFd:
@@ -270,6 +273,7 @@ class CheckpointProcess:
                 self._writer_factory,
                 self._writer_kwargs,
                 self.config.log_level,
+                self.config.nice,
             ),
             name="stalwart-ckpt-writer",
             daemon=True,
