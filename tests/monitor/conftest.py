@@ -70,11 +70,17 @@ class Harness:
         return self.tmp_path / f"rank{local_rank}.err"
 
     def wait_ready(self, local_rank: int, timeout: float = 30) -> None:
-        wait_for(
-            lambda: b"READY" in self.stdout_path(local_rank).read_bytes(),
-            timeout,
-            f"rank {local_rank} READY",
-        )
+        proc = self.procs[local_rank] if local_rank < len(self.procs) else None
+
+        def ready() -> bool:
+            if b"READY" in self.stdout_path(local_rank).read_bytes():
+                return True
+            if proc is not None and proc.poll() is not None:
+                err = self.stderr_path(local_rank).read_text(errors="replace")[-2000:]
+                raise AssertionError(f"rank {local_rank} exited with {proc.returncode}: {err}")
+            return False
+
+        wait_for(ready, timeout, f"rank {local_rank} READY")
 
     def event_names(self) -> list[str]:
         return [e for e, _ in self.events]

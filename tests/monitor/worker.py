@@ -18,6 +18,11 @@ from stalwart.monitor import RankMonitorClient, stacks, timer
 def main() -> None:
     mode = sys.argv[1]
     stacks.install()
+    if mode in ("gloo_block", "learn"):
+        # torch and the process group come up before monitoring starts, as in a real
+        # script: slow imports on a loaded machine must not count as a hang.
+        gloo(mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
+        return
     client = RankMonitorClient()
     client.init_workload_monitoring()
 
@@ -89,13 +94,11 @@ def main() -> None:
         client.send_workload_control_request(sys.argv[2])
         ready()
         print("DONE", flush=True)
-    elif mode in ("gloo_block", "learn"):
-        gloo(client, mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
     else:
         raise SystemExit(f"unknown mode {mode}")
 
 
-def gloo(client: RankMonitorClient, mode: str, rank: int, port: int, rest: list[str]) -> None:
+def gloo(mode: str, rank: int, port: int, rest: list[str]) -> None:
     import json
 
     import torch
@@ -105,6 +108,8 @@ def gloo(client: RankMonitorClient, mode: str, rank: int, port: int, rest: list[
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
     )
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
     if mode == "gloo_block":
         print("READY", flush=True)
         if rank == 0:
@@ -124,6 +129,8 @@ def gloo(client: RankMonitorClient, mode: str, rank: int, port: int, rest: list[
     client.calculate_and_set_section_timeouts()
     with open(rest[0], "w") as f:
         json.dump(client.state_dict(), f)
+    # The learned timeouts are a fraction of a second: stop being judged before teardown.
+    client.shutdown_workload_monitoring()
     dist.barrier()
     print("READY", flush=True)
     print("DONE", flush=True)
