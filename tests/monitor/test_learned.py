@@ -126,3 +126,26 @@ def test_multi_rank_without_sync_is_a_clear_error(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"initialise torch\.distributed"):
         gather_json({}, None, 1)
+
+
+@pytest.mark.timeout(60)
+def test_launcher_hosted_store_is_used_without_a_process_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    host.set("stalwart/monitor/learn/3/1", json.dumps(Observations(hb=4.0).to_json()))
+    for key, value in {
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+    }.items():
+        monkeypatch.setenv(key, value)
+    got = gather_json(Observations(hb=1.0).to_json(), None, 3)
+    assert [g["hb"] for g in got] == [1.0, 4.0]

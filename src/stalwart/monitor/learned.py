@@ -104,15 +104,20 @@ class LearnedTimeouts:
 
 
 def gather_json(payload: dict[str, Any], store: Any | None, seq: int) -> list[dict[str, Any]]:
-    """Every rank's `payload`, in rank order, via torch.distributed or the store.
+    """Every rank's `payload`, in rank order.
 
-    With a single process and neither available, returns just our own payload.
+    Through torch.distributed when the default group is up; else through `store`; else
+    through the store the launcher hosts for the job (torchrun and stalwart set
+    TORCHELASTIC_USE_AGENT_STORE with MASTER_ADDR/MASTER_PORT); with a single process
+    and none of these, just our own payload.
     """
     data = json.dumps(payload, separators=(",", ":")).encode()
     dist = _initialised_dist()
     if dist is not None:
         return [json.loads(raw) for raw in _gather_bytes_dist(dist, data)]
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if store is None and world > 1:
+        store = _agent_store()
     if store is not None:
         rank = int(os.environ.get("RANK", "0"))
         prefix = f"stalwart/monitor/learn/{seq}"
@@ -120,10 +125,33 @@ def gather_json(payload: dict[str, Any], store: Any | None, seq: int) -> list[di
         return [json.loads(bytes(store.get(f"{prefix}/{r}"))) for r in range(world)]
     if world > 1:
         raise RuntimeError(
-            "learned timeouts must agree across ranks: initialise torch.distributed first "
-            "or pass store= to RankMonitorClient"
+            "learned timeouts must agree across ranks: initialise torch.distributed first, "
+            "pass store= to RankMonitorClient, or run under a launcher that hosts the job store"
         )
     return [payload]
+
+
+_agent_store_cache: dict[tuple[int, str, int], Any] = {}
+
+
+def _agent_store() -> Any | None:
+    """A client of the launcher-hosted job store, or None when there is none."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        return None
+    key = (os.getpid(), host, int(port))
+    if key not in _agent_store_cache:
+        import datetime
+
+        import torch.distributed as dist
+
+        tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]  # public, untyped re-export
+        _agent_store_cache[key] = tcp_store(
+            host, int(port), is_master=False, timeout=datetime.timedelta(seconds=300)
+        )
+    return _agent_store_cache[key]
 
 
 def _initialised_dist() -> Any | None:
