@@ -182,3 +182,14 @@ def test_end_attempt_reports_a_hang_still_waiting_for_stacks(harness: Harness) -
     assert proc.wait(timeout=5) == -signal.SIGTERM
     assert time.monotonic() - t0 < 5
     assert dict(harness.events)["hang_detected"]["attempt"] == 4
+
+
+@pytest.mark.timeout(60)
+def test_reattached_client_is_judged_by_its_own_section_names(harness: Harness) -> None:
+    mon = harness.start(MonitorConfig(section_timeouts={"relaxed": 600.0, "strict": 1.0}, **FAST))
+    proc = harness.spawn(0, "reinit_section")
+    mon.begin_attempt(0, {0: proc.pid})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.SECTION and report.section == "strict"  # type: ignore[attr-defined]
+    proc.wait(timeout=10)

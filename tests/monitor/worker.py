@@ -72,6 +72,18 @@ def main() -> None:
         while True:
             client.send_heartbeat()
             time.sleep(0.05)
+    elif mode == "reinit_section":
+        # Same process, fresh client, different first section name: the monitor must not
+        # keep judging with the old client's name table.
+        client.start_section("relaxed")
+        client.shutdown_workload_monitoring()
+        again = RankMonitorClient()
+        again.init_workload_monitoring()
+        again.start_section("strict")
+        ready()
+        while True:
+            again.send_heartbeat()
+            time.sleep(0.05)
     elif mode == "oos_hang":
         with client.section("step"):
             pass

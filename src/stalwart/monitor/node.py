@@ -51,6 +51,7 @@ class _Rank:
     verified_pids: set[int] = dataclasses.field(default_factory=set)
     foreign_pids: set[int] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)
+    names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
 
 
@@ -289,8 +290,10 @@ class NodeMonitor:
                 rank.foreign_pids.add(snap.pid)
                 return None, 0
             rank.verified_pids.add(snap.pid)
-        if len(rank.names) != snap.name_count:
+        key = (snap.pid, snap.attach_time, snap.name_count)
+        if key != rank.names_key:
             rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
+            rank.names_key = key
         return judge(snap, rank.names, self.config, time.monotonic()), snap.pid
 
     def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
