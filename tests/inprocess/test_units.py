@@ -117,3 +117,17 @@ def test_async_restart_waits_for_atomic_block_and_wakes_sleep() -> None:
         t.join()
         restore()
     assert order == ["block done", "fire"]
+
+
+def test_call_injected_for_string_annotations() -> None:
+    from stalwart.inprocess.call import inject_call
+
+    def fn(x: int, call: Call | None = None) -> None: ...
+
+    def local_fn(x: int, call: LocalCall) -> None: ...  # noqa: F821
+
+    local_fn.__annotations__["call"] = "inprocess.Call | None"
+    marker = Call(_state(0, 1))
+    assert inject_call(fn, (1,), {}, marker) == ((1, marker), {})
+    assert inject_call(local_fn, (1,), {}, marker) == ((1, marker), {})
+    assert inject_call(fn, (), {"x": 1}, marker) == ((1, marker), {})

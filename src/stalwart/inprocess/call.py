@@ -83,7 +83,17 @@ class Call:
             self._gate.exit()
 
 
+_CALL_SPELLINGS = frozenset(
+    {"Call", "Call|None", "None|Call", "Optional[Call]", "typing.Optional[Call]"}
+)
+
+
 def _is_call_annotation(hint: Any) -> bool:
+    if isinstance(hint, str):
+        # Unresolvable string annotation (``from __future__ import annotations`` with
+        # ``Call`` imported in a local scope): match the spelling.
+        text = hint.replace(" ", "").replace("stalwart.inprocess.", "").replace("inprocess.", "")
+        return text in _CALL_SPELLINGS
     if hint is Call:
         return True
     origin = typing.get_origin(hint)
