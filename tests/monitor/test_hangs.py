@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import pytest
 
-from stalwart.monitor import HangKind, MonitorConfig
+from stalwart.monitor import HangKind, HangReport, MonitorConfig
 
 from .conftest import Harness, wait_for
 
-FAST = dict(check_interval=0.05, stack_dump_wait=0.5, term_grace=1.0)
+
+def fast(**settings: Any) -> MonitorConfig:
+    """A config that checks often and gives up on a hung rank quickly."""
+    return MonitorConfig(
+        **{"check_interval": 0.05, "stack_dump_wait": 0.5, "term_grace": 1.0, **settings}
+    )
 
 
-def _one_hang(h: Harness, timeout: float) -> object:
-    assert h.monitor is not None
-    found: list[object] = []
+def _one_hang(h: Harness, timeout: float) -> HangReport:
+    mon = h.monitor
+    assert mon is not None
+    found: list[HangReport] = []
 
     def poll() -> bool:
-        found.extend(h.monitor.poll_hangs())  # type: ignore[union-attr]
+        found.extend(mon.poll_hangs())
         return bool(found)
 
     wait_for(poll, timeout, "a hang report")
@@ -29,17 +36,17 @@ def _one_hang(h: Harness, timeout: float) -> object:
 
 @pytest.mark.timeout(60)
 def test_heartbeat_timeout_detected_with_stacks(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(hb_timeout=1.0, **FAST))
+    mon = harness.start(fast(hb_timeout=1.0))
     proc = harness.spawn(0, "stop_heartbeat")
     mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
     harness.wait_ready(0)
     t0 = time.monotonic()
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
-    assert report.pid == proc.pid  # type: ignore[attr-defined]
-    assert report.iteration == 2  # type: ignore[attr-defined]
-    assert report.last_heartbeat_age is not None and report.last_heartbeat_age >= 1.0  # type: ignore[attr-defined]
-    assert "time.sleep" in report.stacks or "worker.py" in report.stacks  # type: ignore[attr-defined]
+    assert report.kind is HangKind.HEARTBEAT
+    assert report.pid == proc.pid
+    assert report.iteration == 2
+    assert report.last_heartbeat_age is not None and report.last_heartbeat_age >= 1.0
+    assert "time.sleep" in report.stacks or "worker.py" in report.stacks
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert time.monotonic() - t0 < 3
     assert "hang_detected" in harness.event_names()
@@ -50,72 +57,68 @@ def test_heartbeat_timeout_detected_with_stacks(harness: Harness) -> None:
 
 @pytest.mark.timeout(60)
 def test_initial_heartbeat_timeout(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(hb_timeout=1.0, hb_initial_timeout=1.5, **FAST))
+    mon = harness.start(fast(hb_timeout=1.0, hb_initial_timeout=1.5))
     proc = harness.spawn(0, "no_heartbeat")
     mon.begin_attempt(0, {0: proc.pid})
     report = _one_hang(harness, 20)
-    assert report.kind is HangKind.INITIAL_HEARTBEAT  # type: ignore[attr-defined]
-    assert report.timeout == 1.5  # type: ignore[attr-defined]
-    assert report.last_heartbeat_age is None  # type: ignore[attr-defined]
+    assert report.kind is HangKind.INITIAL_HEARTBEAT
+    assert report.timeout == 1.5
+    assert report.last_heartbeat_age is None
     proc.wait(timeout=10)
 
 
 @pytest.mark.timeout(60)
 def test_section_timeout_names_the_section(harness: Harness) -> None:
-    mon = harness.start(
-        MonitorConfig(hb_timeout=5.0, section_timeouts={"slow": 1.0, "outer": 30.0}, **FAST)
-    )
+    mon = harness.start(fast(hb_timeout=5.0, section_timeouts={"slow": 1.0, "outer": 30.0}))
     proc = harness.spawn(0, "section_hang")
     mon.begin_attempt(0, {0: proc.pid})
     harness.wait_ready(0)
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.SECTION  # type: ignore[attr-defined]
-    assert report.section == "slow" and report.timeout == 1.0  # type: ignore[attr-defined]
+    assert report.kind is HangKind.SECTION
+    assert report.section == "slow" and report.timeout == 1.0
     proc.wait(timeout=10)
 
 
 @pytest.mark.timeout(60)
 def test_out_of_section_timeout(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(hb_timeout=5.0, out_of_section_timeout=1.0, **FAST))
+    mon = harness.start(fast(hb_timeout=5.0, out_of_section_timeout=1.0))
     proc = harness.spawn(0, "oos_hang")
     mon.begin_attempt(0, {0: proc.pid})
     harness.wait_ready(0)
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.OUT_OF_SECTION  # type: ignore[attr-defined]
-    assert report.section == "step"  # type: ignore[attr-defined]
+    assert report.kind is HangKind.OUT_OF_SECTION
+    assert report.section == "step"
     proc.wait(timeout=10)
 
 
 @pytest.mark.timeout(60)
 def test_sigstopped_rank_dumps_stacks_and_dies(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(hb_timeout=1.0, **FAST))
+    mon = harness.start(fast(hb_timeout=1.0))
     proc = harness.spawn(0, "sigstop")
     mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
     harness.wait_ready(0)
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
-    assert "worker.py" in report.stacks  # type: ignore[attr-defined]
+    assert report.kind is HangKind.HEARTBEAT
+    assert "worker.py" in report.stacks
     assert proc.wait(timeout=10) != 0
 
 
 @pytest.mark.timeout(60)
 def test_rank_spinning_in_c_with_gil_held(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(hb_timeout=1.0, **FAST))
+    mon = harness.start(fast(hb_timeout=1.0))
     proc = harness.spawn(0, "gil_spin")
     mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
     harness.wait_ready(0)
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
-    assert "worker.py" in report.stacks  # type: ignore[attr-defined]
+    assert report.kind is HangKind.HEARTBEAT
+    assert "worker.py" in report.stacks
     assert proc.wait(timeout=10) == -signal.SIGTERM
 
 
 @pytest.mark.timeout(60)
 def test_term_escalates_to_kill(harness: Harness) -> None:
     # SIGWINCH is ignored by default, so only the SIGKILL that follows can end the worker.
-    mon = harness.start(
-        MonitorConfig(hb_timeout=1.0, term_signal=signal.SIGWINCH, **{**FAST, "term_grace": 0.5})
-    )
+    mon = harness.start(fast(hb_timeout=1.0, term_signal=signal.SIGWINCH, term_grace=0.5))
     proc = harness.spawn(0, "stop_heartbeat")
     mon.begin_attempt(0, {0: proc.pid})
     harness.wait_ready(0)
@@ -125,12 +128,11 @@ def test_term_escalates_to_kill(harness: Harness) -> None:
 
 @pytest.mark.timeout(60)
 def test_no_false_positive_when_healthy_or_torn_down(harness: Harness) -> None:
-    config = MonitorConfig(
+    config = fast(
         hb_timeout=0.5,
         hb_initial_timeout=20,
         section_timeouts={"step": 0.5},
         out_of_section_timeout=0.5,
-        **FAST,
     )
     mon = harness.start(config, nranks=2)
     healthy = harness.spawn(0, "healthy", "150", "0.01")
@@ -150,15 +152,15 @@ def test_no_false_positive_when_healthy_or_torn_down(harness: Harness) -> None:
 def test_rank_blocked_in_gloo_collective(harness: Harness) -> None:
     from .test_learned import free_port
 
-    mon = harness.start(MonitorConfig(hb_timeout=2.0, **FAST), nranks=2)
+    mon = harness.start(fast(hb_timeout=2.0), nranks=2)
     port = str(free_port())
     r0 = harness.spawn(0, "gloo_block", "0", port)
     r1 = harness.spawn(1, "gloo_block", "1", port)
     mon.begin_attempt(0, {0: r0.pid, 1: r1.pid}, stderr_paths={0: harness.stderr_path(0)})
     harness.wait_ready(0, timeout=60)
     report = _one_hang(harness, 20)
-    assert report.local_rank == 0 and report.kind is HangKind.HEARTBEAT  # type: ignore[attr-defined]
-    assert "all_reduce" in report.stacks, report.stacks  # type: ignore[attr-defined]
+    assert report.local_rank == 0 and report.kind is HangKind.HEARTBEAT
+    assert "all_reduce" in report.stacks, report.stacks
     assert r0.wait(timeout=10) != 0
     assert r1.poll() is None  # the healthy peer is the supervisor's to stop
 
@@ -186,10 +188,10 @@ def test_end_attempt_reports_a_hang_still_waiting_for_stacks(harness: Harness) -
 
 @pytest.mark.timeout(60)
 def test_reattached_client_is_judged_by_its_own_section_names(harness: Harness) -> None:
-    mon = harness.start(MonitorConfig(section_timeouts={"relaxed": 600.0, "strict": 1.0}, **FAST))
+    mon = harness.start(fast(section_timeouts={"relaxed": 600.0, "strict": 1.0}))
     proc = harness.spawn(0, "reinit_section")
     mon.begin_attempt(0, {0: proc.pid})
     harness.wait_ready(0)
     report = _one_hang(harness, 10)
-    assert report.kind is HangKind.SECTION and report.section == "strict"  # type: ignore[attr-defined]
+    assert report.kind is HangKind.SECTION and report.section == "strict"
     proc.wait(timeout=10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,7 +138,8 @@ def test_launcher_hosted_store_is_used_without_a_process_group(
     import torch.distributed as dist
 
     port = free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]
+    host = tcp_store("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
     host.set("stalwart/monitor/learn/3/1", json.dumps(Observations(hb=4.0).to_json()))
     for key, value in {
         "TORCHELASTIC_USE_AGENT_STORE": "True",

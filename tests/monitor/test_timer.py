@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from .conftest import Harness, wait_for
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> tuple[TimerServer, list[ExpiredTimer]]:
+def server(tmp_path: Path) -> Iterator[tuple[TimerServer, list[ExpiredTimer]]]:
     expired: list[ExpiredTimer] = []
     srv = TimerServer(tmp_path / "timer.pipe", on_expired=expired.append)
     srv.open()
