@@ -47,7 +47,17 @@ class RankMonitorError(RuntimeError):
 
 
 class RankMonitorClient:
-    """One per rank process. Call `init_workload_monitoring()` before anything else."""
+    """One per rank process. Call `init_workload_monitoring()` before anything else.
+
+    store: a torch.distributed Store used to agree on learned timeouts when no default
+        process group is up (the launcher's job store is found on its own).
+    strict: raise instead of warning when no node monitor is configured
+        (default: STALWART_MONITOR_STRICT=1).
+    install_exception_hook: chain sys.excepthook to record the exception and close sections.
+    install_stack_dump: register the SIGUSR1 stack dump at init (see `stacks.install`).
+    safety_factor: learned timeout = longest observed interval x this
+        (default: the node's, from STALWART_MONITOR_SAFETY_FACTOR, else 5).
+    """
 
     def __init__(
         self,
