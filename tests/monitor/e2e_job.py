@@ -28,6 +28,9 @@ def hang(mode: str) -> None:
     elif mode == "timer":
         with timer.expires(after=1.5, scope="stuck_step"):
             time.sleep(600)
+    elif mode == "shutdown":
+        client.send_workload_control_request("shutdown_workload")
+        time.sleep(600)
     elif mode == "section":
         with client.section("step"):
             time.sleep(600)

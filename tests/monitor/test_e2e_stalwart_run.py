@@ -77,3 +77,14 @@ def test_expired_timer_restarts(tmp_path: Path) -> None:
     proc, events = run_job(tmp_path, "timer")
     hang = check(proc, events, "timer")
     assert hang["section"] == "stuck_step"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_shutdown_request_stops_the_job_without_restart(tmp_path: Path) -> None:
+    proc, events = run_job(tmp_path, "shutdown")
+    names = [e["event"] for e in events]
+    assert proc.returncode != 0, names
+    (req,) = [e for e in events if e["event"] == "control_request"]
+    assert req["action"] == "shutdown_workload" and req["rank"] == 1
+    assert "job_stopped" in names and "restart" not in names

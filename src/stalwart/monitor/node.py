@@ -458,12 +458,5 @@ class NodeMonitor:
         )
         with self._lock:
             self._requests.append(req)
-        self._emit(
-            "control_request",
-            {
-                "action": req.action.value,
-                "global_rank": req.global_rank,
-                "local_rank": req.local_rank,
-                "pid": req.pid,
-            },
-        )
+        # The supervisor records the request (and its decision) in events.jsonl.
+        log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
