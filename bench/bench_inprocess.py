@@ -49,6 +49,11 @@ def _emit(event: str, **fields: Any) -> None:
 
 
 def _worker(variant: str, fault: str) -> None:
+    import logging
+
+    logging.basicConfig(
+        level=os.environ.get("LOGLEVEL", "WARNING"), format="%(asctime)s %(name)s: %(message)s"
+    )
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -81,7 +86,12 @@ def _worker(variant: str, fault: str) -> None:
             loss.backward()
             opt.step()
             progress["step"] += 1
-            _emit("step", it=iteration + restart_count, step=progress["step"])
+            _emit(
+                "step",
+                it=iteration + restart_count,
+                step=progress["step"],
+                world=dist.get_world_size(),
+            )
         dist.barrier()
         dist.destroy_process_group()
 
@@ -150,7 +160,22 @@ def _worker(variant: str, fault: str) -> None:
 
 
 # --------------------------------------------------------------------------- driver side
-def _run_once(variant: str, fault: str, timeout: float) -> float | None:
+def _kill_tagged(tag: str) -> None:
+    needle = f"STALWART_BENCH_TAG={tag}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def _run_once(variant: str, fault: str, timeout: float) -> tuple[float | None, bool]:
+    """Seconds from the fault to the first resumed step, and whether the job shrank."""
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     cmd = [
@@ -168,21 +193,20 @@ def _run_once(variant: str, fault: str, timeout: float) -> float | None:
         "--fault",
         fault,
     ]
-    # Own session: on a timeout the whole tree (agent, ranks, monitors) goes.
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    env["STALWART_BENCH_TAG"] = tag
     proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
         out, _ = proc.communicate()
+    # torchrun puts each worker in its own session, and a worker (or a monitor
+    # process) can outlive a killed agent: end every process this run started,
+    # found by the tag in its environment, so none of them loads the next run.
+    _kill_tagged(tag)
     events = []
     for line in out.splitlines():
         if line.startswith("BENCH "):
@@ -192,7 +216,7 @@ def _run_once(variant: str, fault: str, timeout: float) -> float | None:
                 continue
     faults = [e["t"] for e in events if e["ev"] == "fault"]
     if not faults:
-        return None
+        return None, False
     fault_t = faults[0]
     firsts = []
     for rank in (0, 1):
@@ -200,9 +224,11 @@ def _run_once(variant: str, fault: str, timeout: float) -> float | None:
         if after:
             firsts.append(min(after))
     if not firsts:
-        return None
+        return None, False
+    resumed = [e for e in events if e["ev"] == "step" and e["it"] > 0]
+    shrank = any(e.get("world", 2) < 2 for e in resumed)
     # Once one rank has lost its peer for good (job shrank), its step counts alone.
-    return max(firsts) - fault_t
+    return max(firsts) - fault_t, shrank
 
 
 def main() -> None:
@@ -226,12 +252,15 @@ def main() -> None:
         variants = [v for v in variants if v != "nvidia"]
     console = Console()
     results: dict[tuple[str, str], list[float | None]] = {}
+    shrunk: dict[tuple[str, str], int] = {}
     plan = [(v, "exception") for v in variants] + [(v, "hang") for v in variants if v != "torchrun"]
     for repeat in range(args.repeats):
         for variant, fault in plan:  # interleaved, so load drifts hit every column alike
-            value = _run_once(variant, fault, timeout=90.0)
+            value, shrank = _run_once(variant, fault, timeout=90.0)
             results.setdefault((variant, fault), []).append(value)
-            shown = f"{value:.3f}s" if value is not None else "failed"
+            shrunk[(variant, fault)] = shrunk.get((variant, fault), 0) + int(shrank)
+            shown = f"{value:.3f}s" if value is not None else "failed (job died)"
+            shown += " (went on with 1 rank)" if shrank else ""
             console.print(f"[{repeat + 1}/{args.repeats}] {variant:9s} {fault:9s} {shown}")
 
     labels = {
@@ -244,7 +273,7 @@ def main() -> None:
         ("hang", f"hang -> first resumed step (soft timeout {SOFT_TIMEOUT:g} s)"),
     ):
         table = Table(title=f"{title}, seconds (median of {args.repeats})")
-        for col in ("variant", "ok", "min", "median", "max", "stalwart / this"):
+        for col in ("variant", "resumed", "shrank", "min", "median", "max", "stalwart / this"):
             table.add_column(col, justify="left" if col == "variant" else "right")
         base = [v for v in results.get(("stalwart", fault), []) if v is not None]
         base_median = statistics.median(base) if base else None
@@ -254,13 +283,14 @@ def main() -> None:
             values = results[(variant, fault)]
             ok = [v for v in values if v is not None]
             if not ok:
-                table.add_row(labels[variant], f"0/{len(values)}", "-", "-", "-", "-")
+                table.add_row(labels[variant], f"0/{len(values)}", "-", "-", "-", "-", "-")
                 continue
             med = statistics.median(ok)
             ratio = f"{base_median / med:.3f}x" if base_median is not None else "-"
             table.add_row(
                 labels[variant],
                 f"{len(ok)}/{len(values)}",
+                str(shrunk.get((variant, fault), 0)),
                 f"{min(ok):.3f}",
                 f"{med:.3f}",
                 f"{max(ok):.3f}",

@@ -147,6 +147,10 @@ class MonitorThread(threading.Thread):
         raise_in_thread(self.main_thread_id, RestartAbort)
         wake(self.main_thread_id)
 
+    def request_stop(self) -> None:
+        """Ask the thread to end without firing; returns at once."""
+        self._stop_event.set()
+
     def stop(self) -> None:
         self._stop_event.set()
         if self.is_alive() and threading.get_ident() != self.ident:

@@ -197,6 +197,8 @@ class Runner:
                 terminated = terminated | coord.barrier(
                     f"it{iteration}/end", state.alive_ranks, opts.barrier_timeout
                 )
+                if self.is_host:
+                    self._log_interruptions(state)
                 log.debug(
                     "restart phases: cleanup %.3fs, termination barrier %.3fs",
                     t1 - t0,
@@ -210,7 +212,7 @@ class Runner:
             if clean_exit:
                 with contextlib.suppress(Exception):
                     coord.record_left()
-            self._finish()
+            self._finish(clean_exit)
 
     def _assign(self, state: State, iteration: int, terminated: frozenset[int]) -> State:
         opts = self.opts
@@ -296,8 +298,11 @@ class Runner:
                     except Exception as exc:
                         outcome = _Outcome(error=exc)
                 if outcome.error is not None and not monitor.fired:
-                    # Tell peers before anything slow: their monitors poll this flag.
-                    self._record(state, outcome.error)
+                    # This thread handles its own fault: the monitor must not fire on
+                    # the flag set next.  Peers learn first, before anything slow.
+                    monitor.request_stop()
+                    if not monitor.fired:
+                        self._record(state, outcome.error)
                 monitor.stop()
                 clear_pending(self.main_tid)
                 self.gate.pending = False
@@ -400,26 +405,47 @@ class Runner:
                 )
             )
 
-    def _finish(self) -> None:
+    def _finish(self, clean: bool) -> None:
         if self.is_host:
-            self._keep_store_until_peers_leave()
+            self._keep_store_until_peers_leave(clean)
         self._close()
         gc.collect()
 
-    def _keep_store_until_peers_leave(self) -> None:
-        """The store lives in this process: peers still need it to finish their exit."""
+    def _keep_store_until_peers_leave(self, clean: bool) -> None:
+        """The store lives in this process: peers still need it to finish.
+
+        After a completed job peers only have to read the completion barrier
+        and record leaving, so ``last_call_wait`` bounds the wait.  When this
+        rank leaves early (health check, hook error) the others go on training
+        through this store: it stays up until each has left or stopped beating.
+        """
         coord = self.coord
-        deadline = time.monotonic() + self.opts.completion_timeout
+        deadline = time.monotonic() + self.opts.last_call_wait if clean else None
         pending = [r for r in range(self.state.initial_world_size) if r != self.state.initial_rank]
-        while pending and time.monotonic() < deadline:
+        while pending and (deadline is None or time.monotonic() < deadline):
             try:
                 pending = [r for r in pending if not (coord.has_left(r) or coord.is_gone(r))]
             except Exception:
                 return
             if pending:
-                time.sleep(0.01)
+                time.sleep(0.01 if clean else 0.1)
         if pending:
-            log.warning("store host stops waiting for ranks %s", pending)
+            log.warning("store host stops waiting for ranks %s to leave", pending)
+
+    def _log_interruptions(self, state: State) -> None:
+        """One summary per restart, on the store host: who interrupted and why."""
+        try:
+            records = self.coord.interruptions(state.iteration, range(state.initial_world_size))
+        except Exception:
+            return
+        for rec in records:
+            log.info(
+                "iteration %d interrupted by initial rank %d: %s %s",
+                rec.iteration,
+                rec.rank,
+                rec.kind.value,
+                rec.message[:300],
+            )
 
 
 def run_wrapped(
