@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -43,6 +44,9 @@ class Sample:
     stall_s: float
     total_s: float
     slowdown: float | None = None
+    # CPU seconds the save itself used (all its threads and processes, the
+    # compute loop excluded): unlike wall time, barely affected by other load.
+    cpu_s: float | None = None
 
 
 @dataclass
@@ -109,8 +113,35 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+def _own_cpu() -> float:
+    t = psutil.Process().cpu_times()
+    return float(t.user + t.system)
+
+
+def _pid_cpu(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    try:
+        t = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(t.user + t.system)
+
+
+def _sync_sample(fn: Callable[[], None]) -> Sample:
+    cpu0 = _own_cpu()
+    t0 = time.perf_counter()
+    fn()
+    t = time.perf_counter() - t0
+    return Sample(t, t, cpu_s=_own_cpu() - cpu0)
+
+
 def _async_sample(
-    start: Callable[[], tuple[Future[Any], Any]], loop: ComputeLoop, *, measure_loop: bool
+    start: Callable[[], tuple[Future[Any], Any]],
+    loop: ComputeLoop,
+    *,
+    measure_loop: bool,
+    helper_pid: Callable[[], int | None] = lambda: None,
 ) -> Sample:
     done = threading.Event()
     finished_at: list[float] = []
@@ -123,15 +154,20 @@ def _async_sample(
         # Re-measure the idle step right before each save: the machine is shared
         # and its speed drifts, so a stale baseline would bias the slowdown.
         loop.calibrate(0.4)
+    pid = helper_pid()
+    cpu0, helper0 = _own_cpu(), _pid_cpu(pid)
     t0 = time.perf_counter()
     fut, keep = start()
     stall = time.perf_counter() - t0
     fut.add_done_callback(mark)
+    loop0 = time.thread_time()
     slowdown = loop.run_until(done) if measure_loop else None
+    loop_cpu = time.thread_time() - loop0
     done.wait()
     fut.result()
+    cpu = _own_cpu() - cpu0 - loop_cpu + (_pid_cpu(pid) - helper0 if pid == helper_pid() else 0.0)
     del keep
-    return Sample(stall, finished_at[0] - t0, slowdown)
+    return Sample(stall, finished_at[0] - t0, slowdown, cpu)
 
 
 class Bench:
@@ -155,22 +191,24 @@ class Bench:
 
     def torch_save(self, fsync: bool) -> Sample:
         out = self.fresh("torch_save") / "ckpt.pt"
-        t0 = time.perf_counter()
-        torch.save(self.state, out)
-        if fsync:
-            _fsync(out)
-        t = time.perf_counter() - t0
-        return Sample(t, t)
+
+        def run() -> None:
+            torch.save(self.state, out)
+            if fsync:
+                _fsync(out)
+
+        return _sync_sample(run)
 
     def plain_write(self) -> Sample:
         out = self.fresh("dd") / "blob"
-        t0 = time.perf_counter()
-        with open(out, "wb", buffering=0) as f:
-            for tensor in self.state.values():
-                f.write(_tensor_bytes(tensor))
-            os.fsync(f.fileno())
-        t = time.perf_counter() - t0
-        return Sample(t, t)
+
+        def run() -> None:
+            with open(out, "wb", buffering=0) as f:
+                for tensor in self.state.values():
+                    f.write(_tensor_bytes(tensor))
+                os.fsync(f.fileno())
+
+        return _sync_sample(run)
 
     # -- torch.distributed.checkpoint --------------------------------------
 
@@ -195,7 +233,9 @@ class Bench:
         def start() -> tuple[Future[Any], Any]:
             return ckpt.save(self.state, step=step), None
 
-        return _async_sample(start, self.loop, measure_loop=True)
+        return _async_sample(
+            start, self.loop, measure_loop=True, helper_pid=lambda: ckpt.writer_pid
+        )
 
 
 def _make_dcp_stager() -> tuple[Any, str]:
@@ -224,6 +264,12 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir in /tmp)")
     parser.add_argument("--markdown", action="store_true", help="also print a markdown table")
     parser.add_argument("--skip-dcp", action="store_true")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated substrings: run only methods whose name contains one "
+        "(the torch.save and plain-write references always run)",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -256,6 +302,13 @@ def main() -> None:
             console.print(f"[yellow]skipping DCP async stager: {why}")
     add("stalwart (sync staging)")
     add("stalwart (background staging)")
+
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    if wanted:
+        always = {"torch.save", "plain write + fsync (disk limit)"}
+        for name in list(results):
+            if name not in always and not any(w in name for w in wanted):
+                del results[name]
 
     # Writers start now: construction spawns and warms the child, like a
     # training script that builds its checkpointer before its first step.
@@ -315,6 +368,7 @@ def main() -> None:
         "durable ÷ plain write",
         "MiB/s",
         "loop slowdown",
+        "CPU s",
         "first-save stall s",
     ]
     for c in cols:
@@ -331,17 +385,16 @@ def main() -> None:
             _fmt(total / ref_disk if total is not None and ref_disk else None, ".2f"),
             _fmt(args.size_mib / total if total else None, ".0f"),
             _pct(res.median("slowdown")),
+            _fmt(res.median("cpu_s"), ".2f"),
             _fmt(res.first.stall_s if res.first else None),
         ]
         rows.append(row)
         table.add_row(*row)
     console.print(table)
 
-    s_sync = results["stalwart (sync staging)"]
-    s_bg = results["stalwart (background staging)"]
     stager = results.get("dcp.async_save (async stager)")
     checks = []
-    for res in (s_sync, s_bg):
+    for res in [r for n, r in results.items() if n.startswith("stalwart")]:
         stall, total, slow = res.median("stall_s"), res.median("total_s"), res.median("slowdown")
         line = (
             f"{res.name}: stall ÷ torch.save = {_fmt((stall or 0) / (ref_save or 1))} (goal ≤ 0.05)"

@@ -220,3 +220,16 @@ def test_reserve_for_sizes_the_buffer_ahead_of_the_first_save(tmp_path: Path) ->
         assert capacity >= (1 << 22)
         ckpt.save(state, step=1).result(timeout=30)
         assert ckpt._process._buffer.capacity == capacity  # no growth on the first save
+
+
+@pytest.mark.timeout(60)
+def test_reservation_racing_a_save_does_not_deadlock(tmp_path: Path) -> None:
+    cfg = CheckpointerConfig(reserve_bytes=8 << 20)
+    with AsyncCheckpointer(tmp_path, keep_last=1, rank=0, world_size=1, config=cfg) as ckpt:
+        # Saved before the writer is even up: the start-up reservation must not
+        # wait for the buffer this snapshot holds.
+        fut = ckpt.save({"w": torch.ones(1 << 16)}, step=1)
+        ckpt.reserve_for({"w": torch.ones(1 << 20)})
+        ckpt.save({"w": torch.ones(1 << 16)}, step=2)
+        assert fut.result(timeout=30).step == 1
+        ckpt.wait(timeout=30)

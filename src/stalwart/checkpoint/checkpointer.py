@@ -61,6 +61,9 @@ class CheckpointerConfig:
     # Size the staging buffer at start-up, off the training thread, so even the
     # first save() only copies. 0: sized by the first save.
     reserve_bytes: int = 0
+    # Niceness added to the writer child: training wins contended cores, and
+    # the writer still progresses (a large value starves it on a busy host).
+    writer_nice: int = 5
 
 
 def _env_int(name: str, default: int) -> int:
@@ -113,6 +116,7 @@ class AsyncCheckpointer:
                 write_timeout_s=self.config.write_timeout_s,
                 copy_threads=self.config.copy_threads or _default_copy_threads(),
                 reserve_bytes=self.config.reserve_bytes,
+                nice=self.config.writer_nice,
             ),
         )
         self._hook: Any = None

@@ -41,7 +41,7 @@ class WriterProcessConfig:
     log_level: int = logging.WARNING
     # Added to the writer's nice value: it then runs on spare cycles and the
     # training processes win any contention for a core.
-    nice: int = 10
+    nice: int = 5
 
 
 class _InheritedFd:
@@ -147,9 +147,16 @@ class CheckpointProcess:
 
     def _reserve(self, nbytes: int) -> None:
         # Remapping under a copy in progress would pull the memory from under
-        # it, so growth takes the buffer like a snapshot does.
-        with self._buffer_free:
+        # it, so growth must own the buffer like a snapshot does. Never wait for
+        # it, though: the holder's write may be queued behind this very job on
+        # the I/O thread. A snapshot in flight sizes the buffer itself anyway.
+        if not self._buffer_free.acquire(blocking=False):
+            logger.debug("staging buffer busy; skipping the reservation")
+            return
+        try:
             self._buffer.ensure(nbytes)
+        finally:
+            self._buffer_free.release()
 
     def close(self) -> None:
         """Finish queued writes, ask the child to exit, kill it after the shutdown timeout."""
