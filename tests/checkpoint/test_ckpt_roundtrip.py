@@ -233,3 +233,14 @@ def test_reservation_racing_a_save_does_not_deadlock(tmp_path: Path) -> None:
         ckpt.save({"w": torch.ones(1 << 16)}, step=2)
         assert fut.result(timeout=30).step == 1
         ckpt.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_package_does_not_import_the_launcher() -> None:
+    code = (
+        "import sys, stalwart.checkpoint; "
+        "bad = [m for m in sys.modules if m.startswith('stalwart.launch')]; "
+        "assert not bad, bad"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr

@@ -332,8 +332,15 @@ class CheckpointProcess:
             except (EOFError, OSError):
                 pass
         proc.join(timeout=1.0)
+        hint = (
+            "; a script without an `if __name__ == '__main__':` guard is re-run by the "
+            "spawned child and fails there (see the child's stderr)"
+            if init
+            else ""
+        )
         raise WriterDiedError(
-            f"checkpoint writer (pid {proc.pid}) died during {what} (exit code {proc.exitcode})"
+            f"checkpoint writer (pid {proc.pid}) died during {what} "
+            f"(exit code {proc.exitcode}){hint}"
         )
 
     def _stop_child(self, *, graceful: bool) -> None:
