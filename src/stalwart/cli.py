@@ -65,6 +65,10 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(p, "--no-python", action="store_true", help="run the entrypoint as a program")
     _flag(p, "--run-path", action="store_true", help="accepted for torchrun compatibility")
     _flag(p, "--shutdown-timeout", type=float, default=None, help="TERM -> KILL grace, seconds")
+    _flag(p, "--no-warm", action="store_true", help="start every worker cold (no template)")
+    p.add_argument(
+        "--preload", default=None, help="modules the warm template imports, e.g. numpy,mylib"
+    )
     p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
     p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
     hang = p.add_argument_group("hang detection (see docs/monitor.md)")
@@ -224,6 +228,15 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     elif max_nodes > 1 and kw.get("rdzv_backend", "static") == "c10d" and "node_rank" not in m:
         kw["node_rank"] = None  # assigned by the rendezvous in order of arrival
     kw["monitor"] = _monitor_config(ns, m)
+    if ns.no_warm or str(m.get("warm", "true")).lower() in ("0", "false", "no"):
+        kw["warm"] = False
+    preload = ns.preload if ns.preload is not None else m.get("preload")
+    if preload:
+        kw["preload"] = (
+            [str(x) for x in preload]
+            if isinstance(preload, list)
+            else [x.strip() for x in str(preload).split(",") if x.strip()]
+        )
     return LaunchConfig(**kw), ns.verbose
 
 

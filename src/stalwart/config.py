@@ -98,6 +98,8 @@ class LaunchConfig:
     inject: str = ""
     standalone: bool = False
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    warm: bool = True
+    preload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.run_id in ("", "none"):
@@ -180,7 +182,7 @@ def env_overrides(prefix: str = "STALWART_") -> dict[str, str]:
     for key, value in os.environ.items():
         if key.startswith(prefix):
             name = key[len(prefix) :].lower()
-            if name in names and name not in ("entrypoint", "args", "monitor"):
+            if name in names and name not in ("entrypoint", "args", "monitor", "preload"):
                 out[name] = value
     return out
 

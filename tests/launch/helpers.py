@@ -18,9 +18,15 @@ ROOT = Path(__file__).resolve().parents[2]
 STALWART = [sys.executable, "-m", "stalwart.cli"]
 
 
+# Set by conftest for each test: the launcher suite runs with warm starts on and off.
+MODE = {"warm": True}
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     env.pop("OMP_NUM_THREADS", None)
+    if not MODE["warm"]:
+        env["STALWART_WARM"] = "0"
     env.update(extra)
     return env
 

@@ -8,6 +8,7 @@ It makes the worker observable, then runs the user's script or module exactly as
 * an uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's format)
   even when the script has no ``@record``.
 
+Warm workers forked from the template (``zygote.py``) run the same ``run_target``.
 It imports only the standard library and ``stalwart.launch.errors``.
 """
 
@@ -20,34 +21,29 @@ import signal
 import sys
 
 
-def _prepare() -> None:
-    parent = os.environ.get("STALWART_LAUNCHER_PID")
-    if parent:
-        from stalwart.launch.posix import pdeathsig_then_check
-
-        pdeathsig_then_check(int(parent))
+def observe() -> None:
+    """Hooks every worker gets, cold or warm."""
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
-def main() -> None:
-    args = sys.argv[1:]
+def run_target(args: list[str]) -> None:
+    """Runs ``[-m] TARGET ARGS`` as ``python -u`` would; raises what the target raises."""
     as_module = bool(args) and args[0] == "-m"
     if as_module:
         args = args[1:]
     if not args:
         print("usage: python -m stalwart.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
         sys.exit(2)
-    _prepare()
     from stalwart.launch.errors import write_error_file
 
     target = args[0]
+    sys.argv = [target, *args[1:]]
     try:
         if as_module:
-            sys.argv = [target, *args[1:]]
-            # -m semantics: sys.path[0] is the working directory (already so for us).
+            # -m semantics: sys.path[0] is the working directory.
+            sys.path[0] = os.getcwd()
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *args[1:]]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
@@ -62,13 +58,24 @@ def main() -> None:
 
 def _drop_own_frames(exc: BaseException) -> None:
     """The user's traceback should start at their script, not at this bootstrap."""
+    here = {__file__, os.path.join(os.path.dirname(__file__), "zygote.py")}
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         name = tb.tb_frame.f_code.co_filename
-        if name != __file__ and "runpy" not in name:
+        if name not in here and "runpy" not in name:
             break
         tb = tb.tb_next
     exc.__traceback__ = tb
+
+
+def main() -> None:
+    parent = os.environ.get("STALWART_LAUNCHER_PID")
+    if parent:
+        from stalwart.launch.posix import pdeathsig_then_check
+
+        pdeathsig_then_check(int(parent))
+    observe()
+    run_target(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from stalwart.launch import posix
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog
 from stalwart.launch.logs import LogSpec, WorkerLogs
+from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import Guardian, ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.monitor import ControlAction, HangReport, NodeMonitor
 from stalwart.rendezvous import C10dRendezvous, Rendezvous, RendezvousInfo, StoreEndpoint
@@ -187,6 +188,7 @@ class Supervisor:
         self._stopping = False
         self._old_handlers: dict[int, Any] = {}
         self._monitor: NodeMonitor | None = None
+        self._warm: WarmPool | None = None
         self._hangs: dict[int, HangReport] = {}  # pid -> report, this round
 
     # -- signals -----------------------------------------------------------------------
@@ -224,6 +226,7 @@ class Supervisor:
         result: JobResult | None = None
         try:
             self._guardian = Guardian(self._token)
+            self._warm = self._start_warm()
             self._monitor = self._start_monitor()
             if self._rdzv is None:
                 self._rdzv = build_rendezvous(cfg)
@@ -240,11 +243,32 @@ class Supervisor:
                 self._guardian.close()
             if self._monitor is not None:
                 self._monitor.stop()
+            if self._warm is not None:
+                self._warm.close()
             code = result.exit_code if result is not None else 1
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
             self._restore_signals()
         return result
+
+    def _start_warm(self) -> WarmPool | None:
+        """The warm template starts now, so its imports overlap the rendezvous."""
+        cfg = self.cfg
+        if not cfg.warm or cfg.no_python:
+            return None
+        env = dict(os.environ)
+        env["STALWART_RUN_TOKEN"] = self._token
+        # Read by OpenMP when torch loads in the template, so it must be the workers' value.
+        if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"
+
+        def emit(event: str, **fields: Any) -> None:
+            self.events.emit(event, **fields)
+
+        log = str(self.run_dir / "template.log") if self.run_dir is not None else os.devnull
+        pool = WarmPool(list(cfg.preload), env, emit, log_path=log)
+        pool.start()
+        return pool
 
     def _start_monitor(self) -> NodeMonitor:
         """The node's hang monitor: timers always, heartbeats/sections when configured.
@@ -384,6 +408,8 @@ class Supervisor:
             run_token=self._token,
             guardian=self._guardian,
             autoclose=False,
+            warm=self._warm,
+            warm_argv=argv[3:] if self._warm is not None else None,
         )
         ctx.start()
         self._hangs = {}

@@ -35,6 +35,7 @@ from stalwart.launch import posix
 from stalwart.launch.errors import ProcessFailure, record
 from stalwart.launch.guardian import TOKEN_ENV
 from stalwart.launch.logs import Tee, WorkerLogs
+from stalwart.launch.warm import ForkedProcess, WarmPool
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class RunResult:
 class _Worker:
     local_rank: int
     pid: int
-    proc: subprocess.Popen[bytes] | mp.process.BaseProcess
+    proc: subprocess.Popen[bytes] | ForkedProcess | mp.process.BaseProcess
     logs: WorkerLogs
     rank: int | None
     conn: Connection | None = None  # function workers: return value channel
@@ -71,7 +72,7 @@ class _Worker:
     value: Any = None
 
     def exitcode(self) -> int | None:
-        if isinstance(self.proc, subprocess.Popen):
+        if isinstance(self.proc, subprocess.Popen | ForkedProcess):
             return self.proc.poll()
         return self.proc.exitcode
 
@@ -227,6 +228,8 @@ class ProcessContext:
         guardian: Guardian | None = None,
         inherit_env: bool = True,
         autoclose: bool = True,
+        warm: WarmPool | None = None,
+        warm_argv: list[str] | None = None,
     ) -> None:
         self.entrypoint = entrypoint
         self.specs = list(workers)
@@ -237,6 +240,9 @@ class ProcessContext:
         # False: poll() reports a result but leaves stopping the rest to the caller (the
         # supervisor first tells the hang monitor to stop judging the workers).
         self.autoclose = autoclose
+        # Program workers that the warm template can fork instead (argv for run_target).
+        self.warm = warm
+        self.warm_argv = warm_argv
         self._workers: dict[int, _Worker] = {}
         self._watcher = _ExitWatcher()
         self._tee = Tee()
@@ -273,8 +279,41 @@ class ProcessContext:
         self._watcher.start()
         self._tee.start()
 
+    def _start_warm(self, spec: WorkerSpecEntry) -> _Worker | None:
+        assert self.warm is not None and self.warm_argv is not None
+        opened: list[int] = []
+
+        def stream(path: Path | None, console_fd: int, console: bool) -> int:
+            if path is None and console:
+                return console_fd
+            fd = os.open(
+                path if path is not None else os.devnull,
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                0o644,
+            )
+            opened.append(fd)
+            return fd
+
+        try:
+            fds = [
+                0,
+                stream(spec.logs.stdout, 1, spec.logs.console),
+                stream(spec.logs.stderr, 2, spec.logs.console),
+            ]
+            pid = self.warm.spawn(self.warm_argv, self._env(spec), os.getcwd(), fds)
+        finally:
+            for fd in opened:
+                os.close(fd)
+        if pid is None:
+            return None
+        return _Worker(spec.local_rank, pid, ForkedProcess(pid), spec.logs, spec.rank)
+
     def _start_program(self, spec: WorkerSpecEntry) -> _Worker:
         assert isinstance(self.entrypoint, str)
+        if self.warm is not None and self.warm_argv is not None:
+            warm = self._start_warm(spec)
+            if warm is not None:
+                return warm
         out = _open_stream(spec.logs.stdout, spec.logs.console)
         err = _open_stream(spec.logs.stderr, spec.logs.console)
         parent = os.getpid()
@@ -464,7 +503,12 @@ class ProcessContext:
             children = psutil.Process().children(recursive=True)
         except psutil.Error:
             return
+        # The warm template carries the token too (so the guardian can find workers forked
+        # from it), but it serves the next attempt and must survive this one.
+        spare = self.warm.template_pid() if self.warm is not None else None
         for child in children:
+            if child.pid == spare:
+                continue
             try:
                 env = child.environ()
             except psutil.Error:
