@@ -1,0 +1,33 @@
+"""Records what a worker sees of its own start, for comparing warm and cold workers."""
+
+import json
+import os
+import signal
+import sys
+
+preloaded = "torch" in sys.modules  # before this script imported anything heavy
+out = sys.argv[1]
+info = {
+    "name": __name__,
+    "argv": sys.argv[1:],
+    "argv0": os.path.basename(sys.argv[0]),
+    "path0": sys.path[0],
+    "cwd": os.getcwd(),
+    "rank": os.environ["RANK"],
+    "restart": os.environ["TORCHELASTIC_RESTART_COUNT"],
+    "custom": os.environ.get("SEMANTICS_VAR"),
+    "error_file": os.environ["TORCHELASTIC_ERROR_FILE"].endswith("error.json"),
+    "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "sigmask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    "pgid_is_pid": os.getpgid(0) == os.getpid(),
+    "stdout_tty": sys.stdout.isatty(),
+    "main_file": os.path.basename(sys.modules["__main__"].__file__),
+}
+with open(
+    os.path.join(out, f"sem_{os.environ['RANK']}_{'warm' if preloaded else 'cold'}.json"), "w"
+) as fh:
+    json.dump(info, fh)
+print(f"semantics rank {info['rank']}", flush=True)
+if len(sys.argv) > 2 and sys.argv[2] == "fail":
+    raise SystemExit(7)
