@@ -2,8 +2,8 @@
 
 The same job (examples/train_ddp.py, 2 ranks on gloo, async checkpoint every 20 steps,
 rank 1 exits at step 30 of the first attempt) runs under torchrun as-is, torchrun with
-its working configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and stalwart,
-interleaved, several times.  Times come from the workers' own per-step timestamps
+its working configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), stalwart with
+cold workers and stalwart with warm workers (the default), interleaved, several times.  Times come from the workers' own per-step timestamps
 (rank 0 writes one JSON line per step), so every launcher is measured the same way:
 
 * cold launch: from just before the launcher is started to the end of step 0;
@@ -57,7 +57,8 @@ def variants() -> list[Variant]:
             [*TORCHRUN, "--standalone", *common],
             {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         ),
-        Variant("stalwart run", [*STALWART, *common]),
+        Variant("stalwart run --no-warm (cold)", [*STALWART, "--no-warm", *common]),
+        Variant("stalwart run (warm, default)", [*STALWART, *common]),
     ]
 
 
@@ -150,8 +151,8 @@ def main() -> None:
         rows,
         ns.markdown,
     )
-    s = vs[2]
-    print(f"stalwart median: cold {fmt(med(s.cold))}, crash->resumed {fmt(med(s.resume))}")
+    for s in vs[2:]:
+        print(f"{s.name}: cold {fmt(med(s.cold))}, crash->resumed {fmt(med(s.resume))}")
 
 
 if __name__ == "__main__":
