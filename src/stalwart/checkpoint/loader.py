@@ -84,10 +84,10 @@ def complete_steps(directory: str | os.PathLike[str], world_size: int | None = N
             continue
         if world_size is None:
             try:
-                world_size_here = read_manifest(folder / layout.manifest_name(min(committed)))
+                sample = read_manifest(folder / layout.manifest_name(min(committed)))
             except CheckpointCorruptError:
                 continue
-            needed = world_size_here.world_size
+            needed = sample.world_size
         else:
             needed = world_size
         if committed.issuperset(range(needed)):

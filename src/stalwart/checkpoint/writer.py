@@ -148,7 +148,12 @@ class TorchFileWriter:
             ) from exc
         complete = layout.is_complete(final, self.world_size)
         if complete:
-            self._advance_latest(root, step)
+            try:
+                self._advance_latest(root, step)
+            except OSError as exc:
+                # The step is durable and loaders scan folders, not the pointer:
+                # failing the save here would report a good checkpoint as lost.
+                logger.warning("step %d saved but `latest` not moved: %s", step, exc)
             self._retention_due = True
         return SaveResult(
             step=step,
