@@ -202,6 +202,7 @@ def _run_once(variant: str, fault: str, timeout: float) -> tuple[float | None, b
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+        _kill_tagged(tag)  # an orphaned worker would hold the pipe open
         out, _ = proc.communicate()
     # torchrun puts each worker in its own session, and a worker (or a monitor
     # process) can outlive a killed agent: end every process this run started,
@@ -250,13 +251,13 @@ def main() -> None:
         import nvidia_resiliency_ext.inprocess  # noqa: F401
     except ImportError:
         variants = [v for v in variants if v != "nvidia"]
-    console = Console()
+    console = Console(width=110)
     results: dict[tuple[str, str], list[float | None]] = {}
     shrunk: dict[tuple[str, str], int] = {}
     plan = [(v, "exception") for v in variants] + [(v, "hang") for v in variants if v != "torchrun"]
     for repeat in range(args.repeats):
         for variant, fault in plan:  # interleaved, so load drifts hit every column alike
-            value, shrank = _run_once(variant, fault, timeout=90.0)
+            value, shrank = _run_once(variant, fault, timeout=60.0)
             results.setdefault((variant, fault), []).append(value)
             shrunk[(variant, fault)] = shrunk.get((variant, fault), 0) + int(shrank)
             shown = f"{value:.3f}s" if value is not None else "failed (job died)"

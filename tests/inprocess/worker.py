@@ -41,7 +41,7 @@ def fast(**overrides: Any) -> dict[str, Any]:
         progress_watchdog_interval=0.1,
         soft_timeout=20.0,
         hard_timeout=25.0,
-        heartbeat_timeout=1.5,
+        heartbeat_timeout=3.0,
         barrier_timeout=30.0,
         completion_timeout=30.0,
         termination_grace_time=1.0,
