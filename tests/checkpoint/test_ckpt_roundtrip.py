@@ -244,3 +244,16 @@ def test_checkpoint_package_does_not_import_the_launcher() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.timeout(30)
+def test_rank_and_world_size_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with AsyncCheckpointer(tmp_path, keep_last=1) as ckpt:
+        assert (ckpt.rank, ckpt.world_size) == (1, 4)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="outside world_size"):
+        AsyncCheckpointer(tmp_path, keep_last=1, rank=2)

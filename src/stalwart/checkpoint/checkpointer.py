@@ -20,6 +20,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import layout
+from .identity import resolve_rank, resolve_world_size
 from .manifest import default_algorithm
 from .process import CheckpointProcess, WriterProcessConfig
 from .staging import plan
@@ -66,16 +67,12 @@ class CheckpointerConfig:
     writer_nice: int = 5
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
-
-
 class AsyncCheckpointer:
     """Asynchronous, atomic checkpoints of one rank into ``directory``.
 
     ``rank`` and ``world_size`` default to the ``RANK`` / ``WORLD_SIZE``
-    environment variables that stalwart and torchrun set (0 and 1 if unset).
+    environment variables that stalwart and torchrun set, then to an
+    initialised process group, then to 0 and 1.
     A step counts as complete once all ``world_size`` ranks committed it.
     """
 
@@ -91,10 +88,13 @@ class AsyncCheckpointer:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None (keep everything)")
         self.directory = Path(directory)
-        self.rank = _env_int("RANK", 0) if rank is None else rank
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.rank = resolve_rank(rank)
+        self.world_size = resolve_world_size(world_size)
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+            raise ValueError(
+                f"rank {self.rank} is outside world_size {self.world_size}; pass world_size= "
+                "(or set WORLD_SIZE) so a step is complete only once every rank wrote it"
+            )
         self.config = config or CheckpointerConfig()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.last_stall_s = 0.0

@@ -22,6 +22,7 @@ import torch
 
 from . import layout
 from .errors import CheckpointCorruptError
+from .identity import resolve_rank
 from .manifest import Manifest, read_manifest, verify_files
 
 logger = logging.getLogger(__name__)
@@ -34,11 +35,6 @@ class Loaded:
     step: int
     state_dict: Any
     path: Path
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
 
 
 def verify_step(directory: str | os.PathLike[str], step: int, rank: int = 0) -> Manifest:
@@ -104,11 +100,10 @@ def load_latest(
 ) -> Loaded | None:
     """Load the newest checkpoint of ``rank`` that is complete and verifies, or None.
 
-    ``rank`` defaults to the ``RANK`` environment variable (0 if unset).
+    ``rank`` defaults to ``RANK``, then an initialised process group, then 0.
     """
     root = Path(directory)
-    if rank is None:
-        rank = _env_int("RANK", 0)
+    rank = resolve_rank(rank)
     pointer = layout.read_latest(root)
     for step in layout.list_steps(root):
         try:

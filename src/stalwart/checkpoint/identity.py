@@ -1,0 +1,45 @@
+"""Which rank this process is and how many there are, when the caller did not say.
+
+Order of precedence: an explicit argument, then the ``RANK`` / ``WORLD_SIZE``
+environment variables that stalwart and torchrun set, then an initialised
+``torch.distributed`` process group, then a single-process job.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _from_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def _dist() -> tuple[int, int] | None:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def resolve_rank(rank: int | None) -> int:
+    if rank is not None:
+        return rank
+    env = _from_env("RANK")
+    if env is not None:
+        return env
+    d = _dist()
+    return d[0] if d else 0
+
+
+def resolve_world_size(world_size: int | None) -> int:
+    if world_size is not None:
+        return world_size
+    env = _from_env("WORLD_SIZE")
+    if env is not None:
+        return env
+    d = _dist()
+    return d[1] if d else 1
