@@ -41,8 +41,8 @@ def _assert_same(a: object, b: object) -> None:
         for k in a:
             _assert_same(a[k], b[k])
     elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b)  # type: ignore[arg-type]
-        for x, y in zip(a, b, strict=True):  # type: ignore[call-overload]
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
             _assert_same(x, y)
     else:
         assert a == b
