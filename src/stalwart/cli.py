@@ -267,12 +267,14 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
-    _quiet_torch_import(verbose)
     from stalwart.launch.supervisor import Supervisor
     from stalwart.rendezvous import RendezvousError
 
+    sup = Supervisor(cfg)
+    sup.prestart()  # the warm template imports while this process imports torch
+    _quiet_torch_import(verbose)
     try:
-        result = Supervisor(cfg).run()
+        result = sup.run()
     except RendezvousError as err:
         print(f"stalwart run: error: {err}", file=sys.stderr)
         return 3

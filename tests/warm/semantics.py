@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 preloaded = "torch" in sys.modules  # before this script imported anything heavy
 out = sys.argv[1]

@@ -225,8 +225,7 @@ class Supervisor:
         )
         result: JobResult | None = None
         try:
-            self._guardian = Guardian(self._token)
-            self._warm = self._start_warm()
+            self.prestart()
             self._monitor = self._start_monitor()
             if self._rdzv is None:
                 self._rdzv = build_rendezvous(cfg)
@@ -250,6 +249,14 @@ class Supervisor:
             self.events.close()
             self._restore_signals()
         return result
+
+    def prestart(self) -> None:
+        """Starts the guardian and the warm template; cheap, and torch-free, so a caller
+        can do it before anything imports torch in the launcher (``run`` does it too)."""
+        if self._guardian is None:
+            self._guardian = Guardian(self._token)
+        if self._warm is None:
+            self._warm = self._start_warm()
 
     def _start_warm(self) -> WarmPool | None:
         """The warm template starts now, so its imports overlap the rendezvous."""

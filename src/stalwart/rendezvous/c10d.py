@@ -15,11 +15,12 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
-from torch._C._distributed_c10d import TCPStore
+from typing import TYPE_CHECKING, Any
 
 from stalwart.rendezvous.api import RendezvousError, RendezvousInfo
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class C10dRendezvous:
         self.is_host = host_store
         self._master_addr = master_addr
         self._worker_stores: dict[int, TCPStore] = {}
+        # torch loads here, not at import: the launcher starts the warm template first so
+        # that both imports overlap.
+        from torch._C._distributed_c10d import TCPStore
+
         timeout = timedelta(seconds=join_timeout)
         try:
             if host_store:
@@ -150,6 +155,8 @@ class C10dRendezvous:
     def _open_worker_store(self, round_: int) -> None:
         # Old rounds' stores are closed so a straggler of a dead attempt cannot reach its
         # peers' successors through them.
+        from torch._C._distributed_c10d import TCPStore
+
         for r in list(self._worker_stores):
             del self._worker_stores[r]
         store = TCPStore(
