@@ -25,10 +25,17 @@ info = {
     "stdout_tty": sys.stdout.isatty(),
     "main_file": os.path.basename(sys.modules["__main__"].__file__),
 }
-with open(
-    os.path.join(out, f"sem_{os.environ['RANK']}_{'warm' if preloaded else 'cold'}.json"), "w"
-) as fh:
+mode = "warm" if preloaded else "cold"
+tmp = os.path.join(out, f"sem_{info['rank']}_{mode}.tmp")
+with open(tmp, "w") as fh:
     json.dump(info, fh)
+os.rename(tmp, os.path.join(out, f"sem_{info['rank']}_{mode}.json"))
 print(f"semantics rank {info['rank']}", flush=True)
-if len(sys.argv) > 2 and sys.argv[2] == "fail":
+if len(sys.argv) > 2 and sys.argv[2] == "fail" and info["rank"] == "0":
+    # Fail only once rank 1 has written its record, or the launcher would stop it first.
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, f"sem_1_{mode}.json")):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     raise SystemExit(7)

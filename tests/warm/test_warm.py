@@ -39,7 +39,7 @@ def test_warm_worker_sees_what_a_cold_one_sees(tmp_path: Path) -> None:
             env=clean_env(SEMANTICS_VAR="hello"),
         )
         assert proc.returncode == 1, proc.stderr
-        assert "exit code 7" in proc.stderr  # failures reported alike
+        assert "root cause: rank 0" in proc.stderr and "exit code 7" in proc.stderr
         results[mode] = _sem(out, mode)
         # stdout was redirected to the per-rank file in both modes
         assert (
