@@ -15,7 +15,7 @@ itself on this kind of machine.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import io
 import logging
 import mmap
@@ -175,10 +175,16 @@ class SharedBuffer:
             _unmap(self._map)
             self._map = None
             os.ftruncate(self.fd, new_cap)
-            with contextlib.suppress(OSError):
-                # Reserve the pages now so a later copy cannot fault on a full tmpfs.
+            try:
+                # Allocate the pages now: out of memory is then an error here,
+                # not a SIGBUS in the middle of a copy.
                 os.posix_fallocate(self.fd, 0, new_cap)
-            self._map = _map(self.fd, new_cap, populate=True)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            # Not MAP_POPULATE: the copy threads fault the pages in, in parallel,
+            # which measured a little faster than one populating mmap call.
+            self._map = _map(self.fd, new_cap, populate=False)
             self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
             self.capacity = new_cap
 
