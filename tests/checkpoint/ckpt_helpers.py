@@ -39,6 +39,12 @@ class ScriptedWriter:
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = Path(out_dir)
+        self.stuck_housekeeping = False
+
+    def housekeeping(self) -> None:
+        # Lets a test keep the child busy after it reported a write done.
+        while self.stuck_housekeeping:
+            time.sleep(3600)
 
     def write(
         self, state_dict: Any, path: str, *, release: Callable[[], None], **kwargs: Any
@@ -50,6 +56,8 @@ class ScriptedWriter:
             os._exit(17)
         if mode == "hang":
             time.sleep(3600)
+        if mode == "stuck_after":
+            self.stuck_housekeeping = True
         torch.save(state_dict, self.out_dir / path)
         release()
         return {"pid": os.getpid(), "path": path}

@@ -144,3 +144,17 @@ def test_close_stops_the_child(tmp_path: Path) -> None:
     assert _pid_gone(pid)
     with pytest.raises(RuntimeError, match="closed"):
         proc.write({"t": torch.ones(3)}, "b.pt")
+
+
+@pytest.mark.timeout(60)
+def test_close_kills_a_child_that_does_not_exit_in_time(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, shutdown_timeout_s=1.0)
+    proc.wait_ready()
+    pid = proc.pid
+    assert pid is not None
+    # The write succeeds, then the child stays busy and never reads the exit request.
+    proc.write({"t": torch.ones(3)}, "a.pt", mode="stuck_after").result(timeout=30)
+    t0 = time.monotonic()
+    proc.close()
+    assert time.monotonic() - t0 < 10
+    assert _pid_gone(pid)
