@@ -20,9 +20,12 @@ class PipeError(RuntimeError):
 class PipeWriter:
     """Writes whole lines (each <= PIPE_BUF) to a FIFO; reopens after fork."""
 
-    def __init__(self, path: str, full_pipe_wait: float = 10.0) -> None:
+    def __init__(self, path: str, full_pipe_wait: float = 10.0, keep_open: bool = True) -> None:
         self.path = path
         self.full_pipe_wait = full_pipe_wait
+        # torch's FileTimerServer blocks in readline() while any writer holds the pipe
+        # open, so its expiry checks starve; against it, open-write-close each message.
+        self.keep_open = keep_open
         self._fd = -1
         self._pid = -1
         self._lock = threading.Lock()
@@ -64,6 +67,8 @@ class PipeWriter:
                     raise PipeError(f"monitor stopped reading {self.path}") from None
                 if written != len(line):
                     raise PipeError(f"short write to {self.path} ({written} of {len(line)} bytes)")
+                if not self.keep_open:
+                    self.close()
                 return
 
     def close(self) -> None:

@@ -37,10 +37,10 @@ def timer_file_from_env() -> str | None:
 class TimerClient:
     """Sends acquire/release requests for this process to the node's timer server."""
 
-    def __init__(self, path: str, sig: int = signal.SIGTERM) -> None:
+    def __init__(self, path: str, sig: int = signal.SIGTERM, keep_open: bool = True) -> None:
         self.path = path
         self.signal = int(sig)
-        self._writer = PipeWriter(path)
+        self._writer = PipeWriter(path, keep_open=keep_open)
 
     def acquire(self, scope_id: str, expiration_time: float, sig: int | None = None) -> None:
         """Arms a timer that expires at wall-clock `expiration_time`."""
@@ -78,7 +78,8 @@ def _default_client() -> TimerClient | None:
             )
         return None
     if _default is None or _default.path != path:
-        _default = TimerClient(path)
+        # Only stalwart's server reads a pipe that stays open; torch's needs open-write-close.
+        _default = TimerClient(path, keep_open=bool(os.environ.get(envvars.TIMER_FILE)))
     return _default
 
 
