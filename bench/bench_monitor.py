@@ -22,13 +22,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+sys.path.insert(0, str(Path(__file__).parent))
+from common import show
 
 from stalwart.monitor import MonitorConfig, NodeMonitor, RankMonitorClient
 from stalwart.monitor.timer import TimerClient
-
-console = Console()
 
 
 def per_call_us(fn: Callable[[int], None], n: int, repeats: int, pause: float = 0.0) -> list[float]:
@@ -230,6 +228,7 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer calls per batch")
+    ap.add_argument("--markdown", action="store_true", help="print markdown tables")
     args = ap.parse_args()
     scale = 10 if args.quick else 1
     with tempfile.TemporaryDirectory() as d:
@@ -239,35 +238,34 @@ def main() -> None:
         nvidia = bench_nvidia(tmp, args.repeats, scale)
         detection = bench_detection(tmp, args.repeats)
 
-    table = Table(title=f"Per-call cost, µs (median of {args.repeats})")
-    table.add_column("call")
-    table.add_column("stalwart", justify="right")
-    table.add_column("torch FileTimer", justify="right")
-    table.add_column("NVIDIA RankMonitorClient", justify="right")
     nv = nvidia if isinstance(nvidia, dict) else {}
-    for row in (
-        "heartbeat",
-        "section open+close",
-        "timer acquire+release",
-        "timer burst 5000 pairs",
-    ):
-        table.add_row(row, fmt(ours.get(row)), fmt(theirs.get(row)), fmt(nv.get(row)))
-    console.print(table)
-    if isinstance(nvidia, str):
-        console.print(f"NVIDIA column {nvidia}")
-
-    lat = Table(
-        title=f"Hang → detection, heartbeat timeout 2 s, check interval 0.1 s ({args.repeats} runs)"
-    )
-    lat.add_column("measure")
-    for col in ("min", "median", "max"):
-        lat.add_column(col, justify="right")
-    for name, values in detection.items():
-        lat.add_row(
-            name, f"{min(values):.3f}", f"{statistics.median(values):.3f}", f"{max(values):.3f}"
+    rows = [
+        [row, fmt(ours.get(row)), fmt(theirs.get(row)), fmt(nv.get(row))]
+        for row in (
+            "heartbeat",
+            "section open+close",
+            "timer acquire+release",
+            "timer burst 5000 pairs",
         )
-    console.print(lat)
-    console.print("Goal: heartbeat ≤ 1 µs, section open+close ≤ 2 µs, detection ≤ timeout + 0.2 s.")
+    ]
+    show(
+        f"Per-call cost, µs (median of {args.repeats})",
+        ["call", "stalwart", "torch FileTimer", "NVIDIA RankMonitorClient"],
+        rows,
+        args.markdown,
+    )
+    if isinstance(nvidia, str):
+        print(f"NVIDIA column {nvidia}")
+    show(
+        f"Hang → detection, heartbeat timeout 2 s, check interval 0.1 s ({args.repeats} runs), s",
+        ["measure", "min", "median", "max"],
+        [
+            [name, f"{min(v):.3f}", f"{statistics.median(v):.3f}", f"{max(v):.3f}"]
+            for name, v in detection.items()
+        ],
+        args.markdown,
+    )
+    print("Goal: heartbeat ≤ 1 µs, section open+close ≤ 2 µs, detection ≤ timeout + 0.2 s.")
 
 
 if __name__ == "__main__":

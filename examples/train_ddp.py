@@ -13,6 +13,7 @@ run would have (``--out`` writes their checksum).  It runs under ``torchrun`` to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -24,8 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from stalwart import inject
+from stalwart import inject, timer
 from stalwart.checkpoint import AsyncCheckpointer, load_latest
+from stalwart.monitor import RankMonitorClient
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,6 +46,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes the final result as JSON")
     p.add_argument("--quiet", action="store_true", help="print every 10th step only")
+    p.add_argument(
+        "--heartbeat", action="store_true", help="heartbeat to the hang monitor each step"
+    )
+    p.add_argument(
+        "--step-timer", type=float, default=None, help="run each step under a timer of S seconds"
+    )
     return p.parse_args()
 
 
@@ -105,15 +113,26 @@ def main() -> None:
     )
     progress = open(args.progress, "a") if args.progress and rank == 0 else None  # noqa: SIM115
 
+    monitor = RankMonitorClient() if args.heartbeat else None
+    if monitor is not None:
+        monitor.init_workload_monitoring()
     loss_value = float("nan")
     for step in range(start, args.steps):
-        inject.step(step)
-        x, y = batch(args.seed, step, rank, args.batch)
-        opt.zero_grad(set_to_none=True)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        loss_value = loss.item()
+        guard = (
+            timer.expires(after=args.step_timer, scope="step")
+            if args.step_timer
+            else contextlib.nullcontext()
+        )
+        with guard:
+            inject.step(step)
+            x, y = batch(args.seed, step, rank, args.batch)
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+            loss_value = loss.item()
+        if monitor is not None:
+            monitor.send_heartbeat()
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if rank == 0 and (not args.quiet or step % 10 == 0):
@@ -132,6 +151,9 @@ def main() -> None:
                 {"model": model.state_dict(), "optim": opt.state_dict(), "step": done}, step=done
             )
 
+    if monitor is not None:
+        # Training is over: waiting for the last save is not a hang.
+        monitor.shutdown_workload_monitoring()
     if ckpt is not None:
         ckpt.wait()
         ckpt.close()
