@@ -123,4 +123,6 @@ def test_twenty_restarts_leak_no_threads_or_fds() -> None:
         fds = [int(s["fds"]) for s in samples]  # type: ignore[call-overload]
         # Iteration 0 may differ (lazy imports open files once); after that, flat.
         assert max(threads[1:]) == min(threads[1:]) == threads[1]
-        assert max(fds[-5:]) <= max(fds[1:6]), fds
+        # The store host's count wobbles by a connection or two (peers' clients
+        # close asynchronously); one leaked fd per restart would add 20.
+        assert max(fds[-5:]) <= max(fds[1:6]) + 2, fds

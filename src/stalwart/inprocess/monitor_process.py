@@ -52,6 +52,8 @@ class MonitorProcess:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close the clock and end the child now rather than at its next poll."""
+        if self.proc.returncode is not None:
+            return
         self.clock.close()
         with contextlib.suppress(ProcessLookupError):
             self.proc.terminate()

@@ -23,6 +23,7 @@ from .store import CoordStore
 log = logging.getLogger(__name__)
 
 _FLAG_POLL = 0.005
+_RELEASE_GRACE = 0.25
 
 
 class AtomicGate:
@@ -39,6 +40,9 @@ class AtomicGate:
     def __init__(self) -> None:
         self.depth = 0
         self.pending = False
+        # True while the main thread runs the monitored part of an iteration
+        # (initialize, the function, the completion barrier).
+        self.busy = False
 
     def enter(self) -> None:
         self.depth += 1
@@ -67,6 +71,7 @@ class MonitorThread(threading.Thread):
         interval: float,
         soft_timeout: float,
         main_thread_id: int,
+        on_poll: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name=f"stalwart-inprocess-monitor-{state.iteration}", daemon=True)
         self.state = state
@@ -78,6 +83,7 @@ class MonitorThread(threading.Thread):
         self.interval = interval
         self.soft_timeout = soft_timeout
         self.main_thread_id = main_thread_id
+        self.on_poll = on_poll
         self.fired = False
         self.reason: InterruptionRecord | None = None
         self._stop_event = threading.Event()
@@ -93,6 +99,8 @@ class MonitorThread(threading.Thread):
         it = self.state.iteration
         next_check = time.monotonic() + self.interval
         while not self._stop_event.wait(_FLAG_POLL):
+            if self.on_poll is not None:
+                self.on_poll()
             record = self.store.fault(it)
             if record is None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.interval
@@ -139,13 +147,26 @@ class MonitorThread(threading.Thread):
             record.kind.value,
             record.message[:200],
         )
+        # From here on the restart is the wrapper's work, not user progress:
+        # the hard timeout falls back to the automatic tick.
+        self.clock.disarm()
         if self.abort is not None:
             try:
                 self.abort(self.state)
             except Exception:
                 log.exception("abort failed on rank %d", self.state.rank)
-        raise_in_thread(self.main_thread_id, RestartAbort)
-        wake(self.main_thread_id)
+        # A main thread blocked in a collective returns by itself once abort
+        # closed its connections, with an ordinary exception.  Injecting the
+        # restart there instead can land it inside torch's C++ -> Python
+        # callbacks (autograd, DDP hooks); measured: the failed iteration's DDP
+        # objects then deadlock, GIL held, when they are freed.  So give it a
+        # moment, and inject only into a thread still busy in user code.
+        deadline = time.monotonic() + _RELEASE_GRACE
+        while self.gate.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if self.gate.busy:
+            raise_in_thread(self.main_thread_id, RestartAbort)
+            wake(self.main_thread_id)
 
     def request_stop(self) -> None:
         """Ask the thread to end without firing; returns at once."""

@@ -1,4 +1,4 @@
-"""Progress timestamps shared with the monitor process, and the ticker thread.
+"""Progress timestamps shared with the monitor process, and the periodic threads.
 
 The clock is a 32-byte file mapped into memory (in /dev/shm when it exists) so
 the monitor process can read it even while this interpreter is stuck with the
@@ -6,9 +6,9 @@ GIL held.  Layout (little-endian doubles): automatic tick, last ``ping()``,
 manual mode armed (1.0/0.0), closed flag.  All times are ``time.monotonic()``,
 which is system-wide on Linux.
 
-The ticker thread refreshes the automatic tick and this rank's store heartbeat
-every ``interval``; it stops when the GIL is held for good, which is exactly
-what the hard timeout and the peers' heartbeat checks detect.
+Two ``Periodic`` threads refresh the automatic tick and this rank's store
+heartbeat every ``interval``; both stop when the GIL is held for good, which is
+exactly what the hard timeout and the peers' heartbeat checks detect.
 """
 
 from __future__ import annotations
@@ -83,28 +83,29 @@ class ProgressClock:
             os.unlink(self.path)
 
 
-class Ticker(threading.Thread):
-    """Background thread: automatic progress tick plus store heartbeat."""
+class Periodic(threading.Thread):
+    """Background thread calling ``action`` every ``interval`` seconds.
 
-    def __init__(
-        self, clock: ProgressClock, heartbeat: Callable[[], None], interval: float
-    ) -> None:
-        super().__init__(name="stalwart-inprocess-ticker", daemon=True)
-        self.clock = clock
-        self.heartbeat = heartbeat
+    The progress tick and the store heartbeat run on separate instances, so a
+    heartbeat stuck on a slow or vanished store never stops the tick that tells
+    the monitor process this interpreter is alive.
+    """
+
+    def __init__(self, name: str, action: Callable[[], None], interval: float) -> None:
+        super().__init__(name=f"stalwart-inprocess-{name}", daemon=True)
+        self.action = action
         self.interval = interval
         self._stop_event = threading.Event()
         self._failures = 0
 
     def beat(self) -> None:
-        self.clock.tick()
         try:
-            self.heartbeat()
+            self.action()
             self._failures = 0
-        except Exception as exc:  # the store host may be gone; keep ticking locally
+        except Exception as exc:  # the store host may be gone; keep trying
             self._failures += 1
             if self._failures in (1, 10, 100):
-                log.warning("heartbeat to store failed (%d times): %s", self._failures, exc)
+                log.warning("%s failed (%d times): %s", self.name, self._failures, exc)
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
@@ -112,4 +113,7 @@ class Ticker(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
-        self.join()
+        if self.is_alive():
+            # Bounded: a call stuck on an unreachable store must not hold the
+            # exit; the thread is a daemon.
+            self.join(timeout=max(5.0, 2 * self.interval))

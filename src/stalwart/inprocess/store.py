@@ -27,6 +27,8 @@ from .state import InterruptionRecord
 log = logging.getLogger(__name__)
 
 PREFIX = "stalwart/inprocess/"
+# Set by the wrapper while it runs: the environment no longer describes the launcher.
+_ITERATION_ENV = "STALWART_INPROCESS_ITERATION"
 _POLL_MIN = 0.002
 _POLL_MAX = 0.02
 
@@ -38,23 +40,38 @@ def tcp_store(
     port: int | None = None,
     timeout: float = 300.0,
 ) -> Store:
-    """The default store factory: a ``TCPStore`` hosted by initial rank 0.
+    """The default store factory.
 
-    ``MASTER_PORT`` belongs to the training code's own ``init_process_group``,
-    so the default port is ``STALWART_INPROCESS_PORT`` or ``MASTER_PORT + 1``.
+    * Under a torchrun agent that shares its store with workers
+      (``TORCHELASTIC_USE_AGENT_STORE=True``): a client of that store, under a
+      per-attempt prefix.  It lives in the agent, so it outlives any rank.
+    * Otherwise: a ``TCPStore`` hosted by initial rank 0 on
+      ``STALWART_INPROCESS_PORT`` or ``MASTER_PORT``.  Taking ``MASTER_PORT``
+      is safe because the wrapper hands the training code's ``env://`` a fresh
+      port every iteration (and it avoids guessing a second free port).
     """
     addr = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    env_port = os.environ.get("STALWART_INPROCESS_PORT")
+    agent = (
+        port is None
+        and not env_port
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and not os.environ.get(_ITERATION_ENV)
+    )
     if port is None:
-        env_port = os.environ.get("STALWART_INPROCESS_PORT")
-        port = int(env_port) if env_port else int(os.environ.get("MASTER_PORT", "29500")) + 1
-    return TCPStore(
+        port = int(env_port) if env_port else int(os.environ.get("MASTER_PORT", "29500"))
+    store = TCPStore(
         addr,
         port,
-        is_master=is_host,
+        is_master=is_host and not agent,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
         use_libuv=True,
     )
+    if agent:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return PrefixStore(f"stalwart-inprocess/attempt{attempt}/", store)
+    return store
 
 
 def store_port(store: Store) -> int | None:
