@@ -77,3 +77,32 @@ def launch(
         ]
         results.append(RankResult(rank, proc.returncode, events, out))
     return results
+
+
+def launch_torchrun(
+    scenario: str, world_size: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> tuple[int, list[dict[str, Any]], str]:
+    """Run the scenario under plain ``torchrun`` (its own env vars and store)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    penv = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    penv.pop("STALWART_INPROCESS_PORT", None)
+    penv.update(env or {})
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        str(world_size),
+        "--max-restarts",
+        "0",
+        str(WORKER),
+        scenario,
+    ]
+    proc = subprocess.run(
+        cmd, env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
+    events = [
+        json.loads(line[len("EVENT ") :])
+        for line in proc.stdout.splitlines()
+        if line.startswith("EVENT ")
+    ]
+    return proc.returncode, events, proc.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import RankResult, launch
+from .harness import RankResult, launch, launch_torchrun
 
 
 def _entries(result: RankResult) -> list[dict[str, object]]:
@@ -126,3 +126,18 @@ def test_twenty_restarts_leak_no_threads_or_fds() -> None:
         # The store host's count wobbles by a connection or two (peers' clients
         # close asynchronously); one leaked fd per restart would add 20.
         assert max(fds[-5:]) <= max(fds[1:6]) + 2, fds
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("share_store", [True, False], ids=["agent-store", "own-store"])
+def test_under_plain_torchrun(share_store: bool) -> None:
+    # With the agent's store shared (torchrun's default) the wrapper coordinates
+    # through it; with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 rank 0 hosts on MASTER_PORT.
+    env = {} if share_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    rc, events, out = launch_torchrun("exception", env=env, timeout=80)
+    assert rc == 0, out[-4000:]
+    results = [e for e in events if e["kind"] == "result"]
+    assert sorted(e["initial_rank"] for e in results) == [0, 1]
+    assert all(e["value"] == 10 for e in results)
+    entries = [e for e in events if e["kind"] == "enter"]
+    assert sorted(e["iteration"] for e in entries) == [0, 0, 1, 1]

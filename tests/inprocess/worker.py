@@ -29,8 +29,8 @@ GLOO_TIMEOUT = datetime.timedelta(seconds=30)
 
 def emit(kind: str, **fields: Any) -> None:
     fields.update(kind=kind, t=time.time(), initial_rank=INITIAL_RANK)
-    sys.stdout.write("EVENT " + json.dumps(fields) + "\n")
-    sys.stdout.flush()
+    # One write per line: under torchrun both ranks share one pipe.
+    os.write(1, ("EVENT " + json.dumps(fields) + "\n").encode())
 
 
 def fast(**overrides: Any) -> dict[str, Any]:

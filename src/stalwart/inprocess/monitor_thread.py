@@ -23,7 +23,7 @@ from .store import CoordStore
 log = logging.getLogger(__name__)
 
 _FLAG_POLL = 0.005
-_RELEASE_GRACE = 0.25
+_RELEASE_GRACE = 0.1
 
 
 class AtomicGate:
