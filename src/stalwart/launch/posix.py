@@ -47,3 +47,28 @@ def group_alive(pgid: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def reap_orphans(keep: set[int]) -> list[int]:
+    """Reaps exited children that are not in *keep*: as a subreaper the launcher inherits
+    its workers' orphaned descendants, and must collect them or they stay zombies.
+    Children in *keep* have owners (``Popen``, the worker handles) that wait for them."""
+    import psutil
+
+    reaped: list[int] = []
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return reaped
+    for child in children:
+        if child.pid in keep:
+            continue
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                continue
+            pid, _ = os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            continue
+        if pid:
+            reaped.append(pid)
+    return reaped

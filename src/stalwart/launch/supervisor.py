@@ -213,7 +213,6 @@ class Supervisor:
     def run(self) -> JobResult:
         cfg = self.cfg
         self._install_signals()
-        posix.set_child_subreaper()
         self.events.emit(
             "launcher_start",
             nnodes=cfg.nnodes,
@@ -253,6 +252,8 @@ class Supervisor:
     def prestart(self) -> None:
         """Starts the guardian and the warm template; cheap, and torch-free, so a caller
         can do it before anything imports torch in the launcher (``run`` does it too)."""
+        # Before the template forks anything: workers it makes are re-parented to us.
+        posix.set_child_subreaper()
         if self._guardian is None:
             self._guardian = Guardian(self._token)
         if self._warm is None:
@@ -441,9 +442,13 @@ class Supervisor:
         self._ctx = ctx = self._start(info)
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
+        last_reap = time.monotonic()
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
             self._collect_hangs()
+            if time.monotonic() - last_reap > 1.0:
+                self._reap_orphans(ctx)
+                last_reap = time.monotonic()
             if result is not None:
                 if result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
@@ -471,8 +476,19 @@ class Supervisor:
             self._monitor.end_attempt()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
         self._emit_exits(ctx, info.round)
+        self._reap_orphans(ctx)
         self._ctx = None
         return outcome, result
+
+    def _reap_orphans(self, ctx: ProcessContext) -> None:
+        keep = set(ctx.pids().values())
+        for helper in (
+            self._guardian.proc.pid if self._guardian else None,
+            self._warm.owned_pid() if self._warm else None,
+        ):
+            if helper is not None:
+                keep.add(helper)
+        posix.reap_orphans(keep)
 
     def _collect_hangs(self) -> None:
         if self._monitor is not None:

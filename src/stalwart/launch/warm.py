@@ -197,6 +197,10 @@ class WarmPool:
             return None
         return int(ans["pid"])
 
+    def owned_pid(self) -> int | None:
+        """The template's pid while our ``Popen`` still owns it (alive or not yet reaped)."""
+        return self._proc.pid if self._proc is not None else None
+
     def template_pid(self) -> int | None:
         return self._proc.pid if self._alive() and self._proc is not None else None
 
