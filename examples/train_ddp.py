@@ -168,6 +168,11 @@ def main() -> None:
         print(f"done: {json.dumps(result)}", flush=True)
         if args.out:
             args.out.write_text(json.dumps(result))
+    # Free DDP while torch still owns the process group, so that the group dies in
+    # destroy_process_group(), whose path releases the GIL. Dying in the reducer's
+    # destructor, it would join gloo's threads with the GIL held, and a thread freeing a
+    # finished work needs the GIL: a deadlock at exit (cf. pytorch/pytorch#56297).
+    del ddp
     dist.destroy_process_group()
 
 
