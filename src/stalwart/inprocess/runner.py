@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import gc
 import logging
 import os
@@ -27,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore
 
 from .abort import destroy_process_groups
 from .asyncexc import clear_pending, install_wake_handler
@@ -41,6 +39,7 @@ from .errors import (
     RestartError,
 )
 from .groups import GroupKeeper
+from .iteration_stores import IterationStores
 from .monitor_process import MonitorProcess
 from .monitor_thread import AtomicGate, MonitorThread
 from .options import Options
@@ -66,37 +65,6 @@ def _env_int(name: str) -> int:
     if value is None:
         raise InProcessError(f"{name} is not set: run under torchrun or `stalwart run`")
     return int(value)
-
-
-class _IterationStores:
-    """On the store host: one fresh TCPStore server per iteration for ``env://`` users.
-
-    Each iteration's ``init_process_group`` then meets an empty, already
-    listening store (as a client, like under a torchrun agent), so no key of a
-    failed iteration is ever read and no rank waits for a server to come up.
-    """
-
-    def __init__(self) -> None:
-        self._stores: dict[int, TCPStore] = {}
-
-    def open(self, iteration: int) -> int:
-        store = TCPStore(
-            "0.0.0.0",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=300),
-            use_libuv=True,
-        )
-        self._stores[iteration] = store
-        return int(store.port)
-
-    def close_before(self, iteration: int) -> None:
-        for it in [i for i in self._stores if i < iteration]:
-            del self._stores[it]
-
-    def close(self) -> None:
-        self._stores.clear()
 
 
 @dataclasses.dataclass
@@ -170,7 +138,7 @@ class Runner:
         gc.freeze()
         self._closers.append(gc.unfreeze)
         self.groups = GroupKeeper()
-        self.iteration_stores = _IterationStores()
+        self.iteration_stores = IterationStores()
         self._closers.append(self.iteration_stores.close)
         self.call_obj = Call(self.state, self.clock, self.gate, None)
 
