@@ -11,10 +11,15 @@ group with setsid), then exits.  It imports nothing heavy so it starts in millis
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "STALWART_RUN_TOKEN"
 
@@ -49,6 +54,47 @@ def kill_everything(token: str, groups: set[int]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+class Guardian:
+    """Handle on the guardian process (see ``guardian.py``)."""
+
+    def __init__(self, token: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.launch.guardian", token],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+            env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
+        )
+        self._lock = threading.Lock()
+
+    def _send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        with self._lock:
+            try:
+                self.proc.stdin.write(line.encode() + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                logger.warning("guardian process is gone; orphan protection reduced")
+
+    def register(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def unregister(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        self._send("exit")
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def main(argv: list[str]) -> int:

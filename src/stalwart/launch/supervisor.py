@@ -26,13 +26,15 @@ from typing import Any
 
 from stalwart.config import LaunchConfig
 from stalwart.launch import posix
+from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog
-from stalwart.launch.logs import LogSpec, WorkerLogs
+from stalwart.launch.guardian import Guardian
+from stalwart.launch.hangs import HangWatch
+from stalwart.launch.logs import LogSpec
 from stalwart.launch.warm import WarmPool
-from stalwart.launch.workers import Guardian, ProcessContext, RunResult, WorkerSpecEntry
-from stalwart.monitor import ControlAction, HangReport, NodeMonitor
-from stalwart.rendezvous import C10dRendezvous, Rendezvous, RendezvousInfo, StoreEndpoint
+from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
+from stalwart.rendezvous import Rendezvous, RendezvousInfo, from_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +58,6 @@ class RoundOutcome(Enum):
     SHUTDOWN_REQUESTED = "shutdown_requested"
 
 
-# How long to wait for the monitor's report after a worker it terminated has exited: the
-# report is filed microseconds after the signal, so this only bounds a pathological case.
-_HANG_REPORT_WAIT = 1.0
-
-
 class SignalReceived(Exception):
     """A termination signal reached the launcher; the job must stop now."""
 
@@ -77,84 +74,6 @@ class JobResult:
     failures: list[ProcessFailure]
     return_values: dict[int, Any]
     run_dir: Path | None
-
-
-def build_rendezvous(cfg: LaunchConfig) -> C10dRendezvous:
-    """The c10d store the nodes meet at (a private loopback one for a single node)."""
-    join_timeout = cfg.join_timeout
-    if cfg.nnodes == 1:
-        return C10dRendezvous(
-            run_id=cfg.run_id,
-            nnodes=1,
-            endpoint=StoreEndpoint("127.0.0.1", 0),
-            host_store=True,
-            node_rank=0,
-            master_addr=cfg.effective_master_addr,
-            join_timeout=join_timeout,
-        )
-    if cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
-        endpoint = StoreEndpoint(cfg.effective_master_addr, cfg.master_port)
-        if cfg.rdzv_endpoint:
-            endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint, cfg.master_port)
-        is_host = cfg.node_rank == 0
-    else:
-        endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint)
-        explicit = cfg.rdzv_conf.get("is_host")
-        is_host = (
-            explicit.lower() in ("1", "true", "yes") if explicit is not None else cfg.node_rank == 0
-        )
-    return C10dRendezvous(
-        run_id=cfg.run_id,
-        nnodes=cfg.nnodes,
-        endpoint=endpoint,
-        host_store=is_host,
-        node_rank=cfg.node_rank,
-        master_addr=endpoint.host,
-        join_timeout=join_timeout,
-    )
-
-
-def worker_env(
-    cfg: LaunchConfig, info: RendezvousInfo, local_rank: int, logs: WorkerLogs
-) -> dict[str, str]:
-    """torchrun's variables, with torchrun's values (checked by a test against torchrun)."""
-    rank = info.base_rank + local_rank
-    env = {
-        "LOCAL_RANK": str(local_rank),
-        "RANK": str(rank),
-        "GROUP_RANK": str(info.group_rank),
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": cfg.role,
-        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-        "WORLD_SIZE": str(info.world_size),
-        "GROUP_WORLD_SIZE": str(info.group_world_size),
-        "ROLE_WORLD_SIZE": str(info.world_size),
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": str(info.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(info.round),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-        "TORCHELASTIC_RUN_ID": cfg.run_id,
-        # Workers join the per-round store the launcher hosts instead of starting one.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "TORCHELASTIC_ERROR_FILE": str(logs.error_file) if logs.error_file else "",
-    }
-    if cfg.inject:
-        env["STALWART_INJECT"] = cfg.inject
-    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def program_argv(cfg: LaunchConfig) -> tuple[str, list[str]]:
-    """The program and arguments each worker runs."""
-    if cfg.no_python:
-        return cfg.entrypoint, list(cfg.args)
-    boot = ["-u", "-m", "stalwart.launch.bootstrap"]
-    if cfg.module:
-        return sys.executable, [*boot, "-m", cfg.entrypoint, *cfg.args]
-    return sys.executable, [*boot, cfg.entrypoint, *cfg.args]
 
 
 class Supervisor:
@@ -187,9 +106,8 @@ class Supervisor:
         self._token = uuid.uuid4().hex
         self._stopping = False
         self._old_handlers: dict[int, Any] = {}
-        self._monitor: NodeMonitor | None = None
+        self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
-        self._hangs: dict[int, HangReport] = {}  # pid -> report, this round
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -225,9 +143,9 @@ class Supervisor:
         result: JobResult | None = None
         try:
             self.prestart()
-            self._monitor = self._start_monitor()
+            self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
             if self._rdzv is None:
-                self._rdzv = build_rendezvous(cfg)
+                self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
         except SignalReceived as sig:
             result = self._interrupted(sig.sig)
@@ -239,8 +157,8 @@ class Supervisor:
                 self._rdzv.leave()
             if self._guardian is not None:
                 self._guardian.close()
-            if self._monitor is not None:
-                self._monitor.stop()
+            if self._hangs is not None:
+                self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
             code = result.exit_code if result is not None else 1
@@ -277,19 +195,6 @@ class Supervisor:
         pool = WarmPool(list(cfg.preload), env, emit, log_path=log)
         pool.start()
         return pool
-
-    def _start_monitor(self) -> NodeMonitor:
-        """The node's hang monitor: timers always, heartbeats/sections when configured.
-        Its pipe and shared memory live in a private local folder (0700), never on the
-        log folder, which may be a shared filesystem where named pipes do not work."""
-        ipc = Path(tempfile.mkdtemp(prefix=f"stalwart-{self.cfg.run_id}-"))
-
-        def log_event(event: str, fields: dict[str, Any]) -> None:
-            self.events.emit(event, **fields)
-
-        mon = NodeMonitor(ipc, self.cfg.monitor, self.cfg.nproc_per_node, log_event)
-        mon.start()
-        return mon
 
     def _interrupted(self, sig: int) -> JobResult:
         self._stopping = True
@@ -401,13 +306,8 @@ class Supervisor:
         specs = []
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])
-            if self._monitor is not None:
-                mon_env = self._monitor.worker_env(lr, ranks[lr])
-                # torchrun names its timer pipe only when file timers are enabled; do the
-                # same so a worker's environment matches torchrun's (ours has its own name).
-                if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
-                    mon_env.pop("TORCHELASTIC_TIMER_FILE", None)
-                env.update(mon_env)
+            if self._hangs is not None:
+                env.update(self._hangs.worker_env(lr, ranks[lr]))
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,
@@ -420,14 +320,9 @@ class Supervisor:
             warm_argv=argv[3:] if self._warm is not None else None,
         )
         ctx.start()
-        self._hangs = {}
-        if self._monitor is not None:
-            self._monitor.begin_attempt(
-                info.round,
-                ctx.pids(),
-                stderr_paths={lr: p for lr in range(n) if (p := logs[lr].stderr) is not None},
-                global_ranks=ranks,
-            )
+        if self._hangs is not None:
+            stderr = {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
+            self._hangs.begin(info.round, ctx.pids(), stderr, ranks)
         for lr, pid in ctx.pids().items():
             self.events.emit(
                 "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
@@ -445,14 +340,18 @@ class Supervisor:
         last_reap = time.monotonic()
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
-            self._collect_hangs()
+            if self._hangs is not None:
+                self._hangs.collect()
             if time.monotonic() - last_reap > 1.0:
                 self._reap_orphans(ctx)
                 last_reap = time.monotonic()
             if result is not None:
                 if result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
-                    self._explain(result, info)
+                    for f in result.failures.values():
+                        f.node_rank = info.group_rank
+                    if self._hangs is not None:
+                        self._hangs.explain(list(result.failures.values()))
                     cause = root_cause(list(result.failures.values()))
                     rdzv.report_failure(info.round, cause.to_dict())
                 else:
@@ -460,7 +359,7 @@ class Supervisor:
             elif rdzv.failed(info.round):
                 outcome = RoundOutcome.PEER_FAILURE
                 self.events.emit("peer_failure", attempt=info.round)
-            elif self._shutdown_requested(info):
+            elif self._hangs is not None and self._hangs.stop_requested(info.round):
                 outcome = RoundOutcome.SHUTDOWN_REQUESTED
                 rdzv.report_failure(
                     info.round,
@@ -472,8 +371,8 @@ class Supervisor:
                         "reason": "a rank asked to shut the workload down",
                     },
                 )
-        if self._monitor is not None:
-            self._monitor.end_attempt()
+        if self._hangs is not None:
+            self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
         self._emit_exits(ctx, info.round)
         self._reap_orphans(ctx)
@@ -489,68 +388,6 @@ class Supervisor:
             if helper is not None:
                 keep.add(helper)
         posix.reap_orphans(keep)
-
-    def _collect_hangs(self) -> None:
-        if self._monitor is not None:
-            for report in self._monitor.poll_hangs():
-                self._hangs[report.pid] = report
-
-    def _explain(self, result: RunResult, info: RendezvousInfo) -> None:
-        """Marks failures with their node and, for workers the monitor terminated, the
-        hang that caused it (its stacks stand in for a traceback)."""
-        for f in result.failures.values():
-            f.node_rank = info.group_rank
-        if self._monitor is None:
-            return
-        deadline = time.monotonic() + _HANG_REPORT_WAIT
-        pending = [f for f in result.failures.values() if f.pid not in self._hangs]
-        while pending and time.monotonic() < deadline and self._monitor_killed(pending):
-            time.sleep(0.01)
-            self._collect_hangs()
-            pending = [f for f in pending if f.pid not in self._hangs]
-        for f in result.failures.values():
-            hang = self._hangs.get(f.pid)
-            if hang is None:
-                continue
-            bits = [f"hang detected: {hang.kind.value} timeout {hang.timeout:g}s"]
-            if hang.section:
-                bits.append(f"section {hang.section!r}")
-            if hang.last_heartbeat_age is not None:
-                bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
-            if hang.iteration is not None:
-                bits.append(f"iteration {hang.iteration}")
-            f.reason = ", ".join(bits)
-            f.timestamp = min(f.timestamp, hang.detected_at)
-            if hang.stacks and not f.traceback:
-                f.traceback = hang.stacks
-
-    def _monitor_killed(self, failures: list[ProcessFailure]) -> bool:
-        """Whether any of these deaths looks like the monitor's terminate signal."""
-        sig = int(self.cfg.monitor.term_signal)
-        return any(f.exitcode in (-sig, -int(signal.SIGKILL)) for f in failures)
-
-    def _shutdown_requested(self, info: RendezvousInfo) -> bool:
-        if self._monitor is None:
-            return False
-        stop = False
-        for req in self._monitor.poll_requests():
-            self.events.emit(
-                "control_request",
-                attempt=info.round,
-                action=req.action.value,
-                rank=req.global_rank,
-                worker_pid=req.pid,
-            )
-            if req.action in (ControlAction.SHUTDOWN_WORKLOAD, ControlAction.EXCLUDE_NODE):
-                # With static membership a node cannot leave a running job, so excluding
-                # this node ends the job as a shutdown does; say so.
-                logger.error(
-                    "rank %s asked to %s: stopping the job without restart",
-                    req.global_rank,
-                    req.action.value.replace("_", " "),
-                )
-                stop = True
-        return stop
 
     def _peer_shutdown(self, rdzv: Rendezvous, round_: int) -> bool:
         return any(f.get("local_rank", 0) < 0 for f in rdzv.failures(round_))

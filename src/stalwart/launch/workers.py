@@ -17,11 +17,9 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ import psutil
 
 from stalwart.launch import posix
 from stalwart.launch.errors import ProcessFailure, record
-from stalwart.launch.guardian import TOKEN_ENV
+from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
 from stalwart.launch.warm import ForkedProcess, WarmPool
 
@@ -77,56 +75,6 @@ class _Worker:
         return self.proc.exitcode
 
 
-class _ExitWatcher:
-    """Waits on pidfds in a thread: records each worker's exit time and wakes waiters."""
-
-    def __init__(self) -> None:
-        self.changed = threading.Event()
-        self._poller = select.poll()
-        self._fds: dict[int, _Worker] = {}
-        self._r, self._w = os.pipe()  # wakes the thread when closing
-        self._poller.register(self._r, select.POLLIN)
-        self._thread = threading.Thread(target=self._run, name="stalwart-exits", daemon=True)
-        self._closed = False
-
-    def watch(self, w: _Worker) -> None:
-        try:
-            fd = os.pidfd_open(w.pid)
-        except OSError:  # already gone or no pidfd support: poll() still sees it
-            w.exited_at = time.time()
-            self.changed.set()
-            return
-        self._fds[fd] = w
-        self._poller.register(fd, select.POLLIN)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        while self._fds:
-            for fd, _ev in self._poller.poll():
-                if fd == self._r:
-                    return
-                w = self._fds.pop(fd)
-                self._poller.unregister(fd)
-                os.close(fd)
-                w.exited_at = time.time()
-                self.changed.set()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        os.write(self._w, b"x")
-        if self._thread.is_alive():
-            self._thread.join()
-        for fd in list(self._fds):
-            os.close(fd)
-        self._fds.clear()
-        os.close(self._r)
-        os.close(self._w)
-
-
 def _function_child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -161,47 +109,6 @@ def _open_stream(path: Path | None, console: bool) -> int | None:
     if path is not None:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     return None if console else subprocess.DEVNULL
-
-
-class Guardian:
-    """Handle on the guardian process (see ``guardian.py``)."""
-
-    def __init__(self, token: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.launch.guardian", token],
-            stdin=subprocess.PIPE,
-            start_new_session=True,
-            env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
-        )
-        self._lock = threading.Lock()
-
-    def _send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        with self._lock:
-            try:
-                self.proc.stdin.write(line.encode() + b"\n")
-                self.proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                logger.warning("guardian process is gone; orphan protection reduced")
-
-    def register(self, pgid: int) -> None:
-        self._send(f"+{pgid}")
-
-    def unregister(self, pgid: int) -> None:
-        self._send(f"-{pgid}")
-
-    def close(self) -> None:
-        self._send("exit")
-        if self.proc.stdin is not None:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @dataclass
@@ -244,7 +151,7 @@ class ProcessContext:
         self.warm = warm
         self.warm_argv = warm_argv
         self._workers: dict[int, _Worker] = {}
-        self._watcher = _ExitWatcher()
+        self._watcher = posix.ExitWatcher()
         self._tee = Tee()
         self._result: RunResult | None = None
         self._closed = False

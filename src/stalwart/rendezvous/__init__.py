@@ -7,6 +7,7 @@ node, so ``TORCHELASTIC_RESTART_COUNT`` and the restart budget agree across node
 
 from stalwart.rendezvous.api import Rendezvous, RendezvousError, RendezvousInfo
 from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
+from stalwart.rendezvous.factory import from_config
 
 __all__ = [
     "C10dRendezvous",
@@ -14,4 +15,5 @@ __all__ = [
     "RendezvousError",
     "RendezvousInfo",
     "StoreEndpoint",
+    "from_config",
 ]

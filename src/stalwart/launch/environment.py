@@ -1,0 +1,53 @@
+"""What each worker is given: torchrun's environment variables and the command it runs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from stalwart.config import LaunchConfig
+from stalwart.launch.logs import WorkerLogs
+from stalwart.rendezvous import RendezvousInfo
+
+
+def worker_env(
+    cfg: LaunchConfig, info: RendezvousInfo, local_rank: int, logs: WorkerLogs
+) -> dict[str, str]:
+    """torchrun's variables, with torchrun's values (checked by a test against torchrun)."""
+    rank = info.base_rank + local_rank
+    env = {
+        "LOCAL_RANK": str(local_rank),
+        "RANK": str(rank),
+        "GROUP_RANK": str(info.group_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": cfg.role,
+        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+        "WORLD_SIZE": str(info.world_size),
+        "GROUP_WORLD_SIZE": str(info.group_world_size),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "MASTER_ADDR": info.master_addr,
+        "MASTER_PORT": str(info.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(info.round),
+        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        # Workers join the per-round store the launcher hosts instead of starting one.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCHELASTIC_ERROR_FILE": str(logs.error_file) if logs.error_file else "",
+    }
+    if cfg.inject:
+        env["STALWART_INJECT"] = cfg.inject
+    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def program_argv(cfg: LaunchConfig) -> tuple[str, list[str]]:
+    """The program and arguments each worker runs."""
+    if cfg.no_python:
+        return cfg.entrypoint, list(cfg.args)
+    boot = ["-u", "-m", "stalwart.launch.bootstrap"]
+    if cfg.module:
+        return sys.executable, [*boot, "-m", cfg.entrypoint, *cfg.args]
+    return sys.executable, [*boot, cfg.entrypoint, *cfg.args]
