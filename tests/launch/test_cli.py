@@ -27,6 +27,10 @@ pytestmark = pytest.mark.timeout(60)
         ("--local-ranks-filter", "a,b", "--local-ranks-filter 'a,b'"),
         ("--max-restarts", "-2", "--max-restarts -2"),
         ("--rdzv-backend", "zookeeper", "--rdzv-backend 'zookeeper'"),
+        ("--hb-timeout", "-1", "hb_timeout"),
+        ("--section-timeout", "forward", "'forward'"),
+        ("--safety-factor", "0.5", "safety_factor"),
+        ("--hang-signal", "SIGNOPE", "SIGNOPE"),
     ],
 )
 def test_bad_value_is_one_line_error(flag: str, value: str, needle: str, tmp_path: Path) -> None:
@@ -89,3 +93,20 @@ def test_script_flags_are_never_taken_for_ours() -> None:
     assert cfg.entrypoint == "train.py"
     assert cfg.args == ["--out", "x", "--max-restarts", "9"]
     assert cfg.max_restarts == 0
+
+
+def test_hang_detection_precedence_and_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("monitor:\n  hb_timeout: 7\n  section_timeouts: {fwd: 3}\n  safety_factor: 2\n")
+    monkeypatch.setenv("STALWART_SAFETY_FACTOR", "4")
+    cfg, _ = build_config(
+        ["--config", str(conf), "--hb-timeout", "5", "--section-timeout", "bwd=9", "x.py"]
+    )
+    m = cfg.monitor
+    assert m.hb_timeout == 5.0  # flag over YAML
+    assert m.safety_factor == 4.0  # env over YAML
+    assert m.section_timeouts == {"bwd": 9.0}  # a flag replaces the YAML mapping
+    with pytest.raises(ConfigError, match="hb_initial_timeout"):
+        build_config(["--hb-timeout", "5", "--hb-initial-timeout", "2", "x.py"])
