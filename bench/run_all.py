@@ -10,6 +10,7 @@ each printing markdown tables; the file gets them all under the date and machine
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -51,17 +52,26 @@ def main() -> int:
         if not path.exists():
             failed.append(f"{name}: {script} missing")
             continue
-        cmd = [sys.executable, str(path), *(quick if ns.quick else full), "--markdown"]
+        helptext = subprocess.run(
+            [sys.executable, str(path), "--help"], capture_output=True, text=True
+        ).stdout
+        markdown = "--markdown" in helptext
+        cmd = [sys.executable, str(path), *(quick if ns.quick else full)]
+        if markdown:
+            cmd.append("--markdown")
         print(f"== {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
         t0 = time.monotonic()
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        # Wide enough that rich tables of benches without --markdown stay on one line.
+        env = {**os.environ, "COLUMNS": "200"}
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, env=env)
         took = time.monotonic() - t0
         print(proc.stdout)
         if proc.returncode != 0:
             failed.append(f"{name}: exit {proc.returncode}")
+        body = proc.stdout.strip() if markdown else f"```\n{proc.stdout.strip()}\n```"
         sections.append(
             f"## {name}\n\n`python bench/{script} {' '.join(quick if ns.quick else full)}` "
-            f"({took:.0f} s)\n\n{proc.stdout.strip()}\n"
+            f"({took:.0f} s)\n\n{body}\n"
         )
     header = (
         "# Benchmarks\n\n"
