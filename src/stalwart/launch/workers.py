@@ -105,6 +105,18 @@ def _function_child(
     conn.close()
 
 
+def _stdin_or_devnull(opened: list[int]) -> int:
+    """Our stdin for a warm worker, as Popen would inherit it; /dev/null when we have none
+    (CI runs without standard input, and a closed fd cannot be passed to the template)."""
+    try:
+        os.fstat(0)
+        return 0
+    except OSError:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        opened.append(fd)
+        return fd
+
+
 def _open_stream(path: Path | None, console: bool) -> int | None:
     if path is not None:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -203,7 +215,7 @@ class ProcessContext:
 
         try:
             fds = [
-                0,
+                _stdin_or_devnull(opened),
                 stream(spec.logs.stdout, 1, spec.logs.console),
                 stream(spec.logs.stderr, 2, spec.logs.console),
             ]
