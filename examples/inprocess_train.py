@@ -9,8 +9,11 @@ The model and optimizer live outside the wrapped function, so they survive a
 restart in memory; on re-entry DDP's constructor broadcasts rank 0's weights and
 the step counter is broadcast too, so all ranks resume from the same state.
 ``--inject`` picks the fault (in the first iteration only): ``exception`` on one
-rank, ``hang`` (soft timeout), ``gil-hang`` (hard timeout: the rank is killed and
-the job goes on with fewer ranks) or ``kill`` (SIGKILL; heartbeat detection).
+rank, ``hang`` (soft timeout), ``gil-hang`` (hard timeout: the monitor process
+kills the rank) or ``kill`` (SIGKILL; heartbeat detection).  The survivors then
+go on with fewer ranks, but only under a launcher that lets a worker exit
+without stopping the others: plain torchrun stops the whole job (tests/inprocess
+runs those two cases with its own launcher).
 """
 
 from __future__ import annotations

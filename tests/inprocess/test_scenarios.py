@@ -141,3 +141,14 @@ def test_under_plain_torchrun(share_store: bool) -> None:
     assert all(e["value"] == 10 for e in results)
     entries = [e for e in events if e["kind"] == "enter"]
     assert sorted(e["iteration"] for e in entries) == [0, 0, 1, 1]
+
+
+@pytest.mark.timeout(60)
+def test_two_wrapped_calls_in_one_process() -> None:
+    for r in launch("twice"):
+        assert r.returncode == 0, r.output[-4000:]
+        results = r.of("result")
+        assert [e["job"] for e in results] == [0, 1]
+        assert all(e["value"] == 4 for e in results)
+        # The launcher's RANK is back after each call.
+        assert all(e["rank_env"] == str(r.rank) for e in results)

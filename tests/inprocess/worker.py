@@ -220,5 +220,25 @@ def scenario_max_iterations() -> None:
         emit("error", type=type(exc).__name__, message=str(exc))
 
 
+def scenario_twice() -> None:
+    """The same process wraps and runs two jobs one after the other."""
+    for job in range(2):
+        emit("result", value=_one_job(job), job=job, rank_env=os.environ["RANK"])
+
+
+def _one_job(job: int) -> int | None:
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 2 and call.rank == job:
+            raise RuntimeError("injected")
+
+    @Wrapper(**fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 4, fault)
+
+    return fn()
+
+
 if __name__ == "__main__":
     globals()[f"scenario_{sys.argv[1]}"]()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -51,6 +52,8 @@ from .store import CoordStore, Liveness, store_port
 log = logging.getLogger(__name__)
 
 HOST_RANK = 0
+# Counts wrapped calls in this process; every rank makes the same calls in order.
+_CALLS = itertools.count()
 _EXPORTED_ENV = (
     "RANK",
     "WORLD_SIZE",
@@ -102,13 +105,14 @@ class Runner:
     def _start(self) -> None:
         opts, rank = self.opts, self.state.initial_rank
         self.liveness = Liveness(opts.heartbeat_timeout)
+        call = next(_CALLS)
         main_store = opts.store_factory(is_host=self.is_host, **opts.store_kwargs)
-        self.coord = CoordStore(main_store, rank, self.liveness)
+        self.coord = CoordStore(main_store, rank, self.liveness, call)
         self.monitor_coord = CoordStore(
-            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness
+            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
         )
         ticker_coord = CoordStore(
-            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness
+            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
         )
         port = store_port(main_store)
         self.protected_ports = frozenset([port]) if port is not None else frozenset()

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 PREFIX = "stalwart/inprocess/"
 # Set by the wrapper while it runs: the environment no longer describes the launcher.
 _ITERATION_ENV = "STALWART_INPROCESS_ITERATION"
+_HOSTED: dict[tuple[str, int], Store] = {}
 _POLL_MIN = 0.002
 _POLL_MAX = 0.02
 
@@ -60,14 +61,21 @@ def tcp_store(
     )
     if port is None:
         port = int(env_port) if env_port else int(os.environ.get("MASTER_PORT", "29500"))
+    hosting = is_host and not agent
+    if hosting and (addr, port) in _HOSTED:
+        return _HOSTED[(addr, port)]
     store = TCPStore(
         addr,
         port,
-        is_master=is_host and not agent,
+        is_master=hosting,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
         use_libuv=True,
     )
+    if hosting:
+        # Kept for the life of the process: a later wrapped call reuses it, so a
+        # peer that connects early never meets a server about to go away.
+        _HOSTED[(addr, port)] = store
     if agent:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return PrefixStore(f"stalwart-inprocess/attempt{attempt}/", store)
@@ -108,8 +116,11 @@ class Liveness:
 class CoordStore:
     """The wrapper's view of the store for one rank (one client per thread)."""
 
-    def __init__(self, store: Store, initial_rank: int, liveness: Liveness) -> None:
-        self.store = PrefixStore(PREFIX, store)
+    def __init__(self, store: Store, initial_rank: int, liveness: Liveness, call: int = 0) -> None:
+        # One namespace per wrapped call: a process may run several jobs in turn,
+        # and a peer can reach the store before this rank has left the last one.
+        self.namespace = f"{PREFIX}c{call}/"
+        self.store = PrefixStore(self.namespace, store)
         self.raw = store
         self.me = initial_rank
         self.liveness = liveness
@@ -184,7 +195,7 @@ class CoordStore:
 
     def user_store(self, iteration: int) -> Store:
         """A store for the wrapped function's own ``init_process_group(store=...)``."""
-        return PrefixStore(f"{PREFIX}it{iteration}/user/", self.raw)
+        return PrefixStore(f"{self.namespace}it{iteration}/user/", self.raw)
 
     # -- barriers -----------------------------------------------------------------------
     def barrier(
