@@ -50,10 +50,21 @@ def fast(**overrides: Any) -> dict[str, Any]:
     return opts
 
 
-def train(call: Call, progress: dict[str, int], steps: int, fault: Any = None) -> int:
+def train(
+    call: Call, progress: dict[str, int], steps: int, fault: Any = None, call_store: bool = False
+) -> int:
     """A small all_reduce loop; ``progress`` survives restarts (in-memory state)."""
     emit("enter", iteration=call.iteration, rank=call.rank, world_size=call.world_size)
-    dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
+    if call_store:  # the explicit form: the wrapper's per-iteration store
+        dist.init_process_group(
+            "gloo",
+            store=call.store,
+            rank=call.rank,
+            world_size=call.world_size,
+            timeout=GLOO_TIMEOUT,
+        )
+    else:  # env://, through the MASTER_PORT the wrapper exports
+        dist.init_process_group("gloo", timeout=GLOO_TIMEOUT)
     # A spare joining late has no progress of its own: rank 0's counter wins.
     step = torch.tensor([progress["step"]])
     dist.broadcast(step, 0)
@@ -221,7 +232,7 @@ def scenario_max_iterations() -> None:
 
 
 def scenario_twice() -> None:
-    """The same process wraps and runs two jobs one after the other."""
+    """The same process runs two wrapped jobs in turn (env://, then call.store)."""
     for job in range(2):
         emit("result", value=_one_job(job), job=job, rank_env=os.environ["RANK"])
 
@@ -235,7 +246,7 @@ def _one_job(job: int) -> int | None:
 
     @Wrapper(**fast())
     def fn(call: Call) -> int:
-        return train(call, progress, 4, fault)
+        return train(call, progress, 4, fault, call_store=job == 1)
 
     return fn()
 
