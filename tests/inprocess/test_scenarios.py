@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from .harness import RankResult, launch, launch_torchrun
@@ -45,10 +47,12 @@ def test_soft_timeout_hang_restarts() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_hang_with_gil_held_terminates_rank_and_shifts() -> None:
-    r0, r1 = launch("gil_hang")
+def test_hang_with_gil_held_terminates_rank_and_shifts(tmp_path: Path) -> None:
+    logfile = tmp_path / "monitor-{rank}.log"
+    r0, r1 = launch("gil_hang", env={"MONITOR_LOG": str(logfile)})
     assert r1.returncode != 0  # killed by its monitor process
     assert "hard timeout" in r1.output
+    assert "hard timeout" in (tmp_path / "monitor-1.log").read_text()
     assert r0.returncode == 0, r0.output[-4000:]
     entries = _entries(r0)
     assert entries[-1]["world_size"] == 1 and entries[-1]["rank"] == 0

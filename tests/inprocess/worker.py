@@ -124,7 +124,10 @@ def scenario_gil_hang() -> None:
             # libc sleep through PyDLL keeps the GIL: no Python thread can run.
             ctypes.PyDLL(None).sleep(60)
 
-    @Wrapper(**fast(soft_timeout=1.0, hard_timeout=2.0, termination_grace_time=0.5))
+    @Wrapper(
+        **fast(soft_timeout=1.0, hard_timeout=2.0, termination_grace_time=0.5),
+        monitor_process_logfile=os.environ.get("MONITOR_LOG"),
+    )
     def fn(call: Call) -> int:
         return train(call, progress, 6, fault)
 
