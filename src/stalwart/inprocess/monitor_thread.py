@@ -3,8 +3,10 @@
 It polls the iteration's fault flag in the store (a few ms per poll), and every
 ``interval`` checks this rank's soft timeout and the peers' heartbeats.  When
 the iteration must restart it waits for any ``atomic()`` block to finish, runs
-``abort`` (which frees a main thread blocked in a collective) and injects
-``RestartAbort`` into the main thread.  It fires at most once.
+``abort`` (which frees a main thread blocked in a collective), and injects
+``RestartAbort`` into the main thread if that thread is still in user code a
+moment later.  While it runs, it also hands every process group it sees to the
+``GroupKeeper`` (``on_poll``).  It fires at most once.
 """
 
 from __future__ import annotations

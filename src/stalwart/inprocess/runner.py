@@ -79,7 +79,7 @@ class _Outcome:
 
 
 class Runner:
-    """Owns the store clients, ticker, monitor process and gate for one call."""
+    """Owns the store clients, background threads, monitor process and gate for one call."""
 
     def __init__(self, options: Options) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -111,7 +111,7 @@ class Runner:
         self.monitor_coord = CoordStore(
             opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
         )
-        ticker_coord = CoordStore(
+        heartbeat_coord = CoordStore(
             opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
         )
         port = store_port(main_store)
@@ -129,7 +129,7 @@ class Runner:
         self._closers.append(self.monitor_process.stop)
         interval = opts.progress_watchdog_interval
         self.ticker = Periodic("tick", self.clock.tick, interval)
-        self.heartbeat = Periodic("heartbeat", ticker_coord.heartbeat, interval)
+        self.heartbeat = Periodic("heartbeat", heartbeat_coord.heartbeat, interval)
         for thread in (self.ticker, self.heartbeat):
             thread.beat()
             thread.start()
