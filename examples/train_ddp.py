@@ -80,7 +80,8 @@ def checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
+        # clone(): a compact storage holding exactly this tensor's bytes (no numpy needed).
+        h.update(bytes(t.detach().clone().untyped_storage()))
     return h.hexdigest()
 
 
