@@ -65,6 +65,12 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(p, "--no-python", action="store_true", help="run the entrypoint as a program")
     _flag(p, "--run-path", action="store_true", help="accepted for torchrun compatibility")
     _flag(p, "--shutdown-timeout", type=float, default=None, help="TERM -> KILL grace, seconds")
+    _flag(
+        p,
+        "--restart-policy",
+        default=None,
+        help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
+    )
     _flag(p, "--no-warm", action="store_true", help="start every worker cold (no template)")
     p.add_argument(
         "--preload", default=None, help="modules the warm template imports, e.g. numpy,mylib"
@@ -118,6 +124,7 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "log_line_prefix_template": ns.log_line_prefix_template,
         "role": ns.role,
         "shutdown_timeout": ns.shutdown_timeout,
+        "restart_policy": ns.restart_policy,
         "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
@@ -198,6 +205,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         "role",
         "inject",
         "log_line_prefix_template",
+        "restart_policy",
     ):
         if name in m:
             kw[name] = str(m[name])

@@ -99,6 +99,7 @@ class LaunchConfig:
     standalone: bool = False
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     warm: bool = True
+    restart_policy: str = "any-failed"
     preload: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -134,6 +135,11 @@ class LaunchConfig:
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(
                 f"--start-method {self.start_method!r}: expected spawn, fork or forkserver"
+            )
+        if self.restart_policy not in RESTART_POLICIES:
+            raise ConfigError(
+                f"--restart-policy {self.restart_policy!r}: expected one of "
+                f"{', '.join(RESTART_POLICIES)}"
             )
         if self.rdzv_backend not in ("static", "c10d"):
             raise ConfigError(
@@ -171,6 +177,11 @@ class LaunchConfig:
             raise ConfigError(f"--rdzv-conf join_timeout={raw!r}: expected > 0 seconds")
         return value
 
+
+# any-failed: torchrun's rule, any worker failure restarts every worker.
+# all-failed: for jobs under stalwart.inprocess.Wrapper, whose survivors carry on without
+# a rank that left; processes restart only when every worker ended and none completed.
+RESTART_POLICIES = ("any-failed", "all-failed")
 
 RDZV_CONF_KEYS = {"join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "is_host"}
 

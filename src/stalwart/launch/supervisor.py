@@ -318,6 +318,7 @@ class Supervisor:
             autoclose=False,
             warm=self._warm,
             warm_argv=argv[3:] if self._warm is not None else None,
+            wait_all=cfg.restart_policy == "all-failed",
         )
         ctx.start()
         if self._hangs is not None:
@@ -346,7 +347,9 @@ class Supervisor:
                 self._reap_orphans(ctx)
                 last_reap = time.monotonic()
             if result is not None:
-                if result.is_failed():
+                if result.is_failed() and self._completed_without(result, info):
+                    outcome = self._await_peers(rdzv, info.round)
+                elif result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
                     for f in result.failures.values():
                         f.node_rank = info.group_rank
@@ -388,6 +391,20 @@ class Supervisor:
             if helper is not None:
                 keep.add(helper)
         posix.reap_orphans(keep)
+
+    def _completed_without(self, result: RunResult, info: RendezvousInfo) -> bool:
+        """Under the all-failed policy, workers that completed finished the job without
+        the ones that left (the in-process wrapper carried on without them)."""
+        if self.cfg.restart_policy != "all-failed":
+            return False
+        left = sorted(f.rank for f in result.failures.values() if f.rank is not None)
+        if len(result.failures) == self.cfg.nproc_per_node:
+            return False
+        logger.warning(
+            "attempt %d completed without rank(s) %s, which left the job", info.round, left
+        )
+        self.events.emit("ranks_left", attempt=info.round, ranks=left)
+        return True
 
     def _peer_shutdown(self, rdzv: Rendezvous, round_: int) -> bool:
         return any(f.get("local_rank", 0) < 0 for f in rdzv.failures(round_))

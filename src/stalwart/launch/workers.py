@@ -149,6 +149,7 @@ class ProcessContext:
         autoclose: bool = True,
         warm: WarmPool | None = None,
         warm_argv: list[str] | None = None,
+        wait_all: bool = False,
     ) -> None:
         self.entrypoint = entrypoint
         self.specs = list(workers)
@@ -162,6 +163,9 @@ class ProcessContext:
         # Program workers that the warm template can fork instead (argv for run_target).
         self.warm = warm
         self.warm_argv = warm_argv
+        # True: a failed worker does not end the group; poll() reports once every worker
+        # has exited (the in-process restart policy, where survivors carry on without it).
+        self.wait_all = wait_all
         self._workers: dict[int, _Worker] = {}
         self._watcher = posix.ExitWatcher()
         self._tee = Tee()
@@ -304,7 +308,7 @@ class ProcessContext:
                 running += 1
             elif code != 0:
                 failures[lr] = self._failure(w, code)
-        if failures:
+        if failures and not (self.wait_all and running):
             self._result = RunResult(failures=failures)
             self._fill_paths(self._result)
             if self.autoclose:
