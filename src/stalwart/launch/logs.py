@@ -13,13 +13,11 @@ wrote is lost.  The local-ranks filter limits only what reaches the console.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import string
-import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntFlag
 from pathlib import Path
 from typing import IO
@@ -150,7 +148,6 @@ class _Tailed:
     prefix: str
     offset: int = 0
     partial: bytes = b""
-    done: bool = field(default=False)
 
 
 class Tee:
@@ -206,11 +203,3 @@ class Tee:
             self._thread.join()
             self._thread = None
         self._pump(final=True)
-
-
-def console_streams() -> tuple[IO[str], IO[str]]:
-    return sys.stdout, sys.stderr
-
-
-def open_devnull() -> int:
-    return os.open(os.devnull, os.O_WRONLY)
