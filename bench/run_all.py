@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,27 @@ BENCHES = {
     "hang": ("bench_hang.py", [], ["--repeats", "1", "--idle-cap", "20"]),
     "inprocess": ("bench_inprocess.py", [], ["--repeats", "2"]),
 }
+
+
+_PROGRESS = re.compile(r"^(\[\d+/\d+\]|round \d+/\d+ done)")
+
+
+def keep_report(stdout: str, markdown: bool) -> str:
+    """The report part of a bench's output: markdown tables, headings, bullets and the
+    machine/goal lines when it prints markdown; its plain tables otherwise. Progress
+    lines and the console copies of tables are left out of the docs."""
+    lines: list[str] = []
+    for line in stdout.splitlines():
+        if _PROGRESS.match(line) or (line.strip() and line in lines):
+            continue
+        if markdown and not (
+            line.startswith(("|", "#", "- ", "machine:", "Goal"))
+            or " · " in line
+            or not line.strip()
+        ):
+            continue
+        lines.append(line)
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
 def main() -> int:
@@ -68,7 +90,8 @@ def main() -> int:
         print(proc.stdout)
         if proc.returncode != 0:
             failed.append(f"{name}: exit {proc.returncode}")
-        body = proc.stdout.strip() if markdown else f"```\n{proc.stdout.strip()}\n```"
+        report = keep_report(proc.stdout, markdown)
+        body = report if markdown else f"```\n{report}\n```"
         sections.append(
             f"## {name}\n\n`python bench/{script} {' '.join(quick if ns.quick else full)}` "
             f"({took:.0f} s)\n\n{body}\n"
