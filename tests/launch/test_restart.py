@@ -37,7 +37,10 @@ def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
     evs = events(tmp_path / "logs")
     restarts = [e for e in evs if e["event"] == "restart"]
     assert [e["next_attempt"] for e in restarts] == list(range(1, 11))
-    assert all(e["root_cause"]["exitcode"] == 5 for e in restarts)
+    # The rank that called sys.exit(5) is the root cause every time. Its exit code is
+    # usually 5, but torch may abort it (SIGABRT) while tearing gloo down at exit, so the
+    # recorded exception identifies it.
+    assert all(e["root_cause"]["message"] == "SystemExit: 5" for e in restarts)
     assert [e["root_cause"]["rank"] for e in restarts] == [a % 2 for a in range(10)]
     assert kinds(evs)[-2:] == ["job_succeeded", "launcher_exit"]
 
