@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,19 @@ def _latest(root: Path) -> str:
     return str((root / "latest").readlink())
 
 
-def _live_writer_pid(ckpt: AsyncCheckpointer, deadline_s: float = 30.0) -> int:
-    # After a kill the next save respawns the writer on the I/O thread.
+def _live_writer_pid(
+    ckpt: AsyncCheckpointer, fut: Future[object], deadline_s: float = 30.0
+) -> int | None:
+    """The writer serving *fut*; None when *fut* already failed against the writer the
+    previous trial killed (a kill that lands just after a save completed is only seen by
+    the next save, which then fails clearly; the one after that respawns)."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         pid = ckpt.writer_pid
         if pid is not None:
             return pid
+        if fut.done():
+            return None
         time.sleep(0.01)
     raise AssertionError("no writer process came up")
 
@@ -52,10 +59,11 @@ def test_sigkill_of_writer_at_random_points_keeps_latest_loadable(tmp_path: Path
         last_ok = 0
         for trial in range(1, trials + 1):
             fut = ckpt.save(make_state(trial, mib=8), step=trial)
-            pid = _live_writer_pid(ckpt)
-            # Kill anywhere from "request not read yet" to "already committed".
-            time.sleep(rng.uniform(0.0, 1.5 * write_s))
-            os.kill(pid, signal.SIGKILL)
+            pid = _live_writer_pid(ckpt, fut)
+            if pid is not None:
+                # Kill anywhere from "request not read yet" to "already committed".
+                time.sleep(rng.uniform(0.0, 1.5 * write_s))
+                os.kill(pid, signal.SIGKILL)
             try:
                 fut.result(timeout=60)
                 outcomes["ok"] += 1

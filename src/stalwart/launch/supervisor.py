@@ -29,7 +29,7 @@ from stalwart.launch import posix
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog
-from stalwart.launch.guardian import Guardian
+from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.warm import WarmPool
@@ -183,16 +183,13 @@ class Supervisor:
         if not cfg.warm or cfg.no_python:
             return None
         env = dict(os.environ)
-        env["STALWART_RUN_TOKEN"] = self._token
+        env[TOKEN_ENV] = self._token
         # Read by OpenMP when torch loads in the template, so it must be the workers' value.
         if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"
 
-        def emit(event: str, **fields: Any) -> None:
-            self.events.emit(event, **fields)
-
         log = str(self.run_dir / "template.log") if self.run_dir is not None else os.devnull
-        pool = WarmPool(list(cfg.preload), env, emit, log_path=log)
+        pool = WarmPool(list(cfg.preload), env, self.events.emit, log_path=log)
         pool.start()
         return pool
 
