@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SCRIPTS, run_dir, stalwart
+from .helpers import SCRIPTS, events, run_dir, stalwart
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,6 +52,9 @@ def test_default_prefix_is_global_rank(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "[0]:py-out rank=0" in proc.stdout and "[1]:fd-out rank=1" in proc.stdout
+    evs = events(tmp_path)
+    ipc = next(e for e in evs if e["event"] == "monitor_started")["run_dir"]
+    assert not Path(ipc).exists()  # nothing left in /tmp after a normal run
 
 
 def test_attempt_folders_per_restart(tmp_path: Path) -> None:

@@ -53,7 +53,13 @@ def test_every_rank_failing_still_restarts(tmp_path: Path) -> None:
     assert kinds(events(tmp_path / "l")).count("restart") == 1
 
 
+def _clocks() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("stalwart-progress-*")} if shm.is_dir() else set()
+
+
 def test_inprocess_job_continues_with_shifted_ranks_after_sigkill(tmp_path: Path) -> None:
+    before = _clocks()
     proc = stalwart(
         "--nproc-per-node",
         "2",
@@ -78,3 +84,5 @@ def test_inprocess_job_continues_with_shifted_ranks_after_sigkill(tmp_path: Path
     assert "finished 30 steps" in out0
     exits = {e["rank"]: e["signal"] for e in events(tmp_path / "l") if e["event"] == "worker_exit"}
     assert exits == {0: None, 1: "SIGKILL"}
+    # The killed rank could not remove its progress clock; its monitor process did.
+    assert _clocks() - before == set()

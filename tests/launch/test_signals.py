@@ -88,6 +88,11 @@ def test_no_orphans_when_launcher_is_sigkilled(tmp_path: Path) -> None:
     everyone = [p for pair in pids for p in pair]
     wait_for(lambda: not any(alive(p) for p in everyone), 2.0, "workers and grandchildren to die")
     assert time.monotonic() - t0 < 2.0
+    # The hang monitor's private folder (pipe, shared memory) is removed by the guardian.
+    ipc = Path(
+        next(e for e in events(tmp_path / "logs") if e["event"] == "monitor_started")["run_dir"]
+    )
+    wait_for(lambda: not ipc.exists(), 5.0, "the monitor's folder to be removed")
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")

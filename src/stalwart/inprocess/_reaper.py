@@ -73,6 +73,9 @@ def main(argv: list[str]) -> int:
         while True:
             time.sleep(args.interval)
             if not _alive(args.parent):
+                # The rank died without closing its clock (SIGKILL): remove it for them.
+                with contextlib.suppress(OSError):
+                    os.unlink(args.clock)
                 return 0
             auto, manual, armed, closed = LAYOUT.unpack_from(clock, 0)
             if closed:
@@ -87,6 +90,8 @@ def main(argv: list[str]) -> int:
                     args.parent,
                 )
                 _terminate(args.parent, args.grace, args.interval, log)
+                with contextlib.suppress(OSError):
+                    os.unlink(args.clock)
                 return 0
     finally:
         clock.close()

@@ -6,13 +6,16 @@ stdin and tells it the process groups it creates (``+pgid`` / ``-pgid`` lines). 
 the pipe reaches end-of-file, which the kernel guarantees even after SIGKILL of the
 launcher, the guardian SIGKILLs the groups still registered and every process that
 carries the run's token in its environment (which catches descendants that left the
-group with setsid), then exits.  It imports nothing heavy so it starts in milliseconds.
+group with setsid), and removes the launcher's private run-time folders (``@path``
+lines), which a SIGKILLed launcher could not; then it exits.  It imports nothing heavy
+so it starts in milliseconds.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +86,10 @@ class Guardian:
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
 
+    def remove_on_death(self, path: Path) -> None:
+        """*path* is removed if the launcher dies without cleaning up."""
+        self._send(f"@{path}")
+
     def close(self) -> None:
         self._send("exit")
         if self.proc.stdin is not None:
@@ -106,16 +113,21 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()
+    paths: set[str] = set()
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
             return 0  # the launcher cleaned up itself
-        if len(line) > 1 and line[1:].isdigit():
+        if line[:1] == b"@" and len(line) > 1:
+            paths.add(os.fsdecode(line[1:]))
+        elif len(line) > 1 and line[1:].isdigit():
             if line[:1] == b"+":
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
     kill_everything(token, groups)
+    for path in paths:  # the launcher's private run-time folders
+        shutil.rmtree(path, ignore_errors=True)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -40,7 +41,8 @@ class HangWatch:
         self._emit = emit
         # Pipe and shared memory live in a private local folder (0700), never in the log
         # folder, which may be a shared filesystem where named pipes do not work.
-        ipc = Path(tempfile.mkdtemp(prefix=f"stalwart-{run_id}-"))
+        self.ipc = Path(tempfile.mkdtemp(prefix=f"stalwart-{run_id}-"))
+        ipc = self.ipc
 
         def log_event(event: str, fields: dict[str, Any]) -> None:
             emit(event, **fields)
@@ -124,3 +126,4 @@ class HangWatch:
 
     def stop(self) -> None:
         self.monitor.stop()
+        shutil.rmtree(self.ipc, ignore_errors=True)

@@ -144,6 +144,8 @@ class Supervisor:
         try:
             self.prestart()
             self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
+            if self._guardian is not None:
+                self._guardian.remove_on_death(self._hangs.ipc)
             if self._rdzv is None:
                 self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
