@@ -254,7 +254,9 @@ def _quiet_torch_import(verbose: bool) -> None:
     set for the import and restored at once: workers inherit the user's setting."""
     import warnings
 
+    # Import-time chatter of torch and its optional packages, not the launcher's business.
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if verbose or "TORCH_CPP_LOG_LEVEL" in os.environ:
         return
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
