@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, show, spread
+from common import kill_leftovers, machine, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -86,6 +86,7 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        kill_leftovers(work)
         code = None
         v.notes.add(f"still hung after {deadline:.0f} s (killed)")
     v.runs += 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import fmt, machine, med, ratio, show, spread
+from common import fmt, kill_leftovers, machine, med, ratio, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -98,6 +98,7 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        kill_leftovers(work)
         code = None
     v.runs += 1
     recs = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []

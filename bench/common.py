@@ -58,3 +58,21 @@ def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]], markd
     for row in rows:
         table.add_row(*row)
     Console(file=sys.stdout).print(table)
+
+
+def kill_leftovers(work: object) -> int:
+    """Kills processes whose command line names this run's private folder: a launcher
+    killed at its deadline may leave workers behind (torchrun's survive its SIGKILL),
+    and they would load the machine for the runs after it."""
+    import psutil
+
+    needle = str(work)
+    killed = 0
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(needle in arg for arg in proc.info["cmdline"] or []):
+                proc.kill()
+                killed += 1
+        except psutil.Error:
+            continue
+    return killed
