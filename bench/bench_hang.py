@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import kill_leftovers, machine, show, spread
+from common import machine, run_job, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -50,11 +47,7 @@ class Variant:
 
 
 def run_once(v: Variant, work: Path, deadline: float) -> None:
-    progress = work / "p.jsonl"
     logs = work / "logs"
-    env = {k: x for k, x in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    env.update(v.env)
-    env["STALWART_INJECT"] = f"hang:rank=1,step={HANG_AT}"
     cmd = [
         *v.cmd,
         "--nproc-per-node",
@@ -69,28 +62,15 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
         "--ckpt-dir",
         str(work / "ckpt"),
         "--progress",
-        str(progress),
+        str(work / "p.jsonl"),
         "--quiet",
         *v.script_args,
     ]
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=work,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        code: int | None = proc.wait(deadline)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        kill_leftovers(work)
-        code = None
+    inject = {"STALWART_INJECT": f"hang:rank=1,step={HANG_AT}"}
+    code, recs = run_job(cmd, {**v.env, **inject}, work, deadline)
+    if code is None:
         v.notes.add(f"still hung after {deadline:.0f} s (killed)")
     v.runs += 1
-    recs = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
     last = [r for r in recs if r["attempt"] == 0 and r["step"] == HANG_AT - 1]
     after = [r for r in recs if r["attempt"] == 1]
     if not last:

@@ -17,10 +17,6 @@ cold workers and stalwart with warm workers (the default), interleaved, several 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import fmt, kill_leftovers, machine, med, ratio, show, spread
+from common import fmt, machine, med, ratio, run_job, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -63,7 +59,6 @@ def variants() -> list[Variant]:
 
 
 def run_once(v: Variant, work: Path, deadline: float) -> None:
-    progress = work / "progress.jsonl"
     args = [
         *v.cmd,
         "--log-dir",
@@ -76,32 +71,13 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
         "--ckpt-dir",
         str(work / "ckpt"),
         "--progress",
-        str(progress),
+        str(work / "p.jsonl"),
         "--quiet",
     ]
-    env = {
-        k: val for k, val in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))
-    }
-    env.update(v.env)
-    env["STALWART_INJECT"] = f"exit:rank=1,step={CRASH_AT},code=1"
     t0 = time.time()
-    proc = subprocess.Popen(
-        args,
-        env=env,
-        cwd=work,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        code = proc.wait(deadline)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        kill_leftovers(work)
-        code = None
+    inject = {"STALWART_INJECT": f"exit:rank=1,step={CRASH_AT},code=1"}
+    code, recs = run_job(args, {**v.env, **inject}, work, deadline)
     v.runs += 1
-    recs = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
     first = [r for r in recs if r["attempt"] == 0]
     if first:
         v.cold.append(first[0]["time"] - t0)

@@ -76,3 +76,38 @@ def kill_leftovers(work: object) -> int:
         except psutil.Error:
             continue
     return killed
+
+
+def run_job(
+    cmd: list[str], extra_env: dict[str, str], work: object, deadline: float
+) -> tuple[int | None, list[dict[str, object]]]:
+    """Runs one launcher command in its own session with a clean stalwart/torchelastic
+    environment plus *extra_env*; kills it (and its leftovers) at *deadline*. Returns its
+    exit code (None when killed) and rank 0's per-step records from work/p.jsonl."""
+    import json
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))
+    }
+    env.update(extra_env)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=str(work),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        code: int | None = proc.wait(deadline)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        kill_leftovers(work)
+        code = None
+    progress = Path(str(work)) / "p.jsonl"
+    recs = [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+    return code, recs
