@@ -117,6 +117,41 @@ def test_mismatched_job_id_is_a_clear_error(tmp_path: Path) -> None:
         host.wait()
 
 
+def test_joiner_never_claims_the_job_id(tmp_path: Path) -> None:
+    """A joiner that reaches the store before its host has published the job id waits
+    for it: claiming the empty store made the real host reject its own job (seen in CI).
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    proc = stalwart(
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(store.port),
+        "--rdzv-id",
+        "beta",
+        "--rdzv-conf",
+        "join_timeout=3",
+        "--log-dir",
+        tmp_path,
+        SCRIPTS / "steps.py",
+        tmp_path,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "waiting for the host to publish the job's rendezvous id" in proc.stderr
+    assert not store.check(["run_id"])
+    assert store.num_keys() <= 1  # nothing but torch's own init key: the joiner wrote nothing
+
+
 def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
     proc = stalwart(
         "--nnodes",

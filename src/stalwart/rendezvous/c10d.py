@@ -98,7 +98,18 @@ class C10dRendezvous:
         self._check_run_id()
 
     def _check_run_id(self) -> None:
-        got = self.store.compare_set("run_id", "", self.run_id).decode()
+        # Only the host writes the id.  A joiner that claimed an empty store could beat
+        # the host to it (the joiner retries its connect and wins when the store opens),
+        # and the host would then reject its own job.
+        if self.is_host:
+            self.store.set("run_id", self.run_id)
+            return
+        self._wait(
+            ["run_id"],
+            "the host to publish the job's rendezvous id",
+            time.monotonic() + self.join_timeout,
+        )
+        got = self.store.get("run_id").decode()
         if got != self.run_id:
             raise RendezvousError(
                 f"rendezvous id mismatch at {self.endpoint}: this node has --rdzv-id "
