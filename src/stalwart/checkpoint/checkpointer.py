@@ -65,6 +65,9 @@ class CheckpointerConfig:
     # Niceness added to the writer child: training wins contended cores, and
     # the writer still progresses (a large value starves it on a busy host).
     writer_nice: int = 5
+    # Write the file with O_DIRECT through a few reused aligned buffers where the
+    # file system allows it (see docs/checkpoint.md); False: through the page cache.
+    direct_io: bool = True
 
 
 class AsyncCheckpointer:
@@ -109,6 +112,7 @@ class AsyncCheckpointer:
                 "world_size": self.world_size,
                 "keep_last": keep_last,
                 "algorithm": self.config.checksum or default_algorithm(),
+                "direct_io": self.config.direct_io,
             },
             config=WriterProcessConfig(
                 init_timeout_s=self.config.init_timeout_s,

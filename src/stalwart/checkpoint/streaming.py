@@ -1,22 +1,37 @@
-"""Checksumming a file and pushing it to disk *while* it is being written.
+"""Streaming ``torch.save`` output to disk while checksumming it.
 
-``torch.save`` streams into :class:`ProgressSink`, which only counts bytes. A
-:class:`ChecksumFollower` thread trails behind it: it reads back each newly
-written range from the page cache, feeds it to the hasher, and asks the kernel
-to start writing that range to disk. Hashing and disk I/O thus overlap the
-serialisation instead of following it, and the checksum is of the bytes the
-file really holds, not of a buffer we hope matches it.
+Two ways, chosen per file:
+
+* :class:`DirectStream` (the default where the file system allows ``O_DIRECT``):
+  ``torch.save``'s output is copied into a few page-aligned buffers that the
+  writer process allocates once and reuses, and a thread hashes each full
+  buffer and writes it with ``O_DIRECT``. No page-cache pages are allocated.
+  That matters more than it sounds: on a VM whose free memory is handed back
+  to the host (free page reporting, ballooning) every freshly allocated page
+  costs a host fault, measured at 1-3 s per GiB here against 0.15 s for the
+  copy itself, and a buffered write of a 1 GiB file allocates 1 GiB of fresh
+  page cache every time.
+* :class:`BufferedStream` (fallback): ``torch.save`` writes through the page
+  cache and a :class:`ChecksumFollower` thread trails behind it, reading each
+  newly written range back, hashing it and starting its writeback, so hashing
+  and disk I/O overlap the serialisation instead of following it.
+
+Either way the checksum is of exactly the bytes handed to the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
+import mmap
 import os
+import queue
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from .manifest import Hasher
 
@@ -24,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2
+# O_DIRECT needs file offsets, lengths and memory addresses aligned to the
+# device's logical block; 4 KiB covers every common disk and file system.
+DIRECT_ALIGN = 4096
+DIRECT_CHUNK = 8 << 20
+DIRECT_CHUNKS = 4
 
 
 def _load_sync_file_range() -> Any:
@@ -125,3 +145,231 @@ class ProgressSink:
 
     def flush(self) -> None:
         self._raw.flush()
+
+
+class OutputStream(Protocol):
+    """What :func:`open_output` returns: a file-like sink for ``torch.save``."""
+
+    direct: bool
+
+    @property
+    def size(self) -> int: ...
+    def write(self, data: Any) -> int: ...
+    def flush(self) -> None: ...
+    def finish(self) -> int: ...
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class BufferedStream:
+    """Page-cache write with a :class:`ChecksumFollower` hashing behind it."""
+
+    direct = False
+
+    def __init__(self, path: str, hasher: Hasher) -> None:
+        # Read access too: the follower reads the file back to hash it.
+        self._raw = open(path, "x+b", buffering=0)  # noqa: SIM115 - closed in close()
+        self._follower = ChecksumFollower(self._raw.fileno(), hasher)
+        self._follower.start()
+        self._sink = ProgressSink(self._raw, self._follower)
+        self._finished = False
+
+    @property
+    def size(self) -> int:
+        return self._sink.size
+
+    def write(self, data: Any) -> int:
+        return self._sink.write(data)
+
+    def flush(self) -> None:
+        self._sink.flush()
+
+    def finish(self) -> int:
+        self._finished = True
+        return self._follower.finish(self._sink.size)
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def close(self) -> None:
+        if not self._finished:
+            # Stop the follower even when torch.save failed half way.
+            with contextlib.suppress(BaseException):
+                self.finish()
+        self._raw.close()
+
+
+class ChunkPool:
+    """Page-aligned buffers for ``O_DIRECT`` writes, faulted in once, reused by every save.
+
+    Reusing them is the point: their pages are already backed, whereas fresh
+    memory (or fresh page cache) can cost a host fault per page on a VM.
+    """
+
+    def __init__(self, chunk_bytes: int = DIRECT_CHUNK, count: int = DIRECT_CHUNKS) -> None:
+        if chunk_bytes % DIRECT_ALIGN or count < 2:
+            raise ValueError("chunks must be a multiple of the alignment, at least two")
+        self.chunk_bytes = chunk_bytes
+        self._maps = [mmap.mmap(-1, chunk_bytes) for _ in range(count)]
+        zeros = bytes(chunk_bytes)
+        for m in self._maps:
+            m.write(zeros)  # fault the pages in now, during the writer's start-up
+        self.views = [memoryview(m) for m in self._maps]
+
+    def close(self) -> None:
+        for v in self.views:
+            v.release()
+        for m in self._maps:
+            m.close()
+
+
+class DirectStream:
+    """``O_DIRECT`` writer: copies into pool chunks, hashes each full chunk, and a
+    thread writes it while the next one fills.
+
+    The tail of the file that does not fill a whole block is written through
+    the page cache (``O_DIRECT`` cleared on the descriptor), so the file has
+    its exact size without padding or truncation.
+    """
+
+    direct = True
+
+    def __init__(self, fd: int, pool: ChunkPool, hasher: Hasher) -> None:
+        self._fd = fd
+        self._pool = pool
+        self._hasher = hasher
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(pool.views)):
+            self._free.put(i)
+        self._todo: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        self._cur = self._free.get()
+        self._fill = 0
+        self._offset = 0
+        self.size = 0
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="stalwart-ckpt-direct", daemon=True)
+        self._thread.start()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        chunk = self._pool.chunk_bytes
+        done = 0
+        while done < total:
+            if self.error is not None:
+                raise self.error
+            n = min(chunk - self._fill, total - done)
+            self._pool.views[self._cur][self._fill : self._fill + n] = view[done : done + n]
+            self._fill += n
+            done += n
+            if self._fill == chunk:
+                self._submit()
+        self.size += total
+        return total
+
+    def flush(self) -> None:
+        pass
+
+    def _submit(self) -> None:
+        # Hashed here, in stream order, while the chunk is still in the CPU cache;
+        # the I/O thread only writes.
+        self._hasher.update(self._pool.views[self._cur][: self._fill])
+        self._todo.put((self._cur, self._offset, self._fill))
+        self._offset += self._fill
+        self._fill = 0
+        self._cur = self._free.get()
+
+    def finish(self) -> int:
+        """Write what is left, wait for every chunk; return the bytes written."""
+        if self._fill and self.error is None:
+            self._submit()
+        self._stop()
+        if self.error is not None:
+            raise self.error
+        return self.size
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        self._stop()
+        os.close(self._fd)
+
+    def _stop(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._todo.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._todo.get()
+            if item is None:
+                return
+            idx, offset, n = item
+            try:
+                if self.error is None:
+                    self._write_chunk(self._pool.views[idx][:n], offset)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                # Even after an error: the producer may be waiting for a free chunk.
+                self._free.put(idx)
+
+    def _write_chunk(self, view: memoryview, offset: int) -> None:
+        aligned = len(view) - len(view) % DIRECT_ALIGN
+        done = 0
+        while done < aligned:
+            try:
+                n = os.pwrite(self._fd, view[done:aligned], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not _direct_enabled(self._fd):
+                    raise
+                # The file system took O_DIRECT at open but refuses this
+                # alignment: carry on through the page cache.
+                logger.debug("O_DIRECT write refused (%s); writing buffered", exc)
+                _set_direct(self._fd, False)
+                continue
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            done += n
+        if aligned < len(view):
+            _set_direct(self._fd, False)
+            _pwrite_all(self._fd, view[aligned:], offset + aligned)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _direct_enabled(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+
+
+def _set_direct(fd: int, on: bool) -> None:
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    o_direct = getattr(os, "O_DIRECT", 0)
+    fcntl.fcntl(fd, fcntl.F_SETFL, (flags | o_direct) if on else (flags & ~o_direct))
+
+
+def open_output(path: str, hasher: Hasher, pool: ChunkPool | None) -> OutputStream:
+    """A new file at ``path`` (which must not exist): direct I/O if ``pool`` is given
+    and the file system accepts ``O_DIRECT``, else buffered."""
+    o_direct = getattr(os, "O_DIRECT", 0)
+    if pool is not None and o_direct:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | o_direct
+        try:
+            fd = os.open(path, flags, 0o666)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            logger.debug("%s refuses O_DIRECT; writing through the page cache", path)
+        else:
+            return DirectStream(fd, pool, hasher)
+    return BufferedStream(path, hasher)

@@ -34,7 +34,7 @@ from . import layout
 from .errors import CheckpointError
 from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
 from .manifest import FORMAT_VERSION, FileEntry, Manifest, encode, new_hasher
-from .streaming import ChecksumFollower, ProgressSink
+from .streaming import ChunkPool, open_output
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,21 @@ class SaveResult:
     step_complete: bool
     # Seconds spent per phase in the writer: serialize, hash_tail, fsync, commit.
     phases: dict[str, float] = field(default_factory=dict)
+    # True when the file was written with O_DIRECT (see streaming.DirectStream).
+    direct_io: bool = False
 
 
 class TorchFileWriter:
     """Writes rank ``rank``'s file of a step; built by the writer subprocess."""
 
     def __init__(
-        self, root: str, rank: int, world_size: int, keep_last: int | None, algorithm: str
+        self,
+        root: str,
+        rank: int,
+        world_size: int,
+        keep_last: int | None,
+        algorithm: str,
+        direct_io: bool = True,
     ) -> None:
         self.root = Path(root)
         self.rank = rank
@@ -70,6 +78,8 @@ class TorchFileWriter:
         with contextlib.suppress(AttributeError):
             torch.serialization.set_crc32_options(False)
         self.root.mkdir(parents=True, exist_ok=True)
+        # Built (and its pages faulted in) while the writer starts, not in a save.
+        self._pool = ChunkPool() if direct_io else None
         self._retention_due = False
         self._clean_stale_tmp()
 
@@ -102,31 +112,30 @@ class TorchFileWriter:
         try:
             tmp.mkdir(parents=True)
             hasher = new_hasher(self.algorithm)
-            with open(tmp / data_name, "w+b", buffering=0) as raw:
-                follower = ChecksumFollower(raw.fileno(), hasher)
-                follower.start()
-                sink = ProgressSink(raw, follower)
-                try:
-                    torch.save(state_dict, cast(IO[bytes], sink))
-                    # Every byte is in the page cache and the follower hashes the
-                    # file, not the buffer: the parent may reuse the buffer now.
-                    release()
-                    phases["serialize"] = time.monotonic() - t0
-                finally:
-                    hashed = follower.finish(sink.size)
+            out = open_output(str(tmp / data_name), hasher, self._pool)
+            direct = out.direct
+            try:
+                torch.save(state_dict, cast(IO[bytes], out))
+                # Every byte has been copied out of the shared buffer (into the
+                # page cache or our own chunks): the parent may reuse it now.
+                release()
+                phases["serialize"] = time.monotonic() - t0
+                hashed = out.finish()
                 phases["hash_tail"] = time.monotonic() - t0 - phases["serialize"]
                 t1 = time.monotonic()
-                os.fsync(raw.fileno())
+                os.fsync(out.fileno())
                 phases["fsync"] = time.monotonic() - t1
-            if hashed != sink.size:
-                raise CheckpointError(f"hashed {hashed} bytes of {sink.size} written")
+            finally:
+                out.close()
+            if hashed != out.size:
+                raise CheckpointError(f"hashed {hashed} bytes of {out.size} written")
             digest = hasher.hexdigest()
             manifest = Manifest(
                 format=FORMAT_VERSION,
                 step=step,
                 rank=self.rank,
                 world_size=self.world_size,
-                files={data_name: FileEntry(sink.size, digest, self.algorithm)},
+                files={data_name: FileEntry(out.size, digest, self.algorithm)},
                 created_unix=time.time(),
                 metadata=dict(metadata or {}),
             )
@@ -159,11 +168,12 @@ class TorchFileWriter:
             step=step,
             rank=self.rank,
             path=final / data_name,
-            nbytes=sink.size,
+            nbytes=out.size,
             checksum=f"{self.algorithm}:{digest}",
             write_s=time.monotonic() - t0,
             step_complete=complete,
             phases=phases,
+            direct_io=direct,
         )
 
     def housekeeping(self) -> None:
