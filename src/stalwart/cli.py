@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stalwart import cluster
 from stalwart.config import (
     ConfigError,
     LaunchConfig,
@@ -45,13 +46,13 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(p, "--nproc-per-node", default=None, help="workers per node: N, auto, cpu or gpu")
     _flag(p, "--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
     p.add_argument("--standalone", action="store_true", help="single node, private rendezvous")
-    _flag(p, "--rdzv-backend", default=None, help="static or c10d")
+    _flag(p, "--rdzv-backend", default=None, help="static, c10d or etcd")
     _flag(p, "--rdzv-endpoint", default=None, help="HOST[:PORT] of the rendezvous store")
     _flag(p, "--rdzv-id", default=None, help="job id shared by all nodes")
     _flag(p, "--rdzv-conf", default=None, help="key=value,... (join_timeout, is_host)")
     _flag(p, "--master-addr", default=None)
     _flag(p, "--master-port", type=int, default=None)
-    _flag(p, "--local-addr", default=None, help="accepted for torchrun compatibility")
+    _flag(p, "--local-addr", default=None, help="address other nodes use to reach this one")
     _flag(p, "--max-restarts", type=int, default=None)
     _flag(p, "--monitor-interval", type=float, default=None, help="seconds between checks")
     _flag(p, "--start-method", default=None, choices=["spawn", "fork", "forkserver"])
@@ -99,8 +100,8 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def _merge(ns: argparse.Namespace) -> dict[str, Any]:
-    """defaults < YAML < STALWART_* environment < flags."""
-    merged: dict[str, Any] = {}
+    """defaults < cluster (SLURM, Kubernetes) < YAML < STALWART_* environment < flags."""
+    merged: dict[str, Any] = dict(cluster.detect(os.environ)[1])
     if ns.config is not None:
         merged.update(load_yaml(ns.config))
     merged.update(env_overrides())
@@ -114,6 +115,7 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "rdzv_conf": ns.rdzv_conf,
         "master_addr": ns.master_addr,
         "master_port": ns.master_port,
+        "local_addr": ns.local_addr,
         "max_restarts": ns.max_restarts,
         "monitor_interval": ns.monitor_interval,
         "start_method": ns.start_method,
@@ -201,6 +203,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         "rdzv_backend",
         "rdzv_endpoint",
         "master_addr",
+        "local_addr",
         "start_method",
         "role",
         "inject",
@@ -233,7 +236,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     if ns.standalone:
         kw.update(rdzv_backend="c10d", rdzv_endpoint="localhost:0", min_nodes=1, max_nodes=1)
         kw.setdefault("run_id", "none")
-    elif max_nodes > 1 and kw.get("rdzv_backend", "static") == "c10d" and "node_rank" not in m:
+    elif max_nodes > 1 and kw.get("rdzv_backend", "static") != "static" and "node_rank" not in m:
         kw["node_rank"] = None  # assigned by the rendezvous in order of arrival
     kw["monitor"] = _monitor_config(ns, m)
     if ns.no_warm or str(m.get("warm", "true")).lower() in ("0", "false", "no"):

@@ -82,6 +82,7 @@ class LaunchConfig:
     rdzv_conf: dict[str, str] = field(default_factory=dict)
     master_addr: str = ""  # "": localhost for one node, 127.0.0.1 for several (as torchrun)
     master_port: int = 29500
+    local_addr: str = ""  # address peers use to reach this node ("": the route to the store)
     max_restarts: int = 0
     monitor_interval: float = 0.1
     start_method: str = "spawn"
@@ -121,10 +122,19 @@ class LaunchConfig:
     def validate(self) -> None:
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
-        if self.min_nodes != self.max_nodes:
+        if self.rdzv_backend not in RDZV_BACKENDS:
             raise ConfigError(
-                f"--nnodes {self.min_nodes}:{self.max_nodes}: elastic node ranges are not "
-                "supported by this version; give a fixed node count"
+                f"--rdzv-backend {self.rdzv_backend!r}: expected one of {', '.join(RDZV_BACKENDS)}"
+            )
+        if self.min_nodes != self.max_nodes and self.rdzv_backend == "static":
+            raise ConfigError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
+                "--rdzv-backend c10d or etcd (static membership is a fixed count)"
+            )
+        if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
+            raise ConfigError(
+                "--rdzv-backend etcd: expected --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+                "of the etcd cluster"
             )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
@@ -141,11 +151,6 @@ class LaunchConfig:
                 f"--restart-policy {self.restart_policy!r}: expected one of "
                 f"{', '.join(RESTART_POLICIES)}"
             )
-        if self.rdzv_backend not in ("static", "c10d"):
-            raise ConfigError(
-                f"--rdzv-backend {self.rdzv_backend!r}: expected static or c10d "
-                "(etcd is not available in this version)"
-            )
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
@@ -157,7 +162,13 @@ class LaunchConfig:
                 raise ConfigError(
                     f"--rdzv-conf key {key!r}: expected one of {', '.join(sorted(RDZV_CONF_KEYS))}"
                 )
-        self.join_timeout  # noqa: B018 - validates the number
+        for key in ("join_timeout", "last_call_timeout", "close_timeout", "keep_alive_interval"):
+            self.rdzv_seconds(key)
+        raw = self.rdzv_conf.get("keep_alive_max_attempt", "3")
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigError(
+                f"--rdzv-conf keep_alive_max_attempt={raw!r}: expected an integer >= 1"
+            )
         if self.inject:
             from stalwart import inject
 
@@ -168,13 +179,17 @@ class LaunchConfig:
 
     @property
     def join_timeout(self) -> float:
-        raw = self.rdzv_conf.get("join_timeout", "600")
+        return self.rdzv_seconds("join_timeout")
+
+    def rdzv_seconds(self, key: str) -> float:
+        """A positive duration from ``--rdzv-conf`` (torch's defaults where absent)."""
+        raw = self.rdzv_conf.get(key, RDZV_DEFAULTS[key])
         try:
             value = float(raw)
         except ValueError:
-            raise ConfigError(f"--rdzv-conf join_timeout={raw!r}: expected seconds") from None
+            raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected seconds") from None
         if value <= 0:
-            raise ConfigError(f"--rdzv-conf join_timeout={raw!r}: expected > 0 seconds")
+            raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected > 0 seconds")
         return value
 
 
@@ -183,7 +198,16 @@ class LaunchConfig:
 # a rank that left; processes restart only when every worker ended and none completed.
 RESTART_POLICIES = ("any-failed", "all-failed")
 
-RDZV_CONF_KEYS = {"join_timeout", "read_timeout", "last_call_timeout", "close_timeout", "is_host"}
+RDZV_BACKENDS = ("static", "c10d", "etcd")
+RDZV_DEFAULTS = {
+    "join_timeout": "600",
+    "last_call_timeout": "30",
+    "close_timeout": "30",
+    "keep_alive_interval": "5",
+    "keep_alive_max_attempt": "3",
+    "read_timeout": "60",
+}
+RDZV_CONF_KEYS = {*RDZV_DEFAULTS, "is_host"}
 
 
 def env_overrides(prefix: str = "STALWART_") -> dict[str, str]:

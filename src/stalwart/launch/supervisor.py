@@ -34,7 +34,7 @@ from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
-from stalwart.rendezvous import Rendezvous, RendezvousInfo, from_config
+from stalwart.rendezvous import JobEnded, Rendezvous, RendezvousInfo, from_config
 
 logger = logging.getLogger(__name__)
 
@@ -213,7 +213,12 @@ class Supervisor:
         round_ = 0
         while True:
             self.state = State.RENDEZVOUS
-            info = rdzv.join(round_, cfg.nproc_per_node)
+            try:
+                info = rdzv.join(round_, cfg.nproc_per_node)
+            except JobEnded as ended:
+                return self._not_needed(ended)
+            # A node that arrived late (a spare) joins the job's current round.
+            round_ = info.round
             self.events.set_node_rank(info.group_rank)
             self.events.emit(
                 "rendezvous_done",
@@ -226,12 +231,22 @@ class Supervisor:
                 master_port=info.master_port,
                 duration=info.duration,
             )
+            if info.left:
+                self.events.emit("nodes_left", attempt=round_, nodes=list(info.left))
+                logger.warning(
+                    "attempt %d goes on with %d node(s) (%d workers) without %s",
+                    round_,
+                    info.group_world_size,
+                    info.world_size,
+                    ", ".join(info.left),
+                )
             outcome, result = self._run_round(rdzv, info)
             if outcome is RoundOutcome.SHUTDOWN_REQUESTED or (
                 outcome is RoundOutcome.PEER_FAILURE and self._peer_shutdown(rdzv, round_)
             ):
                 self.state = State.FAILED
                 self.events.emit("job_stopped", attempt=round_, reason="shutdown requested")
+                rdzv.finish(False, "a rank asked to shut the workload down")
                 print(
                     f"stalwart: job {cfg.run_id} stopped at the request of a rank "
                     f"(attempt {round_}); not restarting",
@@ -242,6 +257,7 @@ class Supervisor:
             if outcome is RoundOutcome.SUCCEEDED:
                 self.state = State.SUCCEEDED
                 self.events.emit("job_succeeded", attempt=round_)
+                rdzv.finish(True, f"succeeded in attempt {round_}")
                 return JobResult(
                     0,
                     self.state,
@@ -250,13 +266,22 @@ class Supervisor:
                     result.return_values if result else {},
                     self.run_dir,
                 )
-            failures = [
-                ProcessFailure.from_dict(f) for f in rdzv.failures(round_) if f["local_rank"] >= 0
-            ]
+            records = rdzv.failures(round_)
+            failures = [ProcessFailure.from_dict(f) for f in records if f["local_rank"] >= 0]
+            for lost in (f for f in records if f.get("kind") == "node_lost"):
+                self.events.emit(
+                    "node_lost",
+                    attempt=round_,
+                    lost_node_rank=lost.get("node_rank"),
+                    lost_host=lost.get("host"),
+                    reason=lost.get("reason"),
+                )
+                logger.warning("attempt %d: %s", round_, lost.get("reason"))
             if not failures and result is not None:
                 failures = list(result.failures.values())
             if round_ >= cfg.max_restarts:
                 self.state = State.FAILED
+                rdzv.finish(False, f"failed after {round_ + 1} attempt(s)")
                 cause = root_cause(failures) if failures else None
                 self.events.emit(
                     "job_failed",
@@ -295,6 +320,17 @@ class Supervisor:
                     cfg.max_restarts,
                 )
             round_ += 1
+
+    def _not_needed(self, ended: JobEnded) -> JobResult:
+        """A spare that was never admitted: the job ended without needing it."""
+        self.state = State.SUCCEEDED if ended.succeeded else State.FAILED
+        self.events.emit("job_ended_without_this_node", reason=ended.reason)
+        print(
+            f"stalwart: job {self.cfg.run_id} ended without needing this node ({ended.reason})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return JobResult(0 if ended.succeeded else 1, self.state, 0, [], {}, self.run_dir)
 
     def _start(self, info: RendezvousInfo) -> ProcessContext:
         cfg = self.cfg
@@ -366,6 +402,7 @@ class Supervisor:
                 rdzv.report_failure(
                     info.round,
                     {
+                        "kind": "shutdown",
                         "local_rank": -1,
                         "pid": os.getpid(),
                         "exitcode": 0,
@@ -406,7 +443,7 @@ class Supervisor:
         return True
 
     def _peer_shutdown(self, rdzv: Rendezvous, round_: int) -> bool:
-        return any(f.get("local_rank", 0) < 0 for f in rdzv.failures(round_))
+        return any(f.get("kind") == "shutdown" for f in rdzv.failures(round_))
 
     def _await_peers(self, rdzv: Rendezvous, round_: int) -> RoundOutcome:
         """Local workers succeeded; the job succeeds only if every node's did."""

@@ -10,6 +10,19 @@ class RendezvousError(RuntimeError):
     """The job cannot form: unreachable endpoint, id mismatch, join timeout."""
 
 
+class StoreLost(RendezvousError):
+    """The rendezvous store stopped answering (its host died, or the network is cut)."""
+
+
+class JobEnded(Exception):
+    """The job ended while this node waited to be admitted (a spare that was not needed)."""
+
+    def __init__(self, succeeded: bool, reason: str) -> None:
+        super().__init__(reason)
+        self.succeeded = succeeded
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class RendezvousInfo:
     """One node's view of a completed round."""
@@ -22,6 +35,8 @@ class RendezvousInfo:
     master_addr: str
     master_port: int
     duration: float  # seconds spent waiting for the other nodes
+    # Nodes of the previous round that are not in this one ("host (node rank N)").
+    left: tuple[str, ...] = ()
 
 
 class Rendezvous(Protocol):
@@ -29,7 +44,10 @@ class Rendezvous(Protocol):
     node_rank: int | None
 
     def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
-        """Blocks until every node joined *round_*; returns ranks and the worker store."""
+        """Blocks until the nodes of a round have joined; returns ranks and the worker store.
+
+        The round may be later than *round_*: a node that arrives while the job runs is a
+        spare and is admitted at the next restart boundary."""
         ...
 
     def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
@@ -49,6 +67,10 @@ class Rendezvous(Protocol):
         ...
 
     def all_done(self, round_: int) -> bool: ...
+
+    def finish(self, succeeded: bool, reason: str) -> None:
+        """The job is over (success, or no restart left): spares waiting to join exit."""
+        ...
 
     def leave(self) -> None:
         """This node is exiting; the store host waits for everyone before closing."""

@@ -205,6 +205,9 @@ class C10dRendezvous:
     def all_done(self, round_: int) -> bool:
         return int(self.store.add(f"r{round_}/done", 0)) >= self.nnodes
 
+    def finish(self, succeeded: bool, reason: str) -> None:
+        """Static membership has no spares waiting to be told."""
+
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:

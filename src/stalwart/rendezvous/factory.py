@@ -1,15 +1,28 @@
-"""The rendezvous a launcher's settings call for."""
+"""The rendezvous a launcher's settings call for.
+
+* one node: a private loopback ``TCPStore`` (static);
+* ``--rdzv-backend static`` (torchrun's default without an endpoint): fixed membership
+  through node 0's store at ``--master-addr:--master-port``;
+* ``c10d`` with an endpoint: elastic, on a ``TCPStore`` hosted by the launcher whose
+  machine owns the endpoint's address (or ``is_host=1``);
+* ``etcd``: elastic, every key in an etcd cluster.
+"""
 
 from __future__ import annotations
 
-from stalwart.config import LaunchConfig
+import time
+
+from stalwart.config import ConfigError, LaunchConfig
+from stalwart.rendezvous.api import RendezvousError
 from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
+from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
+from stalwart.rendezvous.etcd import EtcdKV, parse_endpoints
+from stalwart.rendezvous.kv import KV, C10dKV, is_local_address, local_address_towards
 
 
-def from_config(cfg: LaunchConfig) -> C10dRendezvous:
-    """The c10d store the nodes meet at (a private loopback one for a single node)."""
+def from_config(cfg: LaunchConfig) -> C10dRendezvous | ElasticRendezvous:
     join_timeout = cfg.join_timeout
-    if cfg.nnodes == 1:
+    if cfg.max_nodes == 1:
         return C10dRendezvous(
             run_id=cfg.run_id,
             nnodes=1,
@@ -23,19 +36,128 @@ def from_config(cfg: LaunchConfig) -> C10dRendezvous:
         endpoint = StoreEndpoint(cfg.effective_master_addr, cfg.master_port)
         if cfg.rdzv_endpoint:
             endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint, cfg.master_port)
-        is_host = cfg.node_rank == 0
-    else:
-        endpoint = StoreEndpoint.parse(cfg.rdzv_endpoint)
-        explicit = cfg.rdzv_conf.get("is_host")
-        is_host = (
-            explicit.lower() in ("1", "true", "yes") if explicit is not None else cfg.node_rank == 0
+        return C10dRendezvous(
+            run_id=cfg.run_id,
+            nnodes=cfg.nnodes,
+            endpoint=endpoint,
+            host_store=cfg.node_rank == 0,
+            node_rank=cfg.node_rank,
+            master_addr=endpoint.host,
+            join_timeout=join_timeout,
         )
-    return C10dRendezvous(
-        run_id=cfg.run_id,
-        nnodes=cfg.nnodes,
-        endpoint=endpoint,
-        host_store=is_host,
-        node_rank=cfg.node_rank,
-        master_addr=endpoint.host,
-        join_timeout=join_timeout,
+    return elastic_from_config(cfg)
+
+
+def settings_from_config(cfg: LaunchConfig) -> ElasticSettings:
+    return ElasticSettings(
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        max_restarts=cfg.max_restarts,
+        join_timeout=cfg.join_timeout,
+        last_call_timeout=cfg.rdzv_seconds("last_call_timeout"),
+        close_timeout=cfg.rdzv_seconds("close_timeout"),
+        keep_alive_interval=cfg.rdzv_seconds("keep_alive_interval"),
+        keep_alive_max_attempt=int(cfg.rdzv_conf.get("keep_alive_max_attempt", "3")),
     )
+
+
+def elastic_from_config(cfg: LaunchConfig) -> ElasticRendezvous:
+    settings = settings_from_config(cfg)
+    kv: KV
+    hosts_store = False
+    if cfg.rdzv_backend == "etcd":
+        try:
+            endpoints = parse_endpoints(cfg.rdzv_endpoint)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        etcd = EtcdKV(
+            endpoints,
+            cfg.run_id,
+            lease_ttl=settings.lost_after,
+            request_timeout=max(2.0, settings.lost_after),
+        )
+        _wait_for_etcd(etcd, cfg.join_timeout)
+        kv = etcd
+        local = cfg.local_addr or local_address_towards(*endpoints[0])
+    else:
+        try:
+            ep = StoreEndpoint.parse(cfg.rdzv_endpoint)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        kv, hosts_store = _c10d_kv(cfg, ep, settings)
+        local = cfg.local_addr or (
+            ep.host if hosts_store else local_address_towards(ep.host, ep.port)
+        )
+        _check_run_id(kv, cfg.run_id, hosts_store, cfg.join_timeout, str(ep))
+    return ElasticRendezvous(
+        kv,
+        settings,
+        run_id=cfg.run_id,
+        local_addr=local,
+        rank_hint=cfg.node_rank,
+        backend=cfg.rdzv_backend,
+        hosts_store=hosts_store,
+    )
+
+
+def _c10d_kv(cfg: LaunchConfig, ep: StoreEndpoint, s: ElasticSettings) -> tuple[C10dKV, bool]:
+    op_timeout = max(s.lost_after, 2.0)
+    explicit = cfg.rdzv_conf.get("is_host")
+    if explicit is not None:
+        host = explicit.lower() in ("1", "true", "yes")
+        kv = C10dKV(
+            ep.host, ep.port, is_host=host, connect_timeout=cfg.join_timeout, op_timeout=op_timeout
+        )
+        return kv, host
+    if is_local_address(ep.host):
+        # Like torchrun: the launcher on the endpoint's machine hosts the store; when
+        # several launchers share that machine, the first to bind the port does.
+        try:
+            return C10dKV(
+                ep.host,
+                ep.port,
+                is_host=True,
+                connect_timeout=cfg.join_timeout,
+                op_timeout=op_timeout,
+            ), True
+        except RendezvousError as err:
+            if "in use" not in str(err).lower():
+                raise
+    kv = C10dKV(
+        ep.host, ep.port, is_host=False, connect_timeout=cfg.join_timeout, op_timeout=op_timeout
+    )
+    return kv, False
+
+
+def _check_run_id(kv: KV, run_id: str, is_host: bool, timeout: float, where: str) -> None:
+    # Only the host writes the id: a joiner that claimed an empty store could beat the
+    # host to it, and the host would then reject its own job.
+    if is_host:
+        kv.set("run_id", run_id)
+        return
+    deadline = time.monotonic() + timeout
+    while (got := kv.get("run_id")) is None:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rendezvous {run_id}: timed out after {timeout:g}s waiting for the host "
+                f"to publish the job's rendezvous id at {where}"
+            )
+        time.sleep(0.01)
+    if got.decode() != run_id:
+        raise RendezvousError(
+            f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
+            f"the store belongs to job {got.decode()!r}"
+        )
+
+
+def _wait_for_etcd(etcd: EtcdKV, timeout: float) -> None:
+    """etcd may still be starting: retry for a bounded time, then one clear error."""
+    deadline = time.monotonic() + min(timeout, 30.0)
+    while True:
+        try:
+            etcd.ping()
+            return
+        except RendezvousError as err:
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"{err} (gave up after {min(timeout, 30.0):g}s)") from None
+        time.sleep(0.2)

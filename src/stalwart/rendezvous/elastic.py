@@ -1,0 +1,410 @@
+"""Elastic rendezvous: ``MIN:MAX`` nodes, keep-alive, node loss and spare nodes.
+
+All state lives in a ``KV`` engine (c10d ``TCPStore`` or etcd), under per-round keys:
+
+* ``r<n>/joined`` counter hands out slots; ``r<n>/node/<slot>`` describes the node;
+* ``r<n>/closed`` is written once (create-if-absent, so the first closer wins) with the
+  admitted slots in rank order: every node reads the same decision;
+* ``r<n>/failed``, ``r<n>/failure/<group rank>``, ``r<n>/done`` end the round;
+* ``hb/<node id>`` is each node's keep-alive counter, bumped by a thread.  A member whose
+  counter stops moving for ``keep_alive_interval × keep_alive_max_attempt`` is lost (with
+  etcd the key also hangs off a lease and vanishes).  Counters, not timestamps, so
+  clocks of different hosts need not agree.
+
+A round may close when the previous one is over (round 0, or ``r<n-1>/failed``) and
+either MAX nodes joined, or at least MIN did and every live member of the previous round
+is back, or at least MIN did and nobody new arrived for ``last_call_timeout``.  A node
+that arrives while the job runs joins the next round and waits there: a spare, admitted
+at the next restart boundary.  Ranks: survivors keep their order, newcomers follow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from stalwart.rendezvous.api import JobEnded, RendezvousError, RendezvousInfo, StoreLost
+from stalwart.rendezvous.kv import KV
+
+logger = logging.getLogger(__name__)
+
+_POLL = 0.02
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0  # how long the c10d store's host waits for others to leave
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    @property
+    def lost_after(self) -> float:
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True)
+class Member:
+    id: str
+    host: str
+    addr: str
+    nproc: int
+    hint: int | None  # previous group rank, or the user's --node-rank
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Member:
+        d = json.loads(raw)
+        return cls(d["id"], d["host"], d["addr"], int(d["nproc"]), d.get("hint"))
+
+    def encode(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+class Liveness:
+    """This node's view of who is alive, from the heartbeat counters it has read."""
+
+    def __init__(self, kv: KV, lost_after: float) -> None:
+        self._kv = kv
+        self._lost_after = lost_after
+        self._seen: dict[str, tuple[bytes | None, float]] = {}
+
+    def observe(self, ids: list[str]) -> None:
+        now = time.monotonic()
+        for node, value in zip(ids, self._kv.get_many([f"hb/{i}" for i in ids]), strict=True):
+            old = self._seen.get(node)
+            if old is None or old[0] != value:
+                self._seen[node] = (value, now)
+
+    def lost(self, node: str) -> float | None:
+        """Seconds since *node* last showed a sign of life, if that makes it lost."""
+        seen = self._seen.get(node)
+        if seen is None:
+            return None
+        silent = time.monotonic() - seen[1]
+        # A vanished key (etcd lease expired) is loss at once; a still counter, after a while.
+        if (seen[0] is None and silent > 0) or silent >= self._lost_after:
+            return silent
+        return None
+
+
+class ElasticRendezvous:
+    """Node membership for one job, on a ``KV`` engine shared by all its launchers."""
+
+    def __init__(
+        self,
+        kv: KV,
+        settings: ElasticSettings,
+        *,
+        run_id: str,
+        local_addr: str,
+        rank_hint: int | None = None,
+        backend: str = "c10d",
+        hosts_store: bool = False,
+    ) -> None:
+        self.kv = kv
+        self.settings = settings
+        self.run_id = run_id
+        self.backend = backend
+        self.node_rank: int | None = rank_hint
+        self.local_addr = local_addr
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._hint = rank_hint
+        self._hosts_store = hosts_store
+        self._members: dict[int, list[Member]] = {}
+        self._worker_stores: dict[int, Any] = {}
+        self._live = Liveness(kv, settings.lost_after)
+        self._last_check = 0.0
+        self._beat_ok = time.monotonic()
+        self._stop = threading.Event()
+        ended = kv.get("job/ended")
+        if ended is not None:
+            raise RendezvousError(
+                f"rendezvous id {run_id!r} at {backend} {kv} belongs to a job that already "
+                f"ended ({json.loads(ended).get('reason', '?')}); use a new --rdzv-id"
+            )
+        self._beat()
+        self._thread = threading.Thread(
+            target=self._keep_alive, name="stalwart-keepalive", daemon=True
+        )
+        self._thread.start()
+
+    # -- keep-alive --------------------------------------------------------------------
+    def _beat(self) -> None:
+        n = int(time.monotonic() * 1000)
+        self.kv.set(f"hb/{self.id}", str(n), leased=True)
+        self.kv.refresh()
+        self._beat_ok = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.settings.keep_alive_interval):
+            try:
+                self._beat()
+            except (RendezvousError, OSError) as err:
+                logger.warning("keep-alive to the rendezvous store failed: %s", err)
+
+    def _check_cut_off(self) -> None:
+        silent = time.monotonic() - self._beat_ok
+        if silent > self.settings.lost_after + self.settings.keep_alive_interval:
+            raise StoreLost(
+                f"this node could not reach the rendezvous store ({self.backend} at "
+                f"{self.kv}) for {silent:.1f}s; the others count it as lost, so it stops"
+            )
+
+    # -- joining -----------------------------------------------------------------------
+    def _first_open(self, r: int) -> int:
+        while self.kv.get(f"r{r}/closed") is not None:
+            r += 1
+        return r
+
+    def _members_of(self, r: int) -> list[Member]:
+        if r not in self._members:
+            raw = self.kv.get(f"r{r}/closed")
+            if raw is None:
+                return []
+            slots = json.loads(raw)
+            recs = self.kv.get_many([f"r{r}/node/{s}" for s in slots])
+            self._members[r] = [Member.decode(x) for x in recs if x is not None]
+        return self._members[r]
+
+    def _check_ended(self) -> None:
+        raw = self.kv.get("job/ended")
+        if raw is not None:
+            d = json.loads(raw)
+            raise JobEnded(bool(d.get("succeeded")), str(d.get("reason", "")))
+
+    def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
+        t0 = time.monotonic()
+        r = round_
+        while True:
+            r = self._first_open(r)
+            if r > self.settings.max_restarts:
+                raise RendezvousError(
+                    f"rendezvous {self.run_id}: the job has used its restart budget "
+                    f"({self.settings.max_restarts}); this node is not needed"
+                )
+            prev = self._members.get(r - 1, [])
+            hint = next((i for i, m in enumerate(prev) if m.id == self.id), self._hint)
+            me = Member(self.id, socket.gethostname(), self.local_addr, local_world_size, hint)
+            slot = self.kv.add(f"r{r}/joined", 1) - 1
+            self.kv.set(f"r{r}/node/{slot}", me.encode())
+            order = self._await_close(r, slot)
+            if slot in order:
+                break
+            logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
+            r += 1
+        members = self._members_of(r)
+        group_rank = order.index(slot)
+        self.node_rank = group_rank
+        if group_rank == 0:
+            self._open_worker_store(r)
+        deadline = time.monotonic() + self.settings.join_timeout
+        while (master := self.kv.get(f"r{r}/master")) is None:
+            self._check_cut_off()
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"rendezvous {self.run_id}: node 0 of round {r} did not publish the "
+                    f"workers' store within {self.settings.join_timeout:g}s"
+                )
+            time.sleep(_POLL)
+        addr, _, port = master.decode().rpartition(":")
+        sizes = [m.nproc for m in members]
+        now_ids = {m.id for m in members}
+        left = tuple(
+            f"{m.host} (node rank {i}, {m.addr})"
+            for i, m in enumerate(self._members.get(r - 1, []))
+            if m.id not in now_ids
+        )
+        return RendezvousInfo(
+            round=r,
+            group_rank=group_rank,
+            group_world_size=len(members),
+            base_rank=sum(sizes[:group_rank]),
+            world_size=sum(sizes),
+            master_addr=addr,
+            master_port=int(port),
+            duration=time.monotonic() - t0,
+            left=left,
+        )
+
+    def _expected(self, r: int) -> set[str] | None:
+        """Ids of the previous round's members that are still alive (None for round 0)."""
+        if r == 0:
+            return None
+        prev = self._members_of(r - 1)
+        self._live.observe([m.id for m in prev])
+        return {m.id for m in prev if self._live.lost(m.id) is None}
+
+    def _await_close(self, r: int, slot: int) -> list[int]:
+        s = self.settings
+        p = f"r{r}/"
+        records: dict[int, Member] = {}
+        last_n, last_change = -1, time.monotonic()
+        open_since: float | None = None
+        waiting_logged = False
+        while True:
+            raw = self.kv.get(f"{p}closed")
+            if raw is not None:
+                order: list[int] = json.loads(raw)
+                return order
+            self._check_cut_off()
+            self._check_ended()
+            now = time.monotonic()
+            n = self.kv.add(f"{p}joined", 0)
+            if n != last_n:
+                last_n, last_change = n, now
+            running = r > 0 and self.kv.get(f"r{r - 1}/failed") is None
+            if running and open_since is None and not waiting_logged:
+                waiting_logged = True
+                logger.info(
+                    "round %d is running without this node: waiting as a spare for the next "
+                    "restart",
+                    r - 1,
+                )
+            if not running:
+                open_since = open_since or now
+                missing = [i for i in range(n) if i not in records]
+                for i, rec in zip(
+                    missing, self.kv.get_many([f"{p}node/{i}" for i in missing]), strict=True
+                ):
+                    if rec is not None:
+                        records[i] = Member.decode(rec)
+                self._live.observe([m.id for m in records.values()])
+                live = [i for i, m in sorted(records.items()) if self._live.lost(m.id) is None]
+                expected = self._expected(r)
+                back = expected is not None and expected <= {records[i].id for i in live}
+                if len(live) >= s.max_nodes or (
+                    len(live) >= s.min_nodes and (back or now - last_change >= s.last_call_timeout)
+                ):
+                    ranked = sorted(
+                        live, key=lambda i: (records[i].hint is None, records[i].hint or 0, i)
+                    )
+                    self.kv.create(f"{p}closed", json.dumps(ranked[: s.max_nodes]))
+                    continue
+                if now - open_since > s.join_timeout:
+                    raise RendezvousError(
+                        f"rendezvous {self.run_id}: only {len(live)} of at least "
+                        f"{s.min_nodes} node(s) joined round {r} within {s.join_timeout:g}s"
+                    )
+            time.sleep(_POLL)
+
+    def _open_worker_store(self, r: int) -> None:
+        from datetime import timedelta
+
+        from torch._C._distributed_c10d import TCPStore
+
+        self._worker_stores.clear()  # a straggler of a dead round cannot reach the new one
+        store = TCPStore(
+            "0.0.0.0",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.settings.join_timeout),
+        )
+        self._worker_stores[r] = store
+        self.kv.set(f"r{r}/master", f"{self.local_addr}:{store.port}")
+
+    # -- the running round -------------------------------------------------------------
+    def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
+        rank = failure.get("node_rank", self.node_rank)
+        self.kv.set(f"r{round_}/failure/{rank}", json.dumps(failure, default=str))
+        self.kv.create(f"r{round_}/failed", str(rank))
+
+    def failed(self, round_: int) -> bool:
+        self._check_cut_off()
+        if self.kv.get(f"r{round_}/failed") is not None:
+            return True
+        now = time.monotonic()
+        if now - self._last_check < self.settings.keep_alive_interval / 4:
+            return False
+        self._last_check = now
+        members = self._members_of(round_)
+        self._live.observe([m.id for m in members])
+        for rank, m in enumerate(members):
+            silent = self._live.lost(m.id)
+            if m.id != self.id and silent is not None:
+                logger.warning("node %d (%s) lost: no keep-alive for %.1fs", rank, m.host, silent)
+                self.report_failure(
+                    round_,
+                    {
+                        "kind": "node_lost",
+                        "local_rank": -1,
+                        "node_rank": rank,
+                        "host": m.host,
+                        "reason": f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
+                    },
+                )
+                return True
+        return False
+
+    def failures(self, round_: int) -> list[dict[str, Any]]:
+        n = len(self._members_of(round_))
+        out = []
+        for raw in self.kv.get_many([f"r{round_}/failure/{i}" for i in range(n)]):
+            if raw is not None:
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    logger.warning("unreadable failure record in round %d", round_)
+        return out
+
+    def report_done(self, round_: int) -> None:
+        self.kv.add(f"r{round_}/done", 1)
+
+    def all_done(self, round_: int) -> bool:
+        return self.kv.add(f"r{round_}/done", 0) >= len(self._members_of(round_))
+
+    def finish(self, succeeded: bool, reason: str) -> None:
+        try:
+            self.kv.create("job/ended", json.dumps({"succeeded": succeeded, "reason": reason}))
+        except RendezvousError as err:
+            logger.debug("finish(): %s", err)
+
+    def leave(self) -> None:
+        """Stops the keep-alive; the c10d store's host waits (``close_timeout``) until every
+        registered node has left or is lost, since its exit takes the store with it."""
+        self._stop.set()
+        try:
+            self.kv.set(f"left/{self.id}", "1")
+            if self._hosts_store:
+                deadline = time.monotonic() + self.settings.close_timeout
+                while time.monotonic() < deadline:
+                    ids = self._registered()
+                    self._live.observe(ids)
+                    gone = self.kv.get_many([f"left/{i}" for i in ids])
+                    if all(
+                        g is not None or self._live.lost(i) is not None
+                        for i, g in zip(ids, gone, strict=True)
+                    ):
+                        break
+                    time.sleep(0.05)
+                else:
+                    logger.warning("not every node left within %ss", self.settings.close_timeout)
+        except RendezvousError as err:  # the store may already be gone
+            logger.debug("leave(): %s", err)
+        self.kv.close()
+        self._worker_stores.clear()
+
+    def _registered(self) -> list[str]:
+        # Every node that ever joined a round, spares included.
+        ids: set[str] = set()
+        r = 0
+        while True:
+            n = self.kv.add(f"r{r}/joined", 0)
+            if n == 0:
+                break
+            for raw in self.kv.get_many([f"r{r}/node/{i}" for i in range(n)]):
+                if raw is not None:
+                    ids.add(Member.decode(raw).id)
+            r += 1
+        return sorted(ids)

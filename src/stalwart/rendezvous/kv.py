@@ -1,0 +1,180 @@
+"""The key-value contract the elastic rendezvous runs on, and its c10d ``TCPStore`` form.
+
+Two engines back it: torch's ``TCPStore`` (hosted by one launcher: the embedded default)
+and etcd (``rendezvous/etcd.py``: survives the loss of any launcher).  Both turn a lost
+connection into ``StoreLost`` so the supervisor can stop its workers and say why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from stalwart.rendezvous.api import RendezvousError, StoreLost
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class KV(Protocol):
+    def get(self, key: str) -> bytes | None: ...
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
+
+    def set(self, key: str, value: str, *, leased: bool = False) -> None:
+        """*leased*: the key should vanish if this node dies (where the engine can)."""
+        ...
+
+    def create(self, key: str, value: str) -> bytes:
+        """Writes *value* only if *key* is absent; returns the key's value afterwards."""
+        ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+    def refresh(self) -> None:
+        """Called on every keep-alive tick."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class C10dKV:
+    """A ``TCPStore`` client (or the hosting server) seen through ``KV``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        is_host: bool,
+        connect_timeout: float,
+        op_timeout: float,
+    ) -> None:
+        from torch._C._distributed_c10d import TCPStore
+
+        self.is_host = is_host
+        try:
+            self.store: TCPStore = TCPStore(
+                host,
+                port,
+                is_master=is_host,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=connect_timeout),
+            )
+        except (RuntimeError, OSError) as err:
+            what = "host" if is_host else "reach"
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise RendezvousError(
+                f"cannot {what} the rendezvous store at {host}:{port} "
+                f"(within {connect_timeout:g}s): {first}"
+            ) from None
+        self.host = host
+        self.port = int(self.store.port)
+        # A TCPStore call over a cut link blocks until TCP gives up (many minutes),
+        # whatever the store's timeout says.  Calls therefore run on a helper thread and
+        # the caller waits at most op_timeout; one that does not answer marks the store
+        # lost for good (the stuck thread is a daemon and goes with the process).
+        self._op_timeout = op_timeout
+        self._broken: StoreLost | None = None
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="stalwart-c10d-kv", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, fut = self._calls.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as err:  # handed to the caller
+                fut.set_exception(err)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        if self._broken is not None:
+            raise self._broken
+        fut: Future[T] = Future()
+        self._calls.put((fn, fut))
+        try:
+            return fut.result(timeout=self._op_timeout)
+        except TimeoutError:
+            self._broken = StoreLost(
+                f"the c10d rendezvous store at {self} did not answer within "
+                f"{self._op_timeout:g}s (host down or network cut; with --rdzv-backend c10d "
+                "the store's host is a single point of failure; etcd survives it)"
+            )
+            raise self._broken from None
+        except RuntimeError as err:
+            raise self._lost(err) from None
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def _lost(self, err: Exception) -> StoreLost:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return StoreLost(
+            f"lost the c10d rendezvous store at {self}: {first} (with --rdzv-backend c10d "
+            "the store's host is a single point of failure; etcd survives it)"
+        )
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        store = self.store
+
+        def run() -> list[bytes | None]:
+            # check() first: get() of a missing key would block until the store timeout.
+            return [bytes(store.get(k)) if store.check([k]) else None for k in keys]
+
+        return self._call(run)
+
+    def set(self, key: str, value: str, *, leased: bool = False) -> None:
+        self._call(lambda: self.store.set(key, value))
+
+    def create(self, key: str, value: str) -> bytes:
+        return self._call(lambda: bytes(self.store.compare_set(key, "", value)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(lambda: int(self.store.add(key, amount)))
+
+    def refresh(self) -> None:
+        """Nothing to renew: c10d liveness is the heartbeat counter itself."""
+
+    def close(self) -> None:
+        """The store object goes with this launcher; nothing to release early."""
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The address of the interface this machine uses to reach *host* (for peers)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: resolves the route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return socket.getfqdn()
+
+
+def is_local_address(host: str) -> bool:
+    """Whether *host* names this machine (one of its addresses binds)."""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
