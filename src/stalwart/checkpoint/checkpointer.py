@@ -12,18 +12,24 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from . import layout
 from .identity import resolve_rank, resolve_world_size
 from .manifest import default_algorithm
 from .process import CheckpointProcess, WriterProcessConfig
-from .staging import plan
+from .staging import TENSOR_ALIGN, plan
 from .writer import SaveResult, TorchFileWriter
 
 logger = logging.getLogger(__name__)
@@ -36,9 +42,12 @@ class StagingMode(enum.Enum):
     ``save()`` returns. BACKGROUND: on the I/O thread; ``save()`` returns after
     pickling the non-tensor state, and the caller must not modify tensors in
     place until ``wait_staged()`` returns. With ``guard_optimizers`` every
-    ``optimizer.step()`` waits for that automatically, and a tensor that was
-    modified anyway is detected (version counter) and fails that save rather
-    than writing a torn checkpoint.
+    ``optimizer.step()`` waits for that automatically, with ``guard_modules``
+    every module forward does (BatchNorm updates its running statistics in
+    place in forward), and a tensor that was modified anyway through its
+    autograd version counter is detected and fails that save rather than
+    writing a torn checkpoint. Writes through ``.data`` bypass the version
+    counter and are not detected: that is why SYNC stays the default.
     """
 
     SYNC = "sync"
@@ -53,6 +62,8 @@ def _default_copy_threads() -> int:
 class CheckpointerConfig:
     staging: StagingMode = StagingMode.SYNC
     guard_optimizers: bool = True
+    # BACKGROUND only: a global module forward pre-hook waits for staging.
+    guard_modules: bool = True
     # The caller is blocked during a SYNC copy anyway, so use several cores.
     copy_threads: int = 0  # 0: min(4, cpu_count)
     init_timeout_s: float = 120.0
@@ -62,6 +73,11 @@ class CheckpointerConfig:
     # Size the staging buffer at start-up, off the training thread, so even the
     # first save() only copies. 0: sized by the first save.
     reserve_bytes: int = 0
+    # With reserve_bytes=0: after an optimizer's first step, size the buffer in
+    # the background for its parameters plus its state (what a resumable
+    # checkpoint holds), so the first save does not fault in fresh memory. A
+    # reservation larger than the first save needed is trimmed after it.
+    auto_reserve: bool = True
     # Niceness added to the writer child: training wins contended cores, and
     # the writer still progresses (a large value starves it on a busy host).
     writer_nice: int = 5
@@ -123,9 +139,20 @@ class AsyncCheckpointer:
                 nice=self.config.writer_nice,
             ),
         )
-        self._hook: Any = None
-        if self.config.staging is StagingMode.BACKGROUND and self.config.guard_optimizers:
-            self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        self._hooks: list[Any] = []
+        # Read without the lock by the forward guard: a plain bool is enough to
+        # skip the lock on the hot path; wait_staged decides under the lock.
+        self._maybe_unstaged = False
+        background = self.config.staging is StagingMode.BACKGROUND
+        if background and self.config.guard_optimizers:
+            self._hooks.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+        if background and self.config.guard_modules:
+            self._hooks.append(register_module_forward_pre_hook(self._before_forward))
+        self._saved_once = False
+        self._auto_reserved = 0
+        self._optimizer_bytes: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        if self.config.auto_reserve and not self.config.reserve_bytes:
+            self._hooks.append(register_optimizer_step_post_hook(self._after_optimizer_step))
 
     @property
     def writer_pid(self) -> int | None:
@@ -150,19 +177,29 @@ class AsyncCheckpointer:
         path = str(layout.step_dir(self.directory, step))
         kwargs: dict[str, Any] = {"step": step, "metadata": metadata}
         t0 = time.perf_counter()
-        if isinstance(state_dict, Future):
-            fut: Future[SaveResult] = self._process.write(state_dict, path, **kwargs)
+        self._saved_once = True
+        if isinstance(state_dict, Future) or self.config.staging is StagingMode.BACKGROUND:
+            staging = None if isinstance(state_dict, Future) else plan(state_dict)
+            # Submitted and listed under the lock, so the guards' wait_staged
+            # can never see "nothing unstaged" while this save is in between.
+            with self._lock:
+                self._maybe_unstaged = True
+                if staging is None:
+                    fut: Future[SaveResult] = self._process.write(state_dict, path, **kwargs)
+                else:
+                    fut = self._process.write_planned(staging, path, background=True, **kwargs)
+                self._track(fut)
         else:
-            background = self.config.staging is StagingMode.BACKGROUND
-            fut = self._process.write_planned(
-                plan(state_dict), path, background=background, **kwargs
-            )
+            fut = self._process.write_planned(plan(state_dict), path, background=False, **kwargs)
+            with self._lock:
+                self._track(fut)
         self.last_stall_s = time.perf_counter() - t0
         fut.add_done_callback(self._log_failure)
-        with self._lock:
-            self._inflight = [f for f in self._inflight if not f.done()]
-            self._inflight.append(fut)
         return fut
+
+    def _track(self, fut: Future[SaveResult]) -> None:
+        self._inflight = [f for f in self._inflight if not f.done()]
+        self._inflight.append(fut)
 
     def reserve_for(self, state_dict: Any) -> Future[None]:
         """Size the staging buffer for ``state_dict`` in the background.
@@ -175,12 +212,18 @@ class AsyncCheckpointer:
 
     def wait_staged(self) -> None:
         """Block until every snapshot taken so far has been copied out of the caller's tensors."""
-        with self._lock:
-            pending = list(self._inflight)
-        for fut in pending:
-            staged = getattr(fut, "staged", None)
-            if staged is not None:
-                staged.wait()
+        while True:
+            with self._lock:
+                pending = [
+                    evt
+                    for evt in (getattr(f, "staged", None) for f in self._inflight)
+                    if evt is not None and not evt.is_set()
+                ]
+                if not pending:
+                    self._maybe_unstaged = False
+                    return
+            for evt in pending:
+                evt.wait()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every in-flight save; re-raise the first failure among them."""
@@ -203,9 +246,9 @@ class AsyncCheckpointer:
             self.wait()
         except BaseException as exc:
             logger.error("a checkpoint save failed before close: %s", exc)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._process.close()
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -217,7 +260,43 @@ class AsyncCheckpointer:
     def _before_optimizer_step(self, *_: Any) -> None:
         self.wait_staged()
 
+    def _before_forward(self, *_: Any) -> None:
+        if self._maybe_unstaged:
+            self.wait_staged()
+
+    def _after_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        if self._saved_once or self._closed or optimizer in self._optimizer_bytes:
+            return
+        # Once per optimizer, after its first step: its state tensors exist now.
+        self._optimizer_bytes[optimizer] = _optimizer_nbytes(optimizer)
+        wanted = sum(self._optimizer_bytes.values())
+        if wanted > self._auto_reserved:
+            self._auto_reserved = wanted
+            # Provisional: the estimate may be for more than this job saves (a
+            # model-only checkpoint); the first snapshot trims what it did not use.
+            self._process.reserve(wanted, provisional=True)
+
     @staticmethod
     def _log_failure(fut: Future[SaveResult]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             logger.error("checkpoint save failed: %s", fut.exception())
+
+
+def _optimizer_nbytes(optimizer: Any) -> int:
+    """Bytes of an optimizer's parameters and state tensors (a staging estimate)."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += TENSOR_ALIGN + t.numel() * t.element_size()
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return total

@@ -128,8 +128,10 @@ class CheckpointProcess:
         """Write an already-pickled plan; copy now, or on the I/O thread if ``background``."""
         self._check_open()
         if background:
+            # One thread: nobody waits for this copy, and more would take cores
+            # from the training thread that keeps running meanwhile.
             return self._submit_staging(
-                lambda: self._buffer.copy_in(staging, check_versions=True), path, kwargs
+                lambda: self._buffer.copy_in(staging, check_versions=True, threads=1), path, kwargs
             )
         self._wait_for_deferred()
         self._buffer_free.acquire()
@@ -140,12 +142,16 @@ class CheckpointProcess:
             raise
         return self._io.submit(self._write_job, staged, path, kwargs)
 
-    def reserve(self, nbytes: int) -> Future[None]:
-        """Grow the staging buffer on the I/O thread ahead of the first save."""
-        self._check_open()
-        return self._io.submit(self._reserve, nbytes)
+    def reserve(self, nbytes: int, *, provisional: bool = False) -> Future[None]:
+        """Grow the staging buffer on the I/O thread ahead of the first save.
 
-    def _reserve(self, nbytes: int) -> None:
+        ``provisional``: ``nbytes`` is an estimate; the next snapshot shrinks
+        the buffer to what it really needs (plus the usual headroom).
+        """
+        self._check_open()
+        return self._io.submit(self._reserve, nbytes, provisional)
+
+    def _reserve(self, nbytes: int, provisional: bool = False) -> None:
         # Remapping under a copy in progress would pull the memory from under
         # it, so growth must own the buffer like a snapshot does. Never wait for
         # it, though: the holder's write may be queued behind this very job on
@@ -154,7 +160,7 @@ class CheckpointProcess:
             logger.debug("staging buffer busy; skipping the reservation")
             return
         try:
-            self._buffer.ensure(nbytes)
+            self._buffer.ensure(nbytes, provisional=provisional)
         finally:
             self._buffer_free.release()
 
@@ -189,7 +195,9 @@ class CheckpointProcess:
 
     def _submit_deferred(self, fut: Future[Any], path: str, kwargs: dict[str, Any]) -> Future[Any]:
         self._check_open()
-        return self._submit_staging(lambda: self._buffer.copy_in(plan(fut.result())), path, kwargs)
+        return self._submit_staging(
+            lambda: self._buffer.copy_in(plan(fut.result()), threads=1), path, kwargs
+        )
 
     def _submit_staging(
         self, stage_fn: Callable[[], StagedState], path: str, kwargs: dict[str, Any]

@@ -34,7 +34,8 @@ from .messages import StagedState
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 64
+# Staged tensors start at multiples of this many bytes in the buffer.
+TENSOR_ALIGN = 64
 _GROW_GRANULE = 2 << 20
 _GROW_FACTOR = 1.25
 # Copies larger than this are split across the copy threads.
@@ -98,7 +99,7 @@ class StagingPlan:
             parameter=isinstance(t, torch.nn.Parameter),
             requires_grad=t.requires_grad,
         )
-        self.used_bytes = _round_up(self.used_bytes + nbytes, _ALIGN)
+        self.used_bytes = _round_up(self.used_bytes + nbytes, TENSOR_ALIGN)
         self._by_id[id(t)] = ref
         self.copies.append((t, ref, _version_of(t)))
         return ref
@@ -163,18 +164,20 @@ class SharedBuffer:
         self._bytes: torch.Tensor | None = None
         self._copy_threads = max(1, copy_threads)
         self._lock = threading.Lock()
+        # Set by a provisional (estimated) reservation: the next snapshot, which
+        # knows the real size, gives back what it does not need.
+        self._trim_on_next_use = False
 
-    def ensure(self, nbytes: int) -> None:
-        """Grow (never shrink) so that ``nbytes`` fit."""
+    def ensure(self, nbytes: int, *, provisional: bool = False) -> None:
+        """Grow so that ``nbytes`` fit (never shrink here)."""
         with self._lock:
+            if provisional:
+                self._trim_on_next_use = True
             if nbytes <= self.capacity:
                 return
             new_cap = _round_up(max(nbytes, int(self.capacity * _GROW_FACTOR)), _GROW_GRANULE)
             logger.info("staging buffer: %d -> %d MiB", self.capacity >> 20, new_cap >> 20)
-            self._bytes = None
-            _unmap(self._map)
-            self._map = None
-            os.ftruncate(self.fd, new_cap)
+            self._resize(new_cap)
             try:
                 # Allocate the pages now: out of memory is then an error here,
                 # not a SIGBUS in the middle of a copy.
@@ -182,19 +185,44 @@ class SharedBuffer:
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
-            # Not MAP_POPULATE: the copy threads fault the pages in, in parallel,
-            # which measured a little faster than one populating mmap call.
-            self._map = _map(self.fd, new_cap, populate=False)
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-            self.capacity = new_cap
+
+    def _trim_to(self, nbytes: int) -> None:
+        with self._lock:
+            if not self._trim_on_next_use:
+                return
+            self._trim_on_next_use = False
+            target = _round_up(max(int(nbytes * _GROW_FACTOR), 1), _GROW_GRANULE)
+            if target < self.capacity:
+                logger.info("staging buffer: %d -> %d MiB", self.capacity >> 20, target >> 20)
+                self._resize(target)
+
+    def _resize(self, new_cap: int) -> None:
+        # Growing keeps the pages already faulted in; shrinking frees the rest.
+        # The child re-maps when a snapshot names a new capacity.
+        self._bytes = None
+        _unmap(self._map)
+        self._map = None
+        os.ftruncate(self.fd, new_cap)
+        # Not MAP_POPULATE: the copy threads fault the pages in, in parallel,
+        # which measured a little faster than one populating mmap call.
+        self._map = _map(self.fd, new_cap, populate=False)
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.capacity = new_cap
 
     def _dest(self, ref: TensorRef) -> torch.Tensor:
         assert self._bytes is not None
         region = self._bytes[ref.offset : ref.offset + ref.nbytes]
         return region.view(ref.dtype).view(ref.shape)
 
-    def copy_in(self, staging: StagingPlan, *, check_versions: bool = False) -> StagedState:
-        """Copy the planned tensors into the buffer (growing it first if needed)."""
+    def copy_in(
+        self, staging: StagingPlan, *, check_versions: bool = False, threads: int | None = None
+    ) -> StagedState:
+        """Copy the planned tensors into the buffer (growing it first if needed).
+
+        ``threads`` defaults to the buffer's ``copy_threads``.
+        """
+        threads = self._copy_threads if threads is None else max(1, threads)
+        self._trim_to(staging.used_bytes)
         self.ensure(max(staging.used_bytes, 1))
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for src, ref, _ in staging.copies:
@@ -202,17 +230,17 @@ class SharedBuffer:
                 continue
             dst = self._dest(ref)
             s = src.detach()
-            if self._copy_threads > 1 and ref.nbytes >= _SPLIT_BYTES and s.is_contiguous():
+            if threads > 1 and ref.nbytes >= _SPLIT_BYTES and s.is_contiguous():
                 # Split big tensors so every copy thread gets a share.
                 for d_part, s_part in zip(
-                    dst.view(-1).chunk(self._copy_threads),
-                    s.view(-1).chunk(self._copy_threads),
+                    dst.view(-1).chunk(threads),
+                    s.view(-1).chunk(threads),
                     strict=True,
                 ):
                     jobs.append((d_part, s_part))
             else:
                 jobs.append((dst, s))
-        _run_copies(jobs, self._copy_threads)
+        _run_copies(jobs, threads)
         if check_versions:
             for src, _, version in staging.copies:
                 if version >= 0 and _version_of(src) != version:
