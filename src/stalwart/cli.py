@@ -23,7 +23,7 @@ from stalwart.config import (
     parse_nnodes,
     parse_nproc,
 )
-from stalwart.launch.logs import DEFAULT_PREFIX, parse_ranks_filter, parse_std
+from stalwart.launch.logs import DEFAULT_PREFIX, MULTI_NODE_PREFIX, parse_ranks_filter, parse_std
 from stalwart.monitor.config import MonitorConfig
 
 
@@ -60,7 +60,12 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--redirects", default=None, help="0..3 or map like 0:3,1:0")
     p.add_argument("-t", "--tee", default=None, help="0..3 or map like 0:3,1:0")
     _flag(p, "--local-ranks-filter", default=None, help="local ranks shown on the console")
-    _flag(p, "--log-line-prefix-template", default=None, help=f"default {DEFAULT_PREFIX!r}")
+    _flag(
+        p,
+        "--log-line-prefix-template",
+        default=None,
+        help=f"default {DEFAULT_PREFIX!r}; {MULTI_NODE_PREFIX!r} for several nodes",
+    )
     p.add_argument("--role", default=None)
     p.add_argument("-m", "--module", action="store_true", help="run the entrypoint as a module")
     _flag(p, "--no-python", action="store_true", help="run the entrypoint as a program")

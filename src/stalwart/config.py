@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.launch.logs import DEFAULT_PREFIX, Std
+from stalwart.launch.logs import DEFAULT_PREFIX, MULTI_NODE_PREFIX, Std
 from stalwart.monitor.config import MonitorConfig
 
 
@@ -90,7 +90,7 @@ class LaunchConfig:
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
     local_ranks_filter: set[int] | None = None
-    log_line_prefix_template: str = DEFAULT_PREFIX
+    log_line_prefix_template: str = ""  # "": torchrun's, or with the host for several nodes
     role: str = "default"
     module: bool = False
     no_python: bool = False
@@ -107,6 +107,10 @@ class LaunchConfig:
         if self.run_id in ("", "none"):
             # One node can pick its own id; several must share one, as with torchrun.
             self.run_id = uuid.uuid4().hex[:12] if self.max_nodes == 1 else "none"
+        if not self.log_line_prefix_template:
+            self.log_line_prefix_template = (
+                MULTI_NODE_PREFIX if self.max_nodes > 1 else DEFAULT_PREFIX
+            )
         self.validate()
 
     @property

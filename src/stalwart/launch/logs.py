@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import socket
 import string
 import threading
 from dataclasses import dataclass
@@ -70,12 +71,19 @@ def parse_ranks_filter(value: str) -> set[int]:
 
 
 DEFAULT_PREFIX = "[${rank}]:"
+# Several nodes' consoles often end up in one place (SLURM's output file, a log shipper).
+MULTI_NODE_PREFIX = "[${hostname}:${rank}]:"
 
 
 def render_prefix(template: str, *, rank: int, local_rank: int, role: str, node_rank: int) -> str:
-    """``${rank}``, ``${local_rank}``, ``${role_name}``, ``${node_rank}`` (torchrun's names)."""
+    """torchrun's ``${rank}``, ``${local_rank}``, ``${role_name}``, ``${node_rank}``, plus
+    ``${hostname}``."""
     return string.Template(template).safe_substitute(
-        rank=rank, local_rank=local_rank, role_name=role, node_rank=node_rank
+        rank=rank,
+        local_rank=local_rank,
+        role_name=role,
+        node_rank=node_rank,
+        hostname=socket.gethostname(),
     )
 
 

