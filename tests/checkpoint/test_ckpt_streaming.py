@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 import zlib
@@ -120,3 +121,55 @@ def test_buffered_writes_when_direct_io_is_off(tmp_path: Path) -> None:
     assert not result.direct_io
     found = load_latest(tmp_path, rank=0)
     assert found is not None and torch.equal(found.state_dict["a"], state["a"])
+
+
+@pytest.mark.timeout(60)
+def test_aligned_large_writes_go_to_disk_without_a_copy(tmp_path: Path) -> None:
+    if not _supports_o_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    rng = random.Random(3)
+    big = mmap.mmap(-1, 40 * DIRECT_ALIGN)  # page-aligned, like the staging buffer
+    big.write(rng.randbytes(len(big)))
+    head = rng.randbytes(DIRECT_ALIGN)  # brings the file offset to a block boundary
+    odd = bytearray(rng.randbytes(20 * DIRECT_ALIGN + 1))
+    hasher = new_hasher("crc32")
+    out = open_output(str(tmp_path / "f.bin"), hasher, ChunkPool(chunk_bytes=_CHUNK, count=2))
+    assert isinstance(out, DirectStream)
+    try:
+        out.write(head)
+        # Aligned address at an aligned offset, 7 bytes short of a block multiple:
+        # all but the last partial block is written in place.
+        out.write(memoryview(big)[: len(big) - 7])
+        assert out.zero_copy_bytes == len(big) - DIRECT_ALIGN
+        # Misaligned address (odd offset into a bytearray): copied.
+        out.write(memoryview(odd)[1:])
+        assert out.zero_copy_bytes == len(big) - DIRECT_ALIGN
+        out.finish()
+    finally:
+        out.close()
+    expected = head + big[: len(big) - 7] + bytes(odd[1:])
+    assert (tmp_path / "f.bin").read_bytes() == expected
+    assert hasher.hexdigest() == f"{zlib.crc32(expected):08x}"
+
+
+@pytest.mark.timeout(60)
+def test_large_tensors_are_written_in_place_small_ones_keep_the_file_compact(
+    tmp_path: Path,
+) -> None:
+    if not _supports_o_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    big = {f"w{i}": torch.randn((1 << 18) + i) for i in range(4)}  # ~1 MiB each, odd sizes
+    small = {f"s{i}": torch.full((3,), float(i)) for i in range(2000)}
+    with AsyncCheckpointer(tmp_path, keep_last=2, rank=0, world_size=1) as ckpt:
+        res_big = ckpt.save(big, step=1).result(timeout=30)
+        res_small = ckpt.save(small, step=2).result(timeout=30)
+    # Block-aligned records, staged at page boundaries: almost every byte in place.
+    tensor_bytes = sum(t.numel() * 4 for t in big.values())
+    assert res_big.zero_copy_bytes >= tensor_bytes - 4 * DIRECT_ALIGN
+    # 2000 tiny tensors would need up to 8 MiB of padding: records stay 64-aligned.
+    assert res_small.zero_copy_bytes == 0
+    assert res_small.nbytes < 2000 * 1024
+    for res, state in ((res_big, big), (res_small, small)):
+        loaded = torch.load(res.path, weights_only=True)
+        assert loaded.keys() == state.keys()
+        assert all(torch.equal(loaded[k], state[k]) for k in state)

@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 # Staged tensors start at multiples of this many bytes in the buffer.
 TENSOR_ALIGN = 64
+# ... and large ones at page boundaries, so that the writer, whose file puts
+# each tensor at a block boundary too, can write them with O_DIRECT straight
+# from the shared buffer (see streaming.DirectStream).
+PAGE_ALIGN = 4096
+PAGE_ALIGN_FROM = 64 << 10
 _GROW_GRANULE = 2 << 20
 _GROW_FACTOR = 1.25
 # Copies larger than this are split across the copy threads.
@@ -91,6 +96,8 @@ class StagingPlan:
         if known is not None:
             return known
         nbytes = t.numel() * t.element_size()
+        if nbytes >= PAGE_ALIGN_FROM:
+            self.used_bytes = _round_up(self.used_bytes, PAGE_ALIGN)
         ref = TensorRef(
             offset=self.used_bytes,
             nbytes=nbytes,

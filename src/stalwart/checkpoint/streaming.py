@@ -31,7 +31,10 @@ import mmap
 import os
 import queue
 import threading
+import warnings
 from typing import Any, Protocol
+
+import torch
 
 from .manifest import Hasher
 
@@ -44,6 +47,8 @@ _SYNC_FILE_RANGE_WRITE = 2
 DIRECT_ALIGN = 4096
 DIRECT_CHUNK = 8 << 20
 DIRECT_CHUNKS = 4
+# Writes at least this large are written from the caller's memory when aligned.
+ZERO_COPY_MIN = 64 << 10
 
 
 def _load_sync_file_range() -> Any:
@@ -224,8 +229,14 @@ class ChunkPool:
 
 
 class DirectStream:
-    """``O_DIRECT`` writer: copies into pool chunks, hashes each full chunk, and a
-    thread writes it while the next one fills.
+    """``O_DIRECT`` writer: a second thread writes while ``torch.save`` goes on.
+
+    Large writes whose memory address and file offset are both block-aligned
+    (the staging buffer and the file's storage records are laid out for that,
+    see ``storage_alignment``) are written straight from the caller's memory,
+    no copy; everything else is copied into pool chunks. Either way the bytes
+    are hashed here, in stream order, and handed to the I/O thread. The source
+    memory of a zero-copy write is read until :meth:`finish` returns.
 
     The tail of the file that does not fill a whole block is written through
     the page cache (``O_DIRECT`` cleared on the descriptor), so the file has
@@ -241,11 +252,13 @@ class DirectStream:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(len(pool.views)):
             self._free.put(i)
-        self._todo: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
+        # (bytes to write, file offset, pool chunk to hand back or -1)
+        self._todo: queue.SimpleQueue[tuple[memoryview, int, int] | None] = queue.SimpleQueue()
         self._cur = self._free.get()
         self._fill = 0
-        self._offset = 0
+        self._offset = 0  # file offset of the current chunk; + _fill == size
         self.size = 0
+        self.zero_copy_bytes = 0
         self.error: BaseException | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="stalwart-ckpt-direct", daemon=True)
@@ -254,8 +267,26 @@ class DirectStream:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         total = len(view)
-        chunk = self._pool.chunk_bytes
+        if self.error is not None:
+            raise self.error
         done = 0
+        if total >= ZERO_COPY_MIN and self.size % DIRECT_ALIGN == 0:
+            aligned = total - total % DIRECT_ALIGN
+            if _address(view) % DIRECT_ALIGN == 0:
+                if self._fill:
+                    self._submit()  # ends on a block boundary, since size does
+                self._hasher.update(view[:aligned])
+                self._todo.put((view[:aligned], self.size, -1))
+                self._offset = self.size + aligned
+                self.zero_copy_bytes += aligned
+                done = aligned
+        self._copy(view, done)
+        self.size += total
+        return total
+
+    def _copy(self, view: memoryview, done: int) -> None:
+        chunk = self._pool.chunk_bytes
+        total = len(view)
         while done < total:
             if self.error is not None:
                 raise self.error
@@ -265,8 +296,6 @@ class DirectStream:
             done += n
             if self._fill == chunk:
                 self._submit()
-        self.size += total
-        return total
 
     def flush(self) -> None:
         pass
@@ -274,14 +303,15 @@ class DirectStream:
     def _submit(self) -> None:
         # Hashed here, in stream order, while the chunk is still in the CPU cache;
         # the I/O thread only writes.
-        self._hasher.update(self._pool.views[self._cur][: self._fill])
-        self._todo.put((self._cur, self._offset, self._fill))
+        filled = self._pool.views[self._cur][: self._fill]
+        self._hasher.update(filled)
+        self._todo.put((filled, self._offset, self._cur))
         self._offset += self._fill
         self._fill = 0
         self._cur = self._free.get()
 
     def finish(self) -> int:
-        """Write what is left, wait for every chunk; return the bytes written."""
+        """Write what is left, wait for every write; return the bytes written."""
         if self._fill and self.error is None:
             self._submit()
         self._stop()
@@ -307,15 +337,17 @@ class DirectStream:
             item = self._todo.get()
             if item is None:
                 return
-            idx, offset, n = item
+            view, offset, idx = item
             try:
                 if self.error is None:
-                    self._write_chunk(self._pool.views[idx][:n], offset)
+                    self._write_chunk(view, offset)
             except BaseException as exc:
                 self.error = exc
             finally:
-                # Even after an error: the producer may be waiting for a free chunk.
-                self._free.put(idx)
+                view.release()
+                if idx >= 0:
+                    # Even after an error: the producer may be waiting for a free chunk.
+                    self._free.put(idx)
 
     def _write_chunk(self, view: memoryview, offset: int) -> None:
         aligned = len(view) - len(view) % DIRECT_ALIGN
@@ -337,6 +369,14 @@ class DirectStream:
         if aligned < len(view):
             _set_direct(self._fd, False)
             _pwrite_all(self._fd, view[aligned:], offset + aligned)
+
+
+def _address(view: memoryview) -> int:
+    # torch hands storages over as read-only memoryviews, which ctypes cannot
+    # wrap; torch.frombuffer can (and warns that it is read-only: we only read).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return int(torch.frombuffer(view, dtype=torch.uint8).data_ptr())
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
