@@ -77,3 +77,22 @@ def test_omp_threads_left_alone_when_set_or_single_worker(tmp_path: Path) -> Non
     proc = stalwart("--log-dir", tmp_path / "l2", SCRIPTS / "envdump.py", single)
     assert proc.returncode == 0, proc.stderr
     assert "OMP_NUM_THREADS" not in _load(single, 1)[0]
+
+
+def test_single_worker_gets_default_threads_and_stays_warm(tmp_path: Path) -> None:
+    """One worker per node gets torch's default thread count, warm or cold: the template
+    imports torch with one thread (so that it can fork) and the worker gets them back."""
+    import subprocess
+    import sys
+
+    want = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        check=True,
+    ).stdout.strip()
+    proc = stalwart("--log-dir", tmp_path / "l", SCRIPTS / "threads.py", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "threads_0").read_text() == want
+    assert "warm start disabled" not in proc.stderr, proc.stderr

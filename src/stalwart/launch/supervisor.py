@@ -186,9 +186,10 @@ class Supervisor:
             return None
         env = dict(os.environ)
         env[TOKEN_ENV] = self._token
-        # Read by OpenMP when torch loads in the template, so it must be the workers' value.
-        if "OMP_NUM_THREADS" not in env and cfg.nproc_per_node > 1:
-            env["OMP_NUM_THREADS"] = "1"
+        # OpenMP reads it when torch loads in the template; with more than one thread the
+        # template could not fork.  Workers that should have more get them back after the
+        # fork (zygote._become_worker).
+        env.setdefault("OMP_NUM_THREADS", "1")
 
         log = str(self.run_dir / "template.log") if self.run_dir is not None else os.devnull
         pool = WarmPool(list(cfg.preload), env, self.events.emit, log_path=log)

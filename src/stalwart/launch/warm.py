@@ -180,7 +180,13 @@ class WarmPool:
         if not self.ensure():
             return None
         assert self._sock is not None
-        req = {"argv": argv, "env": env, "cwd": cwd, "launcher_pid": os.getpid()}
+        req = {
+            "argv": argv,
+            "env": env,
+            "cwd": cwd,
+            "launcher_pid": os.getpid(),
+            "threads": _default_threads(),
+        }
         with self._lock:
             try:
                 socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
@@ -218,3 +224,12 @@ class WarmPool:
     def close(self) -> None:
         with self._lock:
             self._shutdown()
+
+
+def _default_threads() -> int:
+    """The intra-op thread count a cold worker without OMP_NUM_THREADS would get: the
+    template imported torch with one thread (so that it can fork), the worker restores it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and "OMP_NUM_THREADS" not in os.environ:
+        return int(torch.get_num_threads())
+    return len(os.sched_getaffinity(0))

@@ -96,9 +96,11 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
 
     pdeathsig_then_check(launcher)
     random.seed()
-    threads = os.environ.get("OMP_NUM_THREADS")
+    # The template imported torch with one OpenMP thread (any more and it could not fork);
+    # the worker gets the count it asked for, or the one a cold start would have had.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(req.get("threads") or "")
     torch = sys.modules.get("torch")
-    if torch is not None and threads and threads.isdigit():
+    if torch is not None and threads.isdigit():
         torch.set_num_threads(int(threads))
     return list(req["argv"])
 
