@@ -127,3 +127,28 @@ def test_auto_reserve_can_be_turned_off(tmp_path: Path) -> None:
         # done, one the step had queued would be done too.
         ckpt.reserve_for({}).result(timeout=30)
         assert ckpt._process._buffer.capacity == 0
+
+
+def _staging_rss_bytes() -> int:
+    """Resident bytes of this process's mappings of the staging memory file."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = "stalwart-ckpt-staging" in line
+        elif inside and fields[0] == "Rss:":
+            rss += int(fields[1]) * 1024
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+@pytest.mark.timeout(60)
+def test_a_reservation_faults_the_pages_in_not_just_books_them(tmp_path: Path) -> None:
+    # fallocate alone leaves every page to be faulted in by the first copy, on
+    # the training thread: the cost a reservation exists to move off it.
+    state = {"w": torch.randn(16 << 20 >> 2)}  # 16 MiB
+    with AsyncCheckpointer(tmp_path, keep_last=1, rank=0, world_size=1) as ckpt:
+        ckpt.reserve_for(state).result(timeout=30)
+        capacity = ckpt._process._buffer.capacity
+        assert capacity >= 16 << 20
+        assert _staging_rss_bytes() >= capacity

@@ -160,7 +160,7 @@ class CheckpointProcess:
             logger.debug("staging buffer busy; skipping the reservation")
             return
         try:
-            self._buffer.ensure(nbytes, provisional=provisional)
+            self._buffer.ensure(nbytes, provisional=provisional, prefault=True)
         finally:
             self._buffer_free.release()
 

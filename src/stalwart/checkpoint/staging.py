@@ -42,6 +42,8 @@ TENSOR_ALIGN = 64
 PAGE_ALIGN = 4096
 PAGE_ALIGN_FROM = 64 << 10
 _GROW_GRANULE = 2 << 20
+# Linux >= 5.14: fault pages in writable without writing them ourselves.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _GROW_FACTOR = 1.25
 # Copies larger than this are split across the copy threads.
 _SPLIT_BYTES = 32 << 20
@@ -175,8 +177,15 @@ class SharedBuffer:
         # knows the real size, gives back what it does not need.
         self._trim_on_next_use = False
 
-    def ensure(self, nbytes: int, *, provisional: bool = False) -> None:
-        """Grow so that ``nbytes`` fit (never shrink here)."""
+    def ensure(self, nbytes: int, *, provisional: bool = False, prefault: bool = False) -> None:
+        """Grow so that ``nbytes`` fit (never shrink here).
+
+        ``prefault``: also touch every new page now. A reservation must: shmem
+        ``fallocate`` only books the pages, and the first write to each one
+        still pays the zeroing and, on a VM that returns free memory to its
+        host, a host fault (1-3 s per GiB here), i.e. the very cost a
+        reservation is meant to take off the first save.
+        """
         with self._lock:
             if provisional:
                 self._trim_on_next_use = True
@@ -192,6 +201,18 @@ class SharedBuffer:
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
+            if prefault:
+                # From 0: pages the earlier capacity left untouched (headroom)
+                # are cold too; populated ones cost only a page-table walk.
+                self._prefault(0, new_cap)
+
+    def _prefault(self, start: int, end: int) -> None:
+        assert self._map is not None and self._bytes is not None
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE, start, end - start)
+        except (OSError, ValueError):
+            # Kernels before 5.14: write to every page instead.
+            self._bytes[start:end].zero_()
 
     def _trim_to(self, nbytes: int) -> None:
         with self._lock:
