@@ -58,7 +58,9 @@ class Host:
     def stalwart(self, *args: str | Path, log: Path) -> subprocess.Popen[str]:
         return self.spawn(sys.executable, "-m", "stalwart.cli", "run", *args, log=log)
 
-    def spawn(self, *argv: str | Path, log: Path) -> subprocess.Popen[str]:
+    def spawn(
+        self, *argv: str | Path, log: Path, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         env = {
             k: v
             for k, v in os.environ.items()
@@ -67,6 +69,7 @@ class Host:
         # gloo picks its interface from the host name, which resolves outside the namespace.
         env["GLOO_SOCKET_IFNAME"] = "eth0"
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra_env or {})
         out = open(log, "w")  # noqa: SIM115 - closed when the test's hosts go
         proc = subprocess.Popen(
             self.cmd(*map(str, argv)),

@@ -36,6 +36,8 @@ from stalwart.rendezvous.kv import KV
 logger = logging.getLogger(__name__)
 
 _POLL = 0.02
+# A spare may wait for hours: a few store reads a second are plenty.
+_SPARE_POLL = 0.25
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,7 @@ class ElasticRendezvous:
                         f"rendezvous {self.run_id}: only {len(live)} of at least "
                         f"{s.min_nodes} node(s) joined round {r} within {s.join_timeout:g}s"
                     )
-            time.sleep(_POLL)
+            time.sleep(_SPARE_POLL if running else _POLL)
 
     def _open_worker_store(self, r: int) -> None:
         from datetime import timedelta

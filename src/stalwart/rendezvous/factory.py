@@ -88,7 +88,10 @@ def elastic_from_config(cfg: LaunchConfig) -> ElasticRendezvous:
         local = cfg.local_addr or (
             ep.host if hosts_store else local_address_towards(ep.host, ep.port)
         )
-        _check_run_id(kv, cfg.run_id, hosts_store, cfg.join_timeout, str(ep))
+        # is_host=0 everywhere means a process outside the job hosts the store: nobody
+        # will publish the id, so the first node to arrive claims it.
+        external = cfg.rdzv_conf.get("is_host", "").lower() in ("0", "false", "no")
+        _check_run_id(kv, cfg.run_id, hosts_store, cfg.join_timeout, str(ep), external)
     return ElasticRendezvous(
         kv,
         settings,
@@ -129,14 +132,17 @@ def _c10d_kv(cfg: LaunchConfig, ep: StoreEndpoint, s: ElasticSettings) -> tuple[
     return kv, False
 
 
-def _check_run_id(kv: KV, run_id: str, is_host: bool, timeout: float, where: str) -> None:
+def _check_run_id(
+    kv: KV, run_id: str, is_host: bool, timeout: float, where: str, external: bool = False
+) -> None:
     # Only the host writes the id: a joiner that claimed an empty store could beat the
     # host to it, and the host would then reject its own job.
     if is_host:
         kv.set("run_id", run_id)
         return
+    got: bytes | None = kv.create("run_id", run_id) if external else None
     deadline = time.monotonic() + timeout
-    while (got := kv.get("run_id")) is None:
+    while got is None and (got := kv.get("run_id")) is None:
         if time.monotonic() > deadline:
             raise RendezvousError(
                 f"rendezvous {run_id}: timed out after {timeout:g}s waiting for the host "
