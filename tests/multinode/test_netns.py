@@ -262,3 +262,26 @@ def test_etcd_unreachable_is_a_clear_error(tmp_path: Path) -> None:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "cannot reach etcd at 127.0.0.1:" in lines[0], proc.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_below_min_waits_for_a_replacement(network: Network, tmp_path: Path) -> None:
+    """MIN=2: after node b is lost the survivor may not go on alone; it waits in the
+    rendezvous until a replacement host arrives, then the job finishes at world 2."""
+    a, b, c = network.add_host(), network.add_host(), network.add_host()
+    kw = {"backend": "c10d", "endpoint": f"{a.addr}:{free_port()}", "nnodes": "2:2"}
+    pa = launch(a, tmp_path, name="a", **kw)
+    pb = launch(b, tmp_path, name="b", **kw)
+    wait_for_step(tmp_path, 15, [pa, pb])
+    pb.send_signal(signal.SIGKILL)
+    pb.wait()
+    # The survivor notices, stops its worker and waits for a second node.
+    deadline = time.monotonic() + 60
+    while not any(e["event"] == "restart" for e in events(tmp_path, "a")):
+        assert time.monotonic() < deadline and pa.poll() is None, text(tmp_path, "a")[-2000:]
+        time.sleep(0.05)
+    pc = launch(c, tmp_path, name="c", **kw)
+    assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
+    assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]
+    assert_matches_reference(tmp_path)
+    later = [r for r in attempts(tmp_path) if r["attempt"] != 0]
+    assert later and all(r["world"] == 2 for r in later), later

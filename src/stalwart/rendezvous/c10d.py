@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stalwart.rendezvous.api import RendezvousError, RendezvousInfo
+from stalwart.rendezvous.kv import C10dKV, check_run_id
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _POLL = 0.005  # store round trips are ~0.1 ms; keep joins snappy without spinning
+# Bounds one store call: static jobs have no keep-alive, so a cut link shows up here.
+_OP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -69,56 +72,19 @@ class C10dRendezvous:
         self.is_host = host_store
         self._master_addr = master_addr
         self._worker_stores: dict[int, TCPStore] = {}
-        # torch loads here, not at import: the launcher starts the warm template first so
-        # that both imports overlap.
-        from torch._C._distributed_c10d import TCPStore
-
-        timeout = timedelta(seconds=join_timeout)
-        try:
-            if host_store:
-                self.store = TCPStore(
-                    endpoint.host,
-                    endpoint.port,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=timeout,
-                )
-            else:
-                self.store = TCPStore(
-                    endpoint.host, endpoint.port, is_master=False, timeout=timeout
-                )
-        except (RuntimeError, OSError) as err:
-            what = "host" if host_store else "reach"
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RendezvousError(
-                f"cannot {what} the rendezvous store at {endpoint} "
-                f"(within {join_timeout:g}s): {first}"
-            ) from None
-        self.endpoint = StoreEndpoint(endpoint.host, self.store.port)
-        self._check_run_id()
-
-    def _check_run_id(self) -> None:
-        # Only the host writes the id.  A joiner that claimed an empty store could beat
-        # the host to it (the joiner retries its connect and wins when the store opens),
-        # and the host would then reject its own job.
-        if self.is_host:
-            self.store.set("run_id", self.run_id)
-            return
-        self._wait(
-            ["run_id"],
-            "the host to publish the job's rendezvous id",
-            time.monotonic() + self.join_timeout,
+        self.kv = C10dKV(
+            endpoint.host,
+            endpoint.port,
+            is_host=host_store,
+            connect_timeout=join_timeout,
+            op_timeout=_OP_TIMEOUT,
         )
-        got = self.store.get("run_id").decode()
-        if got != self.run_id:
-            raise RendezvousError(
-                f"rendezvous id mismatch at {self.endpoint}: this node has --rdzv-id "
-                f"{self.run_id!r} but the store belongs to job {got!r}"
-            )
+        self.endpoint = StoreEndpoint(endpoint.host, self.kv.port)
+        check_run_id(self.kv, run_id, host_store, join_timeout, str(self.endpoint))
 
     # -- helpers -----------------------------------------------------------------------
     def _wait(self, keys: list[str], what: str, deadline: float) -> None:
-        while not self.store.check(keys):
+        while any(v is None for v in self.kv.get_many(keys)):
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"rendezvous {self.run_id}: timed out after {self.join_timeout:g}s "
@@ -135,23 +101,25 @@ class C10dRendezvous:
         deadline = t0 + self.join_timeout
         if self.node_rank is None:
             # Automatic node ranks: in order of first arrival, kept for the whole job.
-            self.node_rank = int(self.store.add("node_counter", 1)) - 1
+            self.node_rank = self.kv.add("node_counter", 1) - 1
             if self.node_rank >= self.nnodes:
                 raise RendezvousError(
                     f"rendezvous {self.run_id}: already {self.nnodes} nodes; this one is extra"
                 )
         p = f"r{round_}/"
-        self.store.set(f"{p}nproc/{self.node_rank}", str(local_world_size))
+        self.kv.set(f"{p}nproc/{self.node_rank}", str(local_world_size))
         self._wait(
             [f"{p}nproc/{i}" for i in range(self.nnodes)],
             f"{self.nnodes} node(s) to join round {round_}",
             deadline,
         )
-        sizes = [int(self.store.get(f"{p}nproc/{i}")) for i in range(self.nnodes)]
+        sizes = [
+            int(v or 0) for v in self.kv.get_many([f"{p}nproc/{i}" for i in range(self.nnodes)])
+        ]
         if self.node_rank == 0:
             self._open_worker_store(round_)
         self._wait([f"{p}master"], "node 0 to publish the worker store", deadline)
-        addr, _, port = self.store.get(f"{p}master").decode().rpartition(":")
+        addr, _, port = (self.kv.get(f"{p}master") or b"").decode().rpartition(":")
         return RendezvousInfo(
             round=round_,
             group_rank=self.node_rank,
@@ -178,32 +146,32 @@ class C10dRendezvous:
             timeout=timedelta(seconds=self.join_timeout),
         )
         self._worker_stores[round_] = store
-        self.store.set(f"r{round_}/master", f"{self._local_address()}:{store.port}")
+        self.kv.set(f"r{round_}/master", f"{self._local_address()}:{store.port}")
 
     def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
         p = f"r{round_}/"
-        self.store.set(f"{p}failure/{self.node_rank}", json.dumps(failure, default=str))
-        self.store.compare_set(f"{p}failed", "", str(self.node_rank))
+        self.kv.set(f"{p}failure/{self.node_rank}", json.dumps(failure, default=str))
+        self.kv.create(f"{p}failed", str(self.node_rank))
 
     def failed(self, round_: int) -> bool:
-        return bool(self.store.check([f"r{round_}/failed"]))
+        return self.kv.get(f"r{round_}/failed") is not None
 
     def failures(self, round_: int) -> list[dict[str, Any]]:
         out = []
-        for i in range(self.nnodes):
-            key = f"r{round_}/failure/{i}"
-            if self.store.check([key]):
+        keys = [f"r{round_}/failure/{i}" for i in range(self.nnodes)]
+        for key, raw in zip(keys, self.kv.get_many(keys), strict=True):
+            if raw is not None:
                 try:
-                    out.append(json.loads(self.store.get(key)))
+                    out.append(json.loads(raw))
                 except ValueError:
                     logger.warning("unreadable failure record %s", key)
         return out
 
     def report_done(self, round_: int) -> None:
-        self.store.add(f"r{round_}/done", 1)
+        self.kv.add(f"r{round_}/done", 1)
 
     def all_done(self, round_: int) -> bool:
-        return int(self.store.add(f"r{round_}/done", 0)) >= self.nnodes
+        return self.kv.add(f"r{round_}/done", 0) >= self.nnodes
 
     def finish(self, succeeded: bool, reason: str) -> None:
         """Static membership has no spares waiting to be told."""
@@ -211,14 +179,14 @@ class C10dRendezvous:
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:
-            self.store.add("left", 1)
+            self.kv.add("left", 1)
             if self.is_host and self.nnodes > 1:
                 deadline = time.monotonic() + self.exit_barrier_timeout
-                while int(self.store.add("left", 0)) < self.nnodes:
+                while self.kv.add("left", 0) < self.nnodes:
                     if time.monotonic() > deadline:
                         logger.warning("not every node left within %ss", self.exit_barrier_timeout)
                         break
                     time.sleep(0.05)
-        except RuntimeError as err:  # the host may already be gone; nothing left to do
+        except RendezvousError as err:  # the host may already be gone; nothing left to do
             logger.debug("leave(): %s", err)
         self._worker_stores.clear()

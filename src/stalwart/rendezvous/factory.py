@@ -17,7 +17,13 @@ from stalwart.rendezvous.api import RendezvousError
 from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
 from stalwart.rendezvous.etcd import EtcdKV, parse_endpoints
-from stalwart.rendezvous.kv import KV, C10dKV, is_local_address, local_address_towards
+from stalwart.rendezvous.kv import (
+    KV,
+    C10dKV,
+    check_run_id,
+    is_local_address,
+    local_address_towards,
+)
 
 
 def from_config(cfg: LaunchConfig) -> C10dRendezvous | ElasticRendezvous:
@@ -91,7 +97,7 @@ def elastic_from_config(cfg: LaunchConfig) -> ElasticRendezvous:
         # is_host=0 everywhere means a process outside the job hosts the store: nobody
         # will publish the id, so the first node to arrive claims it.
         external = cfg.rdzv_conf.get("is_host", "").lower() in ("0", "false", "no")
-        _check_run_id(kv, cfg.run_id, hosts_store, cfg.join_timeout, str(ep), external)
+        check_run_id(kv, cfg.run_id, hosts_store, cfg.join_timeout, str(ep), external)
     return ElasticRendezvous(
         kv,
         settings,
@@ -130,30 +136,6 @@ def _c10d_kv(cfg: LaunchConfig, ep: StoreEndpoint, s: ElasticSettings) -> tuple[
         ep.host, ep.port, is_host=False, connect_timeout=cfg.join_timeout, op_timeout=op_timeout
     )
     return kv, False
-
-
-def _check_run_id(
-    kv: KV, run_id: str, is_host: bool, timeout: float, where: str, external: bool = False
-) -> None:
-    # Only the host writes the id: a joiner that claimed an empty store could beat the
-    # host to it, and the host would then reject its own job.
-    if is_host:
-        kv.set("run_id", run_id)
-        return
-    got: bytes | None = kv.create("run_id", run_id) if external else None
-    deadline = time.monotonic() + timeout
-    while got is None and (got := kv.get("run_id")) is None:
-        if time.monotonic() > deadline:
-            raise RendezvousError(
-                f"rendezvous {run_id}: timed out after {timeout:g}s waiting for the host "
-                f"to publish the job's rendezvous id at {where}"
-            )
-        time.sleep(0.01)
-    if got.decode() != run_id:
-        raise RendezvousError(
-            f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
-            f"the store belongs to job {got.decode()!r}"
-        )
 
 
 def _wait_for_etcd(etcd: EtcdKV, timeout: float) -> None:

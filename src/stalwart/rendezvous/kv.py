@@ -11,6 +11,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -178,3 +179,28 @@ def is_local_address(host: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def check_run_id(
+    kv: KV, run_id: str, is_host: bool, timeout: float, where: str, external: bool = False
+) -> None:
+    """Makes sure the store belongs to job *run_id* (*external*: no launcher hosts it)."""
+    # Only the host writes the id: a joiner that claimed an empty store could beat the
+    # host to it, and the host would then reject its own job.
+    if is_host:
+        kv.set("run_id", run_id)
+        return
+    got: bytes | None = kv.create("run_id", run_id) if external else None
+    deadline = time.monotonic() + timeout
+    while got is None and (got := kv.get("run_id")) is None:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rendezvous {run_id}: timed out after {timeout:g}s waiting for the host "
+                f"to publish the job's rendezvous id at {where}"
+            )
+        time.sleep(0.01)
+    if got.decode() != run_id:
+        raise RendezvousError(
+            f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
+            f"the store belongs to job {got.decode()!r}"
+        )
