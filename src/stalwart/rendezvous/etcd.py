@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 from stalwart.rendezvous.api import RendezvousError, StoreLost
@@ -60,35 +61,48 @@ class EtcdKV:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
     # -- transport ---------------------------------------------------------------------
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(
+        self, path: str, body: dict[str, Any], timeout: float | None = None
+    ) -> dict[str, Any]:
         payload = json.dumps(body).encode()
-        errors = []
-        for i in range(len(self.endpoints)):
-            idx = (self._current + i) % len(self.endpoints)
-            host, port = self.endpoints[idx]
-            conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout)
-            try:
-                conn.request("POST", path, payload, {"Content-Type": "application/json"})
-                resp = conn.getresponse()
-                data = resp.read()
-            except (OSError, http.client.HTTPException) as err:
-                errors.append(f"{host}:{port}: {err or type(err).__name__}")
-                continue
-            finally:
-                conn.close()
-            self._current = idx
-            if resp.status != 200:
-                raise RendezvousError(
-                    f"etcd at {host}:{port} refused {path}: HTTP {resp.status} "
-                    f"{data[:200].decode(errors='replace').strip()}"
-                )
-            out: dict[str, Any] = json.loads(data or b"{}")
-            return out
-        raise StoreLost(f"cannot reach etcd at {self}: {'; '.join(errors)}")
+        errors: list[str] = []
+        # Unreachable members are skipped; "unavailable" answers (HTTP 503: no leader
+        # yet, leader changed) come while the cluster elects a new leader and are
+        # retried until the request timeout.
+        timeout = self.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            for i in range(len(self.endpoints)):
+                idx = (self._current + i) % len(self.endpoints)
+                host, port = self.endpoints[idx]
+                conn = http.client.HTTPConnection(host, port, timeout=timeout)
+                try:
+                    conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except (OSError, http.client.HTTPException) as err:
+                    errors.append(f"{host}:{port}: {err or type(err).__name__}")
+                    continue
+                finally:
+                    conn.close()
+                text = data[:200].decode(errors="replace").strip()
+                if resp.status == 503:
+                    errors.append(f"{host}:{port}: {text}")
+                    continue
+                self._current = idx
+                if resp.status != 200:
+                    raise RendezvousError(
+                        f"etcd at {host}:{port} refused {path}: HTTP {resp.status} {text}"
+                    )
+                out: dict[str, Any] = json.loads(data or b"{}")
+                return out
+            if time.monotonic() > deadline:
+                raise StoreLost(f"cannot reach etcd at {self}: {'; '.join(errors[-3:])}")
+            time.sleep(0.1)
 
-    def ping(self) -> None:
-        """Raises ``StoreLost`` if no endpoint answers."""
-        self._post("/v3/maintenance/status", {})
+    def ping(self, timeout: float | None = None) -> None:
+        """Raises ``StoreLost`` if no endpoint answers within *timeout*."""
+        self._post("/v3/maintenance/status", {}, timeout)
 
     # -- keys --------------------------------------------------------------------------
     def _key(self, key: str) -> str:

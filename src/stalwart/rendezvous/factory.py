@@ -140,12 +140,13 @@ def _c10d_kv(cfg: LaunchConfig, ep: StoreEndpoint, s: ElasticSettings) -> tuple[
 
 def _wait_for_etcd(etcd: EtcdKV, timeout: float) -> None:
     """etcd may still be starting: retry for a bounded time, then one clear error."""
-    deadline = time.monotonic() + min(timeout, 30.0)
+    limit = min(timeout, 30.0)
+    deadline = time.monotonic() + limit
     while True:
         try:
-            etcd.ping()
+            etcd.ping(timeout=max(0.5, min(2.0, deadline - time.monotonic())))
             return
         except RendezvousError as err:
             if time.monotonic() > deadline:
-                raise RendezvousError(f"{err} (gave up after {min(timeout, 30.0):g}s)") from None
+                raise RendezvousError(f"{err} (gave up after {limit:g}s)") from None
         time.sleep(0.2)
