@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
@@ -103,8 +104,11 @@ FREEZER = Path("/sys/fs/cgroup/freezer")
     reason="needs root and a cgroup-v1 freezer to put a worker in uninterruptible sleep",
 )
 def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path) -> None:
-    group = FREEZER / f"stalwart_test_{os.getpid()}"
-    group.mkdir()
+    group = FREEZER / f"stalwart_test_{os.getpid()}_{tmp_path.name}"
+    group.mkdir(exist_ok=True)
+    # The abandoned worker outlives the launcher; as our orphan (not PID 1's, which may
+    # leave it a zombie for a long time) we can reap it, and only an empty cgroup can go.
+    _set_subreaper(True)
     proc = start_stalwart(
         "--nproc-per-node",
         "1",
@@ -134,6 +138,23 @@ def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path)
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.wait()
         (group / "freezer.state").write_text("THAWED")
-        wait_for(lambda: not alive(worker), 10, "the thawed worker to die")
+
+        def empty() -> bool:
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                    pass
+            except ChildProcessError:
+                pass
+            return not (group / "cgroup.procs").read_text().split()
+
+        wait_for(empty, 10, "the thawed worker to die and be reaped")
+        _set_subreaper(False)
         group.rmdir()
+
+
+def _set_subreaper(on: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, int(on), 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
