@@ -210,6 +210,9 @@ def test_losing_the_c10d_store_host_fails_clearly(network: Network, tmp_path: Pa
     assert pb.wait(60) == 3, text(tmp_path, "b")[-3000:]
     err = [line for line in text(tmp_path, "b").splitlines() if "stalwart run: error:" in line]
     assert err and "rendezvous store" in err[0] and "single point of failure" in err[0], err
+    ev = events(tmp_path, "b")
+    assert any(e["event"] == "rendezvous_error" for e in ev), ev
+    assert [e["exit_code"] for e in ev if e["event"] == "launcher_exit"] == [3]
 
 
 def test_etcd_job_survives_losing_any_launcher(

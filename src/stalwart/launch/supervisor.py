@@ -34,7 +34,13 @@ from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
-from stalwart.rendezvous import JobEnded, Rendezvous, RendezvousInfo, from_config
+from stalwart.rendezvous import (
+    JobEnded,
+    Rendezvous,
+    RendezvousError,
+    RendezvousInfo,
+    from_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +147,7 @@ class Supervisor:
             run_dir=str(self.run_dir) if self.run_dir else None,
         )
         result: JobResult | None = None
+        rdzv_failed = False
         try:
             self.prestart()
             self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
@@ -151,6 +158,12 @@ class Supervisor:
             result = self._loop(self._rdzv)
         except SignalReceived as sig:
             result = self._interrupted(sig.sig)
+        except RendezvousError as err:
+            # The CLI reports it in one line and exits 3; the event log says the same.
+            self.state = State.FAILED
+            self.events.emit("rendezvous_error", error=str(err))
+            rdzv_failed = True
+            raise
         finally:
             self._stopping = True
             if self._ctx is not None:
@@ -163,7 +176,7 @@ class Supervisor:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
-            code = result.exit_code if result is not None else 1
+            code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
             self._restore_signals()
