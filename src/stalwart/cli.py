@@ -238,6 +238,10 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
             kw["local_ranks_filter"] = parse_ranks_filter(str(m["local_ranks_filter"]))
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if (ns.standalone or max_nodes == 1) and ns.node_rank is None:
+        # A cluster's node index (a SLURM step, an indexed Job) means nothing to a
+        # one-node launch: each such launcher is a job of its own.
+        kw.pop("node_rank", None)
     if ns.standalone:
         kw.update(rdzv_backend="c10d", rdzv_endpoint="localhost:0", min_nodes=1, max_nodes=1)
         kw.setdefault("run_id", "none")

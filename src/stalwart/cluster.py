@@ -1,7 +1,8 @@
 """Launch defaults taken from the cluster manager's environment (SLURM, Kubernetes).
 
-Only defaults: a YAML file, ``STALWART_*`` variables and flags all override them.  Like
-torchrun, ``PET_<FLAG>`` variables (set by Kubeflow's PyTorchJob) count as flags' values.
+Only defaults: a YAML file, ``STALWART_*`` variables and flags all override them.
+``PET_<FLAG>`` variables (set by Kubeflow's PyTorchJob, and read by torchrun) are taken
+here too, at the same low precedence.
 """
 
 from __future__ import annotations
@@ -46,10 +47,17 @@ def detect(env: Mapping[str, str]) -> tuple[str | None, dict[str, str]]:
     name: str | None = None
     if "SLURM_JOB_ID" in env and ("SLURM_NNODES" in env or "SLURM_JOB_NUM_NODES" in env):
         name = "slurm"
-        out["nnodes"] = env.get("SLURM_NNODES") or env["SLURM_JOB_NUM_NODES"]
+        # Inside an srun step, the step's nodes, which may be fewer than the job's.
+        out["nnodes"] = (
+            env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env["SLURM_JOB_NUM_NODES"]
+        )
         if "SLURM_NODEID" in env:
             out["node_rank"] = env["SLURM_NODEID"]
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST")
+            or env.get("SLURM_JOB_NODELIST")
+            or env.get("SLURM_NODELIST")
+        )
         if nodelist:
             out["master_addr"] = first_slurm_host(nodelist)
         out["run_id"] = f"slurm-{env['SLURM_JOB_ID']}"

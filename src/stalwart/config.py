@@ -140,6 +140,21 @@ class LaunchConfig:
                 "--rdzv-backend etcd: expected --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
                 "of the etcd cluster"
             )
+        if self.rdzv_endpoint:
+            # Imported here: the rendezvous package imports this module.
+            from stalwart.rendezvous.c10d import StoreEndpoint
+            from stalwart.rendezvous.etcd import parse_endpoints
+
+            try:
+                if self.rdzv_backend == "etcd":
+                    parse_endpoints(self.rdzv_endpoint)
+                else:
+                    StoreEndpoint.parse(self.rdzv_endpoint)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        is_host = self.rdzv_conf.get("is_host")
+        if is_host is not None and is_host.lower() not in ("0", "1", "true", "false", "yes", "no"):
+            raise ConfigError(f"--rdzv-conf is_host={is_host!r}: expected 1 or 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
         if self.monitor_interval <= 0:
@@ -192,8 +207,8 @@ class LaunchConfig:
             value = float(raw)
         except ValueError:
             raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected seconds") from None
-        if value <= 0:
-            raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected > 0 seconds")
+        if not 0 < value < float("inf"):  # also refuses nan
+            raise ConfigError(f"--rdzv-conf {key}={raw!r}: expected a finite number > 0 of seconds")
         return value
 
 

@@ -96,8 +96,12 @@ class Network:
         self.gateway = f"{self.prefix}.1"
         self.hosts: list[Host] = []
         _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        try:
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+        except subprocess.CalledProcessError:
+            _ip("link", "del", self.bridge, check=False)
+            raise
 
     def add_host(self) -> Host:
         i = len(self.hosts)

@@ -99,3 +99,68 @@ def test_two_slurm_nodes_form_one_job_from_the_environment(tmp_path: Path) -> No
     assert [envs[r]["GROUP_RANK"] for r in range(4)] == ["0", "0", "1", "1"]
     assert {e["MASTER_ADDR"] for e in envs.values()} == {"localhost"}
     assert (tmp_path / "logs0" / "slurm-4242").is_dir()  # the job id names the run
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x"], "--rdzv-endpoint 'h:x'"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://e:2379"], "https etcd"),
+        (["--rdzv-backend", "etcd"], "--rdzv-backend etcd: expected --rdzv-endpoint"),
+        (["--nnodes", "1:3"], "--nnodes 1:3: an elastic node range needs"),
+        (["--rdzv-conf", "is_host=maybe"], "is_host='maybe'"),
+        (["--rdzv-conf", "keep_alive_interval=nan"], "keep_alive_interval='nan'"),
+        (["--rdzv-conf", "keep_alive_max_attempt=0"], "keep_alive_max_attempt='0'"),
+        (["--rdzv-conf", "heartbeat=1"], "--rdzv-conf key 'heartbeat'"),
+    ],
+)
+def test_bad_rendezvous_settings_are_one_line_errors(
+    args: list[str], needle: str, tmp_path: Path
+) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stalwart.cli",
+            "run",
+            *args,
+            "--log-dir",
+            str(tmp_path),
+            str(ENVDUMP),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_cluster_node_index_is_ignored_by_a_one_node_launch(tmp_path: Path) -> None:
+    """An indexed Job's pod 5 running a one-node job must not be told its rank is out
+    of range: the cluster's index only matters to multi-node launches."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "SLURM_", "PET_"))}
+    env["JOB_COMPLETION_INDEX"] = "5"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stalwart.cli",
+            "run",
+            "--log-dir",
+            str(tmp_path / "l"),
+            str(ENVDUMP),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "env_0.json").read_text())["GROUP_RANK"] == "0"

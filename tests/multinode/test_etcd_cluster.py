@@ -69,19 +69,42 @@ def cluster(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], int]
             proc.wait()
 
 
+def _when_ready(kv: EtcdKV) -> None:
+    deadline = time.monotonic() + 30
+    while True:  # a new cluster elects a leader first
+        try:
+            kv.get("ready?")
+            return
+        except Exception:
+            assert time.monotonic() < deadline, "the etcd cluster did not become ready"
+            time.sleep(0.2)
+
+
+def test_expired_lease_is_taken_again(cluster: list[tuple[subprocess.Popen[bytes], int]]) -> None:
+    """A node whose lease expired (it could not reach etcd for a while) gets a new one and
+    its leased keys back, instead of failing every keep-alive from then on."""
+    endpoints = [("127.0.0.1", client) for _, client in cluster]
+    kv = EtcdKV(endpoints, "job2", lease_ttl=2, request_timeout=5)
+    _when_ready(kv)
+    other = EtcdKV(endpoints, "job2", lease_ttl=2, request_timeout=5)
+    kv.set("hb", "1", leased=True)
+    # Expiry, as etcd does it: the lease goes and takes its keys along.
+    other._post("/v3/lease/revoke", {"ID": kv._lease})
+    assert kv.get("hb") is None
+    kv.set("hb", "2", leased=True)  # the write notices and retries under a new lease
+    assert kv.get("hb") == b"2"
+    other._post("/v3/lease/revoke", {"ID": kv._lease})
+    kv.refresh()  # so does the keep-alive, which also writes the leased keys back
+    assert kv.get("hb") == b"2"
+
+
 def test_client_fails_over_when_a_member_dies(
     cluster: list[tuple[subprocess.Popen[bytes], int]],
 ) -> None:
     endpoints = [("127.0.0.1", client) for _, client in cluster]
     kv = EtcdKV(endpoints, "job", lease_ttl=2, request_timeout=3)
-    deadline = time.monotonic() + 30
-    while True:  # the cluster elects a leader first
-        try:
-            kv.set("a", "1")
-            break
-        except Exception:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    _when_ready(kv)
+    kv.set("a", "1")
     assert kv.add("n", 2) == 2
     assert kv.create("c", "first") == b"first" and kv.create("c", "second") == b"first"
     kv.set("hb", "x", leased=True)

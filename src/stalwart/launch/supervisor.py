@@ -39,6 +39,7 @@ from stalwart.rendezvous import (
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    StoreLost,
     from_config,
 )
 
@@ -163,6 +164,9 @@ class Supervisor:
             self.state = State.FAILED
             self.events.emit("rendezvous_error", error=str(err))
             rdzv_failed = True
+            if self._rdzv is not None and not isinstance(err, StoreLost):
+                # The job cannot form (e.g. too few nodes): spares waiting for it stop too.
+                self._rdzv.finish(False, str(err))
             raise
         finally:
             self._stopping = True
@@ -413,6 +417,8 @@ class Supervisor:
                 self.events.emit("peer_failure", attempt=info.round)
             elif self._hangs is not None and self._hangs.stop_requested(info.round):
                 outcome = RoundOutcome.SHUTDOWN_REQUESTED
+                # Ended before the round is failed, so that no spare starts a new round.
+                rdzv.finish(False, "a rank asked to shut the workload down")
                 rdzv.report_failure(
                     info.round,
                     {

@@ -80,10 +80,17 @@ class Liveness:
         self._kv = kv
         self._lost_after = lost_after
         self._seen: dict[str, tuple[bytes | None, float]] = {}
+        self._last_read = time.monotonic()
 
     def observe(self, ids: list[str]) -> None:
-        now = time.monotonic()
-        for node, value in zip(ids, self._kv.get_many([f"hb/{i}" for i in ids]), strict=True):
+        values = self._kv.get_many([f"hb/{i}" for i in ids])
+        now = time.monotonic()  # after the read: a slow store must not age the counters
+        if now - self._last_read > self._lost_after / 2:
+            # This node did not look for a while (it was blocked, or the store stalled):
+            # silence it did not watch is no evidence, so everyone starts afresh.
+            self._seen = {n: (v, now) for n, (v, _) in self._seen.items()}
+        self._last_read = now
+        for node, value in zip(ids, values, strict=True):
             old = self._seen.get(node)
             if old is None or old[0] != value:
                 self._seen[node] = (value, now)
@@ -144,15 +151,15 @@ class ElasticRendezvous:
     # -- keep-alive --------------------------------------------------------------------
     def _beat(self) -> None:
         n = int(time.monotonic() * 1000)
+        self.kv.refresh()  # first: an expired lease is re-granted before the leased write
         self.kv.set(f"hb/{self.id}", str(n), leased=True)
-        self.kv.refresh()
         self._beat_ok = time.monotonic()
 
     def _keep_alive(self) -> None:
         while not self._stop.wait(self.settings.keep_alive_interval):
             try:
                 self._beat()
-            except (RendezvousError, OSError) as err:
+            except Exception as err:  # the thread must outlive any one failed beat
                 logger.warning("keep-alive to the rendezvous store failed: %s", err)
 
     def _check_cut_off(self) -> None:
@@ -201,24 +208,19 @@ class ElasticRendezvous:
             slot = self.kv.add(f"r{r}/joined", 1) - 1
             self.kv.set(f"r{r}/node/{slot}", me.encode())
             order = self._await_close(r, slot)
-            if slot in order:
+            if slot not in order:
+                logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
+                r += 1
+                continue
+            members = self._members_of(r)
+            group_rank = order.index(slot)
+            self.node_rank = group_rank
+            if group_rank == 0:
+                self._open_worker_store(r)
+            master = self._await_master(r, members)
+            if master is not None:
                 break
-            logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
-            r += 1
-        members = self._members_of(r)
-        group_rank = order.index(slot)
-        self.node_rank = group_rank
-        if group_rank == 0:
-            self._open_worker_store(r)
-        deadline = time.monotonic() + self.settings.join_timeout
-        while (master := self.kv.get(f"r{r}/master")) is None:
-            self._check_cut_off()
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"rendezvous {self.run_id}: node 0 of round {r} did not publish the "
-                    f"workers' store within {self.settings.join_timeout:g}s"
-                )
-            time.sleep(_POLL)
+            r += 1  # node 0 died before it published the workers' store: next round
         addr, _, port = master.decode().rpartition(":")
         sizes = [m.nproc for m in members]
         now_ids = {m.id for m in members}
@@ -238,6 +240,41 @@ class ElasticRendezvous:
             duration=time.monotonic() - t0,
             left=left,
         )
+
+    def _await_master(self, r: int, members: list[Member]) -> bytes | None:
+        """The workers' store address node 0 publishes; None if node 0 was lost first."""
+        deadline = time.monotonic() + self.settings.join_timeout
+        while (master := self.kv.get(f"r{r}/master")) is None:
+            self._check_cut_off()
+            if members[0].id != self.id:
+                self._live.observe([members[0].id])
+                if self._lost_member(r, 0, members[0]):
+                    return None
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"rendezvous {self.run_id}: node 0 of round {r} did not publish the "
+                    f"workers' store within {self.settings.join_timeout:g}s"
+                )
+            time.sleep(_POLL)
+        return master
+
+    def _lost_member(self, r: int, rank: int, m: Member) -> bool:
+        """If *m* (node *rank* of round *r*) is lost, fails round *r* on its behalf."""
+        silent = self._live.lost(m.id)
+        if silent is None:
+            return False
+        logger.warning("node %d (%s) lost: no keep-alive for %.1fs", rank, m.host, silent)
+        self.report_failure(
+            r,
+            {
+                "kind": "node_lost",
+                "local_rank": -1,
+                "node_rank": rank,
+                "host": m.host,
+                "reason": f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
+            },
+        )
+        return True
 
     def _expected(self, r: int) -> set[str] | None:
         """Ids of the previous round's members that are still alive (None for round 0)."""
@@ -266,15 +303,26 @@ class ElasticRendezvous:
             if n != last_n:
                 last_n, last_change = n, now
             running = r > 0 and self.kv.get(f"r{r - 1}/failed") is None
-            if running and open_since is None and not waiting_logged:
-                waiting_logged = True
-                logger.info(
-                    "round %d is running without this node: waiting as a spare for the next "
-                    "restart",
-                    r - 1,
-                )
+            if running:
+                if not waiting_logged:
+                    waiting_logged = True
+                    logger.info(
+                        "round %d is running without this node: waiting as a spare for the "
+                        "next restart",
+                        r - 1,
+                    )
+                # Watch the running round too: if its nodes died without a word (a crashed
+                # job, or all of them lost), a spare must not wait forever.
+                prev = self._members_of(r - 1)
+                self._live.observe([m.id for m in prev])
+                for rank, m in enumerate(prev):
+                    if self._lost_member(r - 1, rank, m):
+                        break
             if not running:
-                open_since = open_since or now
+                if open_since is None:
+                    # Last call counts from the moment the round opened, not from when a
+                    # spare arrived (maybe hours ago), or it would close alone at once.
+                    open_since = last_change = now
                 missing = [i for i in range(n) if i not in records]
                 for i, rec in zip(
                     missing, self.kv.get_many([f"{p}node/{i}" for i in missing]), strict=True
@@ -282,7 +330,13 @@ class ElasticRendezvous:
                     if rec is not None:
                         records[i] = Member.decode(rec)
                 self._live.observe([m.id for m in records.values()])
-                live = [i for i, m in sorted(records.items()) if self._live.lost(m.id) is None]
+                gone = self.kv.get_many([f"left/{m.id}" for m in records.values()])
+                left = {m.id for m, g in zip(records.values(), gone, strict=True) if g is not None}
+                live = [
+                    i
+                    for i, m in sorted(records.items())
+                    if self._live.lost(m.id) is None and m.id not in left
+                ]
                 expected = self._expected(r)
                 back = expected is not None and expected <= {records[i].id for i in live}
                 if len(live) >= s.max_nodes or (
@@ -332,22 +386,9 @@ class ElasticRendezvous:
         self._last_check = now
         members = self._members_of(round_)
         self._live.observe([m.id for m in members])
-        for rank, m in enumerate(members):
-            silent = self._live.lost(m.id)
-            if m.id != self.id and silent is not None:
-                logger.warning("node %d (%s) lost: no keep-alive for %.1fs", rank, m.host, silent)
-                self.report_failure(
-                    round_,
-                    {
-                        "kind": "node_lost",
-                        "local_rank": -1,
-                        "node_rank": rank,
-                        "host": m.host,
-                        "reason": f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
-                    },
-                )
-                return True
-        return False
+        return any(
+            m.id != self.id and self._lost_member(round_, rank, m) for rank, m in enumerate(members)
+        )
 
     def failures(self, round_: int) -> list[dict[str, Any]]:
         n = len(self._members_of(round_))
@@ -361,10 +402,14 @@ class ElasticRendezvous:
         return out
 
     def report_done(self, round_: int) -> None:
-        self.kv.add(f"r{round_}/done", 1)
+        # One key per node, not a counter: a retried etcd transaction could count twice.
+        self.kv.set(f"r{round_}/done/{self.node_rank}", "1")
 
     def all_done(self, round_: int) -> bool:
-        return self.kv.add(f"r{round_}/done", 0) >= len(self._members_of(round_))
+        n = len(self._members_of(round_))
+        return all(
+            v is not None for v in self.kv.get_many([f"r{round_}/done/{i}" for i in range(n)])
+        )
 
     def finish(self, succeeded: bool, reason: str) -> None:
         try:

@@ -18,6 +18,7 @@ import http.client
 import json
 import logging
 import math
+import random
 import threading
 import time
 from typing import Any
@@ -52,7 +53,8 @@ class EtcdKV:
         self.prefix = f"/stalwart/{run_id}/"
         self.request_timeout = request_timeout
         self._ttl = max(2, math.ceil(lease_ttl))
-        self._current = 0
+        # Launchers spread over the members, so one that hangs stalls only some of them.
+        self._current = random.randrange(len(endpoints))
         self._lock = threading.Lock()
         self._lease: str | None = None
         self._leased: dict[str, str] = {}  # re-put after the lease had to be re-granted
@@ -71,11 +73,14 @@ class EtcdKV:
         # retried until the request timeout.
         timeout = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        # One member that swallows packets must not eat the whole budget (which is as long
+        # as the lease): each try gets a share, and the loop moves on to the next member.
+        per_try = max(0.5, min(2.0, timeout / len(self.endpoints)))
         while True:
             for i in range(len(self.endpoints)):
                 idx = (self._current + i) % len(self.endpoints)
                 host, port = self.endpoints[idx]
-                conn = http.client.HTTPConnection(host, port, timeout=timeout)
+                conn = http.client.HTTPConnection(host, port, timeout=per_try)
                 try:
                     conn.request("POST", path, payload, {"Content-Type": "application/json"})
                     resp = conn.getresponse()
@@ -113,23 +118,34 @@ class EtcdKV:
         return _unb64(kvs[0].get("value", "")) if kvs else None
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
-        ops = [{"request_range": {"key": self._key(k)}} for k in keys]
-        if not ops:
-            return []
-        resp = self._post("/v3/kv/txn", {"success": ops})
         out: list[bytes | None] = []
-        for r in resp.get("responses", []):
-            kvs = r.get("response_range", {}).get("kvs")
-            out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+        # etcd refuses transactions of more than 128 operations by default.
+        for start in range(0, len(keys), 128):
+            ops = [{"request_range": {"key": self._key(k)}} for k in keys[start : start + 128]]
+            resp = self._post("/v3/kv/txn", {"success": ops})
+            for r in resp.get("responses", []):
+                kvs = r.get("response_range", {}).get("kvs")
+                out.append(_unb64(kvs[0].get("value", "")) if kvs else None)
         return out
 
     def set(self, key: str, value: str, *, leased: bool = False) -> None:
         body: dict[str, Any] = {"key": self._key(key), "value": _b64(value)}
-        if leased:
-            body["lease"] = self._ensure_lease()
+        if not leased:
+            self._post("/v3/kv/put", body)
+            return
+        with self._lock:
+            self._leased[key] = value
+        body["lease"] = self._ensure_lease()
+        try:
+            self._post("/v3/kv/put", body)
+        except RendezvousError as err:
+            if "lease not found" not in str(err):
+                raise
+            # Expired while this node could not reach etcd: take a new one and retry.
             with self._lock:
-                self._leased[key] = value
-        self._post("/v3/kv/put", body)
+                self._lease = None
+            body["lease"] = self._ensure_lease()
+            self._post("/v3/kv/put", body)
 
     def create(self, key: str, value: str) -> bytes:
         """Writes *value* if *key* is absent; returns what the key holds afterwards."""
