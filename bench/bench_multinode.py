@@ -71,32 +71,6 @@ def _rdzv_args(method: str, endpoint: str, is_host: bool, nnodes: str) -> list[s
     ]
 
 
-def _kill_host(h: Host) -> None:
-    """A lost machine: every process in its namespace dies at the same instant."""
-    pids = subprocess.run(
-        ["ip", "netns", "pids", h.name], capture_output=True, text=True
-    ).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _clear(hosts: list[Host]) -> None:
-    """Nothing of a trial may run on into the next one."""
-    for h in hosts:
-        for proc in h.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-        h.procs.clear()
-        _kill_host(h)
-
-
 def _start(
     method: str, hosts: list[Host], endpoint: str, nnodes: str, work: Path, script: list[str]
 ) -> list[subprocess.Popen[str]]:
@@ -173,7 +147,8 @@ def rendezvous_once(
             except subprocess.TimeoutExpired:
                 ok = False
     finally:
-        _clear(hosts)
+        for h in hosts:
+            h.stop()
     stamps = [float(f.read_text()) for f in out.glob("stamp_*")]
     if not ok or len(stamps) != n:
         return None, None
@@ -211,7 +186,7 @@ def node_loss_once(method: str, a: Host, b: Host, etcd_ep: str, work: Path) -> f
         victim = b if rank0_addr == a.addr else a
         attempt0 = got[0]
         t_kill = time.monotonic()
-        _kill_host(victim)
+        victim.kill_all()
         deadline = time.monotonic() + 120
         while (got := read()) is None or got[0] == attempt0:
             if time.monotonic() > deadline:
@@ -220,7 +195,8 @@ def node_loss_once(method: str, a: Host, b: Host, etcd_ep: str, work: Path) -> f
             time.sleep(0.005)
         return time.monotonic() - t_kill
     finally:
-        _clear([a, b])
+        a.stop()
+        b.stop()
 
 
 def main() -> int:

@@ -89,9 +89,7 @@ def run_job(
     import subprocess
     from pathlib import Path
 
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     env.update(extra_env)
     proc = subprocess.Popen(
         cmd,

@@ -83,6 +83,30 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def kill_all(self) -> None:
+        """A lost machine: every process in the namespace dies at once."""
+        for pid in _ip("netns", "pids", self.name, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+
+    def stop(self) -> None:
+        """Nothing this host started may run on: launchers' groups, then the rest."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.kill_all()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+
     def cut(self) -> None:
         _ip("link", "set", self.veth, "down")
 
@@ -118,23 +142,7 @@ class Network:
 
     def close(self) -> None:
         for h in self.hosts:
-            for p in h.procs:
-                if p.poll() is None:
-                    try:
-                        os.killpg(p.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            pids = _ip("netns", "pids", h.name, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            for p in h.procs:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    pass
+            h.stop()
             _ip("netns", "del", h.name, check=False)
             _ip("link", "del", h.veth, check=False)
         _ip("link", "del", self.bridge, check=False)
