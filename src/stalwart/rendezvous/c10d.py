@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from stalwart.rendezvous.api import RendezvousError, RendezvousInfo
-from stalwart.rendezvous.kv import C10dKV, check_run_id
+from stalwart.rendezvous.kv import C10dKV, check_run_id, read_failures
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -157,15 +157,7 @@ class C10dRendezvous:
         return self.kv.get(f"r{round_}/failed") is not None
 
     def failures(self, round_: int) -> list[dict[str, Any]]:
-        out = []
-        keys = [f"r{round_}/failure/{i}" for i in range(self.nnodes)]
-        for key, raw in zip(keys, self.kv.get_many(keys), strict=True):
-            if raw is not None:
-                try:
-                    out.append(json.loads(raw))
-                except ValueError:
-                    logger.warning("unreadable failure record %s", key)
-        return out
+        return read_failures(self.kv, round_, self.nnodes)
 
     def report_done(self, round_: int) -> None:
         self.kv.add(f"r{round_}/done", 1)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.rendezvous.api import JobEnded, RendezvousError, RendezvousInfo, StoreLost
-from stalwart.rendezvous.kv import KV
+from stalwart.rendezvous.kv import KV, read_failures
 
 logger = logging.getLogger(__name__)
 
@@ -391,15 +391,7 @@ class ElasticRendezvous:
         )
 
     def failures(self, round_: int) -> list[dict[str, Any]]:
-        n = len(self._members_of(round_))
-        out = []
-        for raw in self.kv.get_many([f"r{round_}/failure/{i}" for i in range(n)]):
-            if raw is not None:
-                try:
-                    out.append(json.loads(raw))
-                except ValueError:
-                    logger.warning("unreadable failure record in round %d", round_)
-        return out
+        return read_failures(self.kv, round_, len(self._members_of(round_)))
 
     def report_done(self, round_: int) -> None:
         # One key per node, not a counter: a retried etcd transaction could count twice.

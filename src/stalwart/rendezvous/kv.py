@@ -7,6 +7,7 @@ connection into ``StoreLost`` so the supervisor can stop its workers and say why
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import socket
@@ -204,3 +205,16 @@ def check_run_id(
             f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
             f"the store belongs to job {got.decode()!r}"
         )
+
+
+def read_failures(kv: KV, round_: int, nodes: int) -> list[dict[str, Any]]:
+    """The failure records that nodes ``0..nodes-1`` wrote for *round_* (both backends)."""
+    out = []
+    keys = [f"r{round_}/failure/{i}" for i in range(nodes)]
+    for key, raw in zip(keys, kv.get_many(keys), strict=True):
+        if raw is not None:
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                logger.warning("unreadable failure record %s", key)
+    return out
