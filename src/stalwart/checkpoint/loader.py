@@ -2,8 +2,9 @@
 
 Loading never trusts the ``latest`` pointer alone: it walks the step folders
 newest first and takes the first one that is complete (every rank committed)
-and whose file for this rank matches its manifest. Torn, incomplete or
-corrupt steps are skipped with a warning.
+and whose file for this rank matches its manifest. Torn, incomplete, corrupt
+or unreadable steps (a manifest that cannot be read or names no data file, a
+folder or file the process may not read) are skipped with a warning.
 
 Files are read with ``torch.load(weights_only=True)`` by default, which
 refuses to run arbitrary code from a file; pass ``weights_only=False`` only
@@ -39,17 +40,26 @@ class Loaded:
 
 def verify_step(directory: str | os.PathLike[str], step: int, rank: int = 0) -> Manifest:
     """Check that ``step`` is complete and rank ``rank``'s file matches its manifest."""
-    folder = layout.step_dir(Path(directory), step)
+    return _verify(layout.step_dir(Path(directory), step), step, rank)[0]
+
+
+def _verify(folder: Path, step: int, rank: int) -> tuple[Manifest, Path]:
     manifest = read_manifest(folder / layout.manifest_name(rank))
-    if manifest.step != step or manifest.rank != rank:
+    if manifest.step != step or manifest.rank != rank or manifest.world_size <= rank:
         raise CheckpointCorruptError(
-            f"{folder}: manifest says step {manifest.step} rank {manifest.rank}"
+            f"{folder}: manifest says step {manifest.step} rank {manifest.rank} "
+            f"world size {manifest.world_size}, expected step {step} rank {rank}"
         )
-    missing = set(range(manifest.world_size)) - layout.ranks_committed(folder)
+    try:
+        committed = layout.ranks_committed(folder)
+    except OSError as exc:
+        raise CheckpointCorruptError(
+            f"cannot list {folder}: {exc.strerror or exc} (errno {exc.errno})"
+        ) from exc
+    missing = set(range(manifest.world_size)) - committed
     if missing:
         raise CheckpointCorruptError(f"{folder}: ranks {sorted(missing)} never committed")
-    verify_files(folder, manifest)
-    return manifest
+    return manifest, folder / verify_files(folder, manifest)
 
 
 def load_step(
@@ -61,8 +71,7 @@ def load_step(
     weights_only: bool = True,
 ) -> Loaded:
     """Verify and load one step; raises CheckpointCorruptError if it does not verify."""
-    verify_step(directory, step, rank)
-    path = layout.step_dir(Path(directory), step) / layout.data_name(rank)
+    _, path = _verify(layout.step_dir(Path(directory), step), step, rank)
     # The bytes match what the writer produced, so a failure here is not
     # corruption (e.g. a class refused by weights_only): let it propagate.
     state = torch.load(path, map_location=map_location, weights_only=weights_only)
@@ -110,7 +119,9 @@ def load_latest(
             loaded = load_step(
                 root, step, rank, map_location=map_location, weights_only=weights_only
             )
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, OSError) as exc:
+            # OSError: the data file vanished or became unreadable between the
+            # check and torch.load (e.g. replaced by a concurrent re-save).
             if pointer is not None and step > pointer:
                 # Newer than `latest`: most likely a save that was cut short.
                 logger.warning("skipping unfinished checkpoint step %d: %s", step, exc)
