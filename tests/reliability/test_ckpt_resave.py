@@ -163,7 +163,7 @@ def test_resave_killed_at_any_point_never_loses_a_complete_step(
     assert _wait(_writer_child(root, keep_last, step, 999, None)) == 0
     assert not list(root.glob(".tmp-*"))
     names = sorted(p.name for p in (root / f"step_{step:09d}").iterdir())
-    assert len([n for n in names if n.endswith(".pt")]) == 1, names
+    assert [n for n in names if n.endswith(".pt")] == ["rank_0.pt"], names
     assert _loaded_seed(root) == (step, 999)
 
 

@@ -12,7 +12,9 @@ Commit order for rank r of step S (each arrow is ordered by an fsync):
    atomic rename). Otherwise the data file is renamed in beside any older one
    (fsync), then the manifest replaces this rank's old one with one atomic
    rename (fsync): that rename is the switch. Only then is the data file the
-   old manifest named deleted.
+   old manifest named deleted. The new file then gets the plain name back by
+   the same moves: a hard link ``rank_r.pt`` (fsync), a manifest naming it
+   replaces the previous one (fsync), the fresh name is unlinked.
 3. The root is fsync'd; if every rank's manifest is now present, ``latest`` is
    repointed (symlink replace) and steps older than the ``keep_last`` newest
    complete ones are deleted.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
+import msgspec
 import torch
 
 from . import layout
@@ -187,7 +190,7 @@ class TorchFileWriter:
             t1 = time.monotonic()
             write_file_durably(tmp / manifest_name, encode(manifest))
             fsync_dir(tmp)
-            self._commit(tmp, final, data_name, manifest_name)
+            data_name = self._commit(tmp, final, data_name, manifest)
             phases["commit"] = time.monotonic() - t1
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -229,7 +232,9 @@ class TorchFileWriter:
             self._retention_due = False
             self._retain(self.root)
 
-    def _commit(self, tmp: Path, final: Path, data_name: str, manifest_name: str) -> None:
+    def _commit(self, tmp: Path, final: Path, data_name: str, manifest: Manifest) -> str:
+        """Move the share in; return the data file's final name."""
+        manifest_name = layout.manifest_name(self.rank)
         try:
             os.rename(tmp, final)
         except OSError as exc:
@@ -250,8 +255,41 @@ class TorchFileWriter:
                 if layout.is_data_name(old, self.rank):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(final / old)
+            data_name = self._settle_plain_name(tmp, final, data_name, manifest)
             shutil.rmtree(tmp, ignore_errors=True)
         fsync_dir(final.parent)
+        return data_name
+
+    def _settle_plain_name(self, tmp: Path, final: Path, data_name: str, manifest: Manifest) -> str:
+        """After a re-save, give the data file its plain name ``rank_r.pt`` back.
+
+        ``<dir>/latest/rank_0.pt`` is what plain ``torch.load`` users open. Same
+        switch as the re-save: a hard link under the plain name (nothing names
+        that name now), then a second manifest naming it replaces the first, then
+        the fresh name goes. A kill in between leaves the fresh name in use.
+        """
+        plain = layout.data_name(self.rank)
+        if data_name == plain:
+            return data_name
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final / plain)
+            os.link(final / data_name, final / plain)
+        except OSError as exc:
+            # No hard links on this file system: the fresh name stays; the
+            # manifest names it, so loading is unaffected.
+            logger.debug("keeping %s under %s: %s", data_name, final, exc)
+            return data_name
+        fsync_dir(final)
+        entry = manifest.files[data_name]
+        renamed = msgspec.structs.replace(manifest, files={plain: entry})
+        manifest_name = layout.manifest_name(self.rank)
+        write_file_durably(tmp / manifest_name, encode(renamed))
+        os.replace(tmp / manifest_name, final / manifest_name)
+        fsync_dir(final)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final / data_name)
+        return plain
 
     def _advance_latest(self, root: Path, step: int) -> None:
         current = layout.read_latest(root)
