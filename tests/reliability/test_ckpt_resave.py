@@ -267,3 +267,42 @@ def _wait_gone(pids: list[int], deadline_s: float = 20.0) -> None:
                 os.kill(pid, signal.SIGKILL)
                 raise AssertionError(f"writer {pid} outlived its trainer by {deadline_s} s")
             time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_load_during_back_to_back_resaves_finds_the_step(tmp_path: Path) -> None:
+    """A loader racing a writer that re-saves the only step (keep_last=1) over and
+    over always loads that step, with a state that is one whole version."""
+    root = tmp_path / "ckpt"
+    assert _wait(_writer_child(root, 1, 7, 1, None)) == 0
+    stop = tmp_path / "stop"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            writer = TorchFileWriter(str(root), 0, 1, 1, "crc32")
+            seed = 2
+            while not stop.exists():
+                writer.write(
+                    _state(seed), str(root / "step_000000007"), release=lambda: None, step=7
+                )
+                seed += 1
+            code = 0
+        finally:
+            os._exit(code)
+    loads, seeds = 0, set()
+    try:
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            found = load_latest(root, rank=0)
+            assert found is not None and found.step == 7, "the only step was not found"
+            seed = int(found.state_dict["seed"])
+            assert torch.equal(found.state_dict["w"], _state(seed)["w"]), "a torn version"
+            loads += 1
+            seeds.add(seed)
+    finally:
+        stop.touch()
+        status = _wait(pid)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    print(f"{loads} loads during re-saves saw {len(seeds)} versions")
+    assert len(seeds) > 1, "the writer never re-saved while the loader ran"

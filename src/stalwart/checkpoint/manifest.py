@@ -80,20 +80,31 @@ def new_hasher(algorithm: str) -> Hasher:
     raise CheckpointCorruptError(f"unknown checksum algorithm {algorithm!r}")
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one file at a path from another that replaced it."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_checksum(path: Path, algorithm: str) -> tuple[int, str]:
     """Size and checksum of a file, read in chunks."""
+    size, digest, _ = _checksum(path, algorithm)
+    return size, digest
+
+
+def _checksum(path: Path, algorithm: str) -> tuple[int, str, tuple[int, int, int, int]]:
     hasher = new_hasher(algorithm)
     size = 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        identity = file_identity(os.fstat(f.fileno()))
         while True:
             n = f.readinto(buf)
             if not n:
                 break
             hasher.update(view[:n])
             size += n
-    return size, hasher.hexdigest()
+    return size, hasher.hexdigest(), identity
 
 
 def encode(manifest: Manifest) -> bytes:
@@ -138,14 +149,16 @@ def data_file(folder: Path, manifest: Manifest) -> str:
     return names[0]
 
 
-def verify_files(folder: Path, manifest: Manifest) -> str:
+def verify_files(folder: Path, manifest: Manifest) -> tuple[str, tuple[int, int, int, int]]:
     """Raise CheckpointCorruptError unless the manifest names this rank's data file
-    and every listed file matches size and checksum; returns the data file's name."""
+    and every listed file matches size and checksum; returns the data file's name
+    and the identity (:func:`file_identity`) of the file that was checked."""
     if manifest.format != FORMAT_VERSION:
         raise CheckpointCorruptError(
             f"{folder}: manifest format {manifest.format}, expected {FORMAT_VERSION}"
         )
     data = data_file(folder, manifest)
+    checked: tuple[int, int, int, int] = (0, 0, 0, 0)
     for name, entry in manifest.files.items():
         path = folder / name
         try:
@@ -154,7 +167,7 @@ def verify_files(folder: Path, manifest: Manifest) -> str:
                 raise CheckpointCorruptError(
                     f"{path}: size {actual_size} != {entry.size} recorded in the manifest"
                 )
-            _, digest = file_checksum(path, entry.algorithm)
+            _, digest, identity = _checksum(path, entry.algorithm)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{path} is missing") from exc
         except OSError as exc:
@@ -165,4 +178,6 @@ def verify_files(folder: Path, manifest: Manifest) -> str:
             raise CheckpointCorruptError(
                 f"{path}: {entry.algorithm} {digest} != {entry.checksum} recorded in the manifest"
             )
-    return data
+        if name == data:
+            checked = identity
+    return data, checked
