@@ -276,17 +276,18 @@ def test_load_during_back_to_back_resaves_finds_the_step(tmp_path: Path) -> None
     root = tmp_path / "ckpt"
     assert _wait(_writer_child(root, 1, 7, 1, None)) == 0
     stop = tmp_path / "stop"
+    # Built before the fork: the child runs no torch kernels of its own.
+    states = [_state(seed) for seed in (2, 3, 4)]
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
             writer = TorchFileWriter(str(root), 0, 1, 1, "crc32")
-            seed = 2
+            n = 0
             while not stop.exists():
-                writer.write(
-                    _state(seed), str(root / "step_000000007"), release=lambda: None, step=7
-                )
-                seed += 1
+                state = states[n % len(states)]
+                writer.write(state, str(root / "step_000000007"), release=lambda: None, step=7)
+                n += 1
             code = 0
         finally:
             os._exit(code)
