@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_helpers import Custom
+from ckpt_helpers import Custom, make_state
 
 from stalwart.checkpoint import (
     AsyncCheckpointer,
@@ -257,3 +257,17 @@ def test_rank_and_world_size_come_from_the_environment(
     monkeypatch.delenv("WORLD_SIZE")
     with pytest.raises(ValueError, match="outside world_size"):
         AsyncCheckpointer(tmp_path, keep_last=1, rank=2)
+
+
+@pytest.mark.timeout(60)
+def test_resave_keeps_the_plain_file_name_and_takes_the_new_state(tmp_path: Path) -> None:
+    with AsyncCheckpointer(tmp_path, keep_last=1, rank=0, world_size=1) as ckpt:
+        for seed in (1, 2, 3):
+            res = ckpt.save(make_state(seed, mib=0.05), step=4).result(timeout=60)
+            assert res.path.name == "rank_0.pt"
+            # Plain torch.load through `latest`, as the docs promise, sees each re-save.
+            plain = torch.load(tmp_path / "latest" / "rank_0.pt", weights_only=True)
+            assert torch.equal(plain["w"], make_state(seed, mib=0.05)["w"])
+    folder = tmp_path / "step_000000004"
+    assert sorted(p.name for p in folder.iterdir()) == ["rank_0.manifest.json", "rank_0.pt"]
+    assert not list(tmp_path.glob(".tmp-*"))

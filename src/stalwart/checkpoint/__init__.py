@@ -15,8 +15,9 @@ from .errors import (
     WriterDiedError,
     WriterError,
 )
+from .identity import RankInfo
 from .loader import Loaded, complete_steps, load_latest, load_step, verify_step
-from .process import CheckpointProcess, WriterProcessConfig
+from .process import CheckpointProcess, CheckpointProcessConfig, WriterProcessConfig
 from .writer import SaveResult, TorchFileWriter
 
 __all__ = [
@@ -24,9 +25,11 @@ __all__ = [
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointProcess",
+    "CheckpointProcessConfig",
     "CheckpointWriter",
     "CheckpointerConfig",
     "Loaded",
+    "RankInfo",
     "SaveResult",
     "StagingConflictError",
     "StagingMode",

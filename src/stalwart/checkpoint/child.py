@@ -7,10 +7,12 @@ until the parent goes away (its end of the pipe closes).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -23,15 +25,42 @@ logger = logging.getLogger(__name__)
 class CheckpointWriter(Protocol):
     """What a writer factory must build; it runs inside the child.
 
-    ``release`` must be called as soon as the writer no longer reads
-    ``state_dict`` (its tensors alias the shared staging buffer); the parent can
-    then stage the next snapshot while this one is still being fsync'd. If the
-    writer never calls it, it is called when ``write`` returns.
+    ``write`` is called with keywords, ``write(path=..., state_dict=...,
+    **kwargs)``, like torch's experimental checkpoint process calls its writers,
+    so a writer written for torch runs unchanged. A writer whose ``write`` names
+    a ``release`` parameter also gets ``release=``: it must call it as soon as it
+    no longer reads ``state_dict`` (its tensors alias the shared staging buffer);
+    the parent can then stage the next snapshot while this one is still being
+    fsync'd. Otherwise (and if it never calls it) the buffer is released when
+    ``write`` returns. A ``write`` that returns a ``concurrent.futures.Future``
+    (torch's signature allows one) is waited for.
     """
 
     def write(
         self, state_dict: Any, path: str, *, release: Callable[[], None], **kwargs: Any
     ) -> Any: ...
+
+
+def write_call_style(write: Callable[..., Any]) -> bool:
+    """Check that ``write`` can be called as ``write(path=..., state_dict=..., ...)``;
+    return whether it takes ``release=``. Raises TypeError with a one-line reason."""
+    try:
+        params = inspect.signature(write).parameters
+    except (TypeError, ValueError):
+        return False  # a builtin without a signature: call it and see
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in ("path", "state_dict"):
+        param = params.get(name)
+        ok = (param is not None and param.kind is not inspect.Parameter.POSITIONAL_ONLY) or (
+            param is None and var_kw
+        )
+        if not ok:
+            raise TypeError(
+                f"the writer's write{inspect.signature(write)} does not take {name}= by "
+                "keyword; expected write(path, state_dict, **kwargs) as torch's CheckpointWriter"
+            )
+    release = params.get("release")
+    return release is not None and release.kind is not inspect.Parameter.POSITIONAL_ONLY
 
 
 def _failure(seq: int, exc: BaseException) -> Response:
@@ -53,7 +82,12 @@ def _failure(seq: int, exc: BaseException) -> Response:
 
 
 def _serve_write(
-    conn: Connection, writer: CheckpointWriter, view: BufferView, seq: int, payload: WritePayload
+    conn: Connection,
+    writer: CheckpointWriter,
+    takes_release: bool,
+    view: BufferView,
+    seq: int,
+    payload: WritePayload,
 ) -> Any:
     released = False
 
@@ -64,8 +98,12 @@ def _serve_write(
             conn.send(Response(ResponseKind.RELEASED, seq))
 
     state = view.unstage(payload.state) if payload.state is not None else payload.inline_state
+    extra: dict[str, Any] = {"release": release} if takes_release else {}
     try:
-        return writer.write(state, payload.path, release=release, **payload.kwargs)
+        result = writer.write(path=payload.path, state_dict=state, **extra, **payload.kwargs)
+        if isinstance(result, Future):
+            result = result.result()
+        return result
     finally:
         del state
         release()
@@ -104,6 +142,7 @@ def writer_main(
         if init_fn is not None:
             init_fn(*init_args)
         writer = writer_factory(**writer_kwargs)
+        takes_release = write_call_style(writer.write)
         view = BufferView(buffer_fd)
     except BaseException as exc:
         # The parent is waiting for the handshake; answer it with the reason.
@@ -126,7 +165,7 @@ def writer_main(
             return
         elif req.kind is RequestKind.WRITE and req.payload is not None:
             try:
-                result = _serve_write(conn, writer, view, seq, req.payload)
+                result = _serve_write(conn, writer, takes_release, view, seq, req.payload)
             except Exception as exc:
                 logger.warning("checkpoint write failed: %s", exc)
                 conn.send(_failure(seq, exc))

@@ -2,12 +2,14 @@
 
 Everything a caller may want to catch specifically derives from
 :class:`CheckpointError`, so ``except CheckpointError`` covers the package.
+It is a ``RuntimeError``, which is what torch's experimental checkpoint process
+raises, so code written against that catches stalwart's failures unchanged.
 """
 
 from __future__ import annotations
 
 
-class CheckpointError(Exception):
+class CheckpointError(RuntimeError):
     """Base class for checkpoint failures."""
 
 

@@ -8,6 +8,20 @@ environment variables that stalwart and torchrun set, then an initialised
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+
+
+@dataclass
+class RankInfo:
+    """This process's place in the job, as torch's experimental checkpoint process
+    hands it to a writer's ``__init__`` (same field names, so writers read either)."""
+
+    global_rank: int
+    global_world_size: int
+
+
+def current_rank_info() -> RankInfo:
+    return RankInfo(resolve_rank(None), resolve_world_size(None))
 
 
 def _from_env(name: str) -> int | None:

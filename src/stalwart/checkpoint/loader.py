@@ -2,8 +2,9 @@
 
 Loading never trusts the ``latest`` pointer alone: it walks the step folders
 newest first and takes the first one that is complete (every rank committed)
-and whose file for this rank matches its manifest. Torn, incomplete or
-corrupt steps are skipped with a warning.
+and whose file for this rank matches its manifest. Torn, incomplete, corrupt
+or unreadable steps (a manifest that cannot be read or names no data file, a
+folder or file the process may not read) are skipped with a warning.
 
 Files are read with ``torch.load(weights_only=True)`` by default, which
 refuses to run arbitrary code from a file; pass ``weights_only=False`` only
@@ -23,9 +24,13 @@ import torch
 from . import layout
 from .errors import CheckpointCorruptError
 from .identity import resolve_rank
-from .manifest import Manifest, read_manifest, verify_files
+from .manifest import Manifest, file_identity, read_manifest, verify_files
 
 logger = logging.getLogger(__name__)
+
+# Loads of one step racing re-saves of it: each retry needs the writer to have
+# replaced the manifest during the previous try, so a handful is plenty.
+_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -39,17 +44,34 @@ class Loaded:
 
 def verify_step(directory: str | os.PathLike[str], step: int, rank: int = 0) -> Manifest:
     """Check that ``step`` is complete and rank ``rank``'s file matches its manifest."""
-    folder = layout.step_dir(Path(directory), step)
+    return _verify(layout.step_dir(Path(directory), step), step, rank)[0]
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        return file_identity(os.stat(path))
+    except OSError:
+        return None
+
+
+def _verify(folder: Path, step: int, rank: int) -> tuple[Manifest, Path, tuple[int, int, int, int]]:
     manifest = read_manifest(folder / layout.manifest_name(rank))
-    if manifest.step != step or manifest.rank != rank:
+    if manifest.step != step or manifest.rank != rank or manifest.world_size <= rank:
         raise CheckpointCorruptError(
-            f"{folder}: manifest says step {manifest.step} rank {manifest.rank}"
+            f"{folder}: manifest says step {manifest.step} rank {manifest.rank} "
+            f"world size {manifest.world_size}, expected step {step} rank {rank}"
         )
-    missing = set(range(manifest.world_size)) - layout.ranks_committed(folder)
+    try:
+        committed = layout.ranks_committed(folder)
+    except OSError as exc:
+        raise CheckpointCorruptError(
+            f"cannot list {folder}: {exc.strerror or exc} (errno {exc.errno})"
+        ) from exc
+    missing = set(range(manifest.world_size)) - committed
     if missing:
         raise CheckpointCorruptError(f"{folder}: ranks {sorted(missing)} never committed")
-    verify_files(folder, manifest)
-    return manifest
+    data, identity = verify_files(folder, manifest)
+    return manifest, folder / data, identity
 
 
 def load_step(
@@ -61,11 +83,14 @@ def load_step(
     weights_only: bool = True,
 ) -> Loaded:
     """Verify and load one step; raises CheckpointCorruptError if it does not verify."""
-    verify_step(directory, step, rank)
-    path = layout.step_dir(Path(directory), step) / layout.data_name(rank)
+    _, path, checked = _verify(layout.step_dir(Path(directory), step), step, rank)
     # The bytes match what the writer produced, so a failure here is not
     # corruption (e.g. a class refused by weights_only): let it propagate.
     state = torch.load(path, map_location=map_location, weights_only=weights_only)
+    if _stamp(path) != checked:
+        # A re-save replaced the file after it was checked: what torch.load
+        # read may not be what was verified. The caller may look again.
+        raise CheckpointCorruptError(f"{path} was replaced while it was loaded (a re-save)")
     return Loaded(step=step, state_dict=state, path=path)
 
 
@@ -91,6 +116,27 @@ def complete_steps(directory: str | os.PathLike[str], world_size: int | None = N
     return out
 
 
+def _load_settled(
+    root: Path, step: int, rank: int, map_location: Any, weights_only: bool
+) -> Loaded:
+    """``load_step``, looked at again when a running writer re-saved the step meanwhile.
+
+    A re-save replaces the manifest (a new file) and may delete the data file
+    it named, so a load racing it can fail although the new version is whole.
+    """
+    manifest = layout.step_dir(root, step) / layout.manifest_name(rank)
+    attempt = 1
+    while True:
+        before = _stamp(manifest)
+        try:
+            return load_step(root, step, rank, map_location=map_location, weights_only=weights_only)
+        except (CheckpointCorruptError, OSError):
+            if before is None or _stamp(manifest) == before or attempt >= _ATTEMPTS:
+                raise
+            logger.debug("step %d was re-saved while it was loaded; looking again", step)
+            attempt += 1
+
+
 def load_latest(
     directory: str | os.PathLike[str],
     rank: int | None = None,
@@ -107,10 +153,10 @@ def load_latest(
     pointer = layout.read_latest(root)
     for step in layout.list_steps(root):
         try:
-            loaded = load_step(
-                root, step, rank, map_location=map_location, weights_only=weights_only
-            )
-        except CheckpointCorruptError as exc:
+            loaded = _load_settled(root, step, rank, map_location, weights_only)
+        except (CheckpointCorruptError, OSError) as exc:
+            # OSError: a file vanished or became unreadable between the check
+            # and torch.load.
             if pointer is not None and step > pointer:
                 # Newer than `latest`: most likely a save that was cut short.
                 logger.warning("skipping unfinished checkpoint step %d: %s", step, exc)

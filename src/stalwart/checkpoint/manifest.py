@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import msgspec
 
 from .errors import CheckpointCorruptError
+from .layout import data_name, is_data_name
 
 FORMAT_VERSION = 1
 _READ_CHUNK = 16 << 20
@@ -79,20 +80,31 @@ def new_hasher(algorithm: str) -> Hasher:
     raise CheckpointCorruptError(f"unknown checksum algorithm {algorithm!r}")
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What tells one file at a path from another that replaced it."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def file_checksum(path: Path, algorithm: str) -> tuple[int, str]:
     """Size and checksum of a file, read in chunks."""
+    size, digest, _ = _checksum(path, algorithm)
+    return size, digest
+
+
+def _checksum(path: Path, algorithm: str) -> tuple[int, str, tuple[int, int, int, int]]:
     hasher = new_hasher(algorithm)
     size = 0
     buf = bytearray(_READ_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        identity = file_identity(os.fstat(f.fileno()))
         while True:
             n = f.readinto(buf)
             if not n:
                 break
             hasher.update(view[:n])
             size += n
-    return size, hasher.hexdigest()
+    return size, hasher.hexdigest(), identity
 
 
 def encode(manifest: Manifest) -> bytes:
@@ -104,30 +116,68 @@ def read_manifest(path: Path) -> Manifest:
         raw = path.read_bytes()
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"missing manifest {path}") from exc
+    except OSError as exc:
+        # Unreadable (EACCES, EISDIR, ELOOP, EIO...): this step is unusable,
+        # an older one may not be, so it is reported like corruption.
+        raise CheckpointCorruptError(
+            f"cannot read manifest {path}: {exc.strerror or exc} (errno {exc.errno})"
+        ) from exc
     try:
         return msgspec.json.decode(raw, type=Manifest)
     except msgspec.DecodeError as exc:
         raise CheckpointCorruptError(f"unreadable manifest {path}: {exc}") from exc
 
 
-def verify_files(folder: Path, manifest: Manifest) -> None:
-    """Raise CheckpointCorruptError unless every listed file matches size and checksum."""
+def data_file(folder: Path, manifest: Manifest) -> str:
+    """The name of the rank's data file the manifest vouches for.
+
+    A manifest must list exactly one data file of its own rank and only plain
+    names inside its folder; anything else (``"files": {}``, ``../x``) is a
+    manifest no writer of ours produced, and nothing it lists is trusted.
+    """
+    for name in manifest.files:
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise CheckpointCorruptError(
+                f"{folder}: manifest lists {name!r}, expected a file name inside the step folder"
+            )
+    names = [n for n in manifest.files if is_data_name(n, manifest.rank)]
+    if len(names) != 1:
+        raise CheckpointCorruptError(
+            f"{folder}: manifest of rank {manifest.rank} lists {sorted(manifest.files)}, "
+            f"expected exactly one data file like {data_name(manifest.rank)!r}"
+        )
+    return names[0]
+
+
+def verify_files(folder: Path, manifest: Manifest) -> tuple[str, tuple[int, int, int, int]]:
+    """Raise CheckpointCorruptError unless the manifest names this rank's data file
+    and every listed file matches size and checksum; returns the data file's name
+    and the identity (:func:`file_identity`) of the file that was checked."""
     if manifest.format != FORMAT_VERSION:
         raise CheckpointCorruptError(
             f"{folder}: manifest format {manifest.format}, expected {FORMAT_VERSION}"
         )
+    data = data_file(folder, manifest)
+    checked: tuple[int, int, int, int] = (0, 0, 0, 0)
     for name, entry in manifest.files.items():
         path = folder / name
         try:
             actual_size = os.stat(path).st_size
+            if actual_size != entry.size:
+                raise CheckpointCorruptError(
+                    f"{path}: size {actual_size} != {entry.size} recorded in the manifest"
+                )
+            _, digest, identity = _checksum(path, entry.algorithm)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{path} is missing") from exc
-        if actual_size != entry.size:
+        except OSError as exc:
             raise CheckpointCorruptError(
-                f"{path}: size {actual_size} != {entry.size} recorded in the manifest"
-            )
-        _, digest = file_checksum(path, entry.algorithm)
+                f"cannot read {path}: {exc.strerror or exc} (errno {exc.errno})"
+            ) from exc
         if digest != entry.checksum:
             raise CheckpointCorruptError(
                 f"{path}: {entry.algorithm} {digest} != {entry.checksum} recorded in the manifest"
             )
+        if name == data:
+            checked = identity
+    return data, checked

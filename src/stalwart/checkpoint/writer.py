@@ -4,14 +4,25 @@ the step folder; then the ``latest`` pointer and retention are updated.
 
 Commit order for rank r of step S (each arrow is ordered by an fsync):
 
-1. ``<root>/.tmp-step_S-rank_r-<token>/`` gets ``rank_r.pt`` and its manifest,
+1. The data file gets a name not present in ``step_S/`` (``rank_r.pt``, or
+   ``rank_r.<token>.pt`` when that is taken: a re-save). ``<root>/.tmp-step_S-
+   rank_r-<token>/`` gets the data file and its manifest (which names it),
    both fsync'd, then the folder itself is fsync'd.
 2. If ``step_S/`` does not exist yet, the temp folder is renamed to it (one
-   atomic rename). Otherwise the data file is renamed in first and the
-   manifest last; a data file without a manifest is never trusted.
+   atomic rename). Otherwise the data file is renamed in beside any older one
+   (fsync), then the manifest replaces this rank's old one with one atomic
+   rename (fsync): that rename is the switch. Only then is the data file the
+   old manifest named deleted. The new file then gets the plain name back by
+   the same moves: a hard link ``rank_r.pt`` (fsync), a manifest naming it
+   replaces the previous one (fsync), the fresh name is unlinked.
 3. The root is fsync'd; if every rank's manifest is now present, ``latest`` is
    repointed (symlink replace) and steps older than the ``keep_last`` newest
    complete ones are deleted.
+
+At every point a complete step stays complete: this rank's manifest is always
+present and names a data file that is present. A kill leaves at most a temp
+folder (never the only copy of anything) and a data file no manifest names;
+the next writer of this rank deletes both when it starts.
 """
 
 from __future__ import annotations
@@ -28,12 +39,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
 
+import msgspec
 import torch
 
 from . import layout
-from .errors import CheckpointError
+from .errors import CheckpointCorruptError, CheckpointError
 from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
-from .manifest import FORMAT_VERSION, FileEntry, Manifest, encode, new_hasher
+from .manifest import FORMAT_VERSION, FileEntry, Manifest, encode, new_hasher, read_manifest
 from .streaming import DIRECT_ALIGN, ChunkPool, open_output
 
 logger = logging.getLogger(__name__)
@@ -87,11 +99,41 @@ class TorchFileWriter:
 
     def _clean_stale_tmp(self) -> None:
         # Left behind by an earlier writer of this rank that was killed mid-save.
+        # A temp folder never holds the only copy of a committed share: its
+        # manifest is renamed out of it last, and the folder is then dropped.
         for stale in self.root.glob(layout.tmp_glob_for_rank(self.rank)):
             logger.info("removing abandoned %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
         for stale in self.root.glob(f"{layout.TMP_PREFIX}delete-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for step in layout.list_steps(self.root):
+            self._drop_unnamed_data(layout.step_dir(self.root, step))
+
+    def _drop_unnamed_data(self, folder: Path) -> None:
+        """Delete this rank's data files in ``folder`` that its manifest does not name.
+
+        Such a file is a re-save cut short before its switch, or the old data
+        after it. With a manifest we cannot read, nothing is deleted: that
+        file may be readable again later (and then names one of them).
+        """
+        try:
+            names = {p.name for p in folder.iterdir()}
+        except OSError:
+            return
+        ours = {n for n in names if layout.is_data_name(n, self.rank)}
+        if not ours:
+            return
+        try:
+            named = set(read_manifest(folder / layout.manifest_name(self.rank)).files)
+        except CheckpointCorruptError as exc:
+            if layout.manifest_name(self.rank) in names:
+                logger.debug("leaving %s alone: %s", folder, exc)
+                return
+            named = set()  # never committed: no manifest vouches for any of them
+        for name in sorted(ours - named):
+            logger.info("removing unreferenced %s", folder / name)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / name)
 
     def write(
         self,
@@ -108,8 +150,9 @@ class TorchFileWriter:
         metadata: dict[str, Any] | None = kwargs.get("metadata")
         final = Path(path)
         root = final.parent
-        tmp = root / layout.tmp_dir_name(step, self.rank, uuid.uuid4().hex[:12])
-        data_name = layout.data_name(self.rank)
+        token = uuid.uuid4().hex[:12]
+        tmp = root / layout.tmp_dir_name(step, self.rank, token)
+        data_name = layout.next_data_name(self.rank, _names_in(final), token)
         manifest_name = layout.manifest_name(self.rank)
         try:
             tmp.mkdir(parents=True)
@@ -147,7 +190,7 @@ class TorchFileWriter:
             t1 = time.monotonic()
             write_file_durably(tmp / manifest_name, encode(manifest))
             fsync_dir(tmp)
-            self._commit(tmp, final, data_name, manifest_name)
+            data_name = self._commit(tmp, final, data_name, manifest)
             phases["commit"] = time.monotonic() - t1
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -189,23 +232,64 @@ class TorchFileWriter:
             self._retention_due = False
             self._retain(self.root)
 
-    def _commit(self, tmp: Path, final: Path, data_name: str, manifest_name: str) -> None:
+    def _commit(self, tmp: Path, final: Path, data_name: str, manifest: Manifest) -> str:
+        """Move the share in; return the data file's final name."""
+        manifest_name = layout.manifest_name(self.rank)
         try:
             os.rename(tmp, final)
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-            # Another rank (or an earlier save of this step) owns the folder.
-            # Manifest out first and in last, so a reader never pairs a new
-            # data file with an old manifest.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(final / manifest_name)
-            os.replace(tmp / data_name, final / data_name)
+            # Another rank, or an earlier save of this step, owns the folder.
+            # data_name is new there, so the share the current manifest names
+            # stays whole until the manifest rename below replaces it.
+            try:
+                before = set(read_manifest(final / manifest_name).files)
+            except CheckpointCorruptError:
+                before = set()
+            os.rename(tmp / data_name, final / data_name)
             fsync_dir(final)
             os.replace(tmp / manifest_name, final / manifest_name)
             fsync_dir(final)
+            for old in sorted(before - {data_name}):
+                if layout.is_data_name(old, self.rank):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(final / old)
+            data_name = self._settle_plain_name(tmp, final, data_name, manifest)
             shutil.rmtree(tmp, ignore_errors=True)
         fsync_dir(final.parent)
+        return data_name
+
+    def _settle_plain_name(self, tmp: Path, final: Path, data_name: str, manifest: Manifest) -> str:
+        """After a re-save, give the data file its plain name ``rank_r.pt`` back.
+
+        ``<dir>/latest/rank_0.pt`` is what plain ``torch.load`` users open. Same
+        switch as the re-save: a hard link under the plain name (nothing names
+        that name now), then a second manifest naming it replaces the first, then
+        the fresh name goes. A kill in between leaves the fresh name in use.
+        """
+        plain = layout.data_name(self.rank)
+        if data_name == plain:
+            return data_name
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final / plain)
+            os.link(final / data_name, final / plain)
+        except OSError as exc:
+            # No hard links on this file system: the fresh name stays; the
+            # manifest names it, so loading is unaffected.
+            logger.debug("keeping %s under %s: %s", data_name, final, exc)
+            return data_name
+        fsync_dir(final)
+        entry = manifest.files[data_name]
+        renamed = msgspec.structs.replace(manifest, files={plain: entry})
+        manifest_name = layout.manifest_name(self.rank)
+        write_file_durably(tmp / manifest_name, encode(renamed))
+        os.replace(tmp / manifest_name, final / manifest_name)
+        fsync_dir(final)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final / data_name)
+        return plain
 
     def _advance_latest(self, root: Path, step: int) -> None:
         current = layout.read_latest(root)
@@ -227,6 +311,13 @@ class TorchFileWriter:
             if s < oldest_kept:
                 logger.info("retention: deleting step %d", s)
                 remove_tree(layout.step_dir(root, s))
+
+
+def _names_in(folder: Path) -> set[str]:
+    try:
+        return {p.name for p in folder.iterdir()}
+    except FileNotFoundError:
+        return set()
 
 
 def _pick_alignment(state: Any) -> int | None:
