@@ -25,7 +25,7 @@ from typing import Any
 
 from stalwart.monitor import envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Verdict, judge
+from stalwart.monitor.judge import Verdict, judge, problems
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
@@ -39,6 +39,12 @@ PIPE_NAME = "timer.pipe"
 STACKS_MAX_BYTES = 64 * 1024
 STACKS_POLL = 0.02
 STACKS_MAX_WAIT_FACTOR = 5
+#: Refused pids remembered so that each is logged once (then the set starts afresh).
+MAX_REFUSED_LOGGED = 4096
+#: Control requests held while their sender is not (yet) a registered worker.
+MAX_PENDING_CONTROLS = 64
+#: Seconds a control request from a live, not yet registered pid waits for its attempt.
+CONTROL_GRACE = 5.0
 
 
 @dataclasses.dataclass
@@ -98,6 +104,9 @@ class NodeMonitor:
         self.shm_path = self.run_dir / SHM_NAME
         self.pipe_path = self.run_dir / PIPE_NAME
         self._mm: Any = None
+        self._retired: list[Any] = []
+        self._floor = 0.0  # monotonic time the segment was made: no slot time is older
+        self._bad_fields: set[tuple[int, str]] = set()  # (local rank, field) logged once
         self._lock = threading.RLock()
         self._event_lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {}
@@ -105,6 +114,8 @@ class NodeMonitor:
         self._attempt: int | None = None
         self._hangs: list[HangReport] = []
         self._requests: list[ControlRequest] = []
+        self._pending_controls: list[tuple[ControlMessage, float]] = []
+        self._refused_pids: set[int] = set()
         # (due, seq, step, hang): steps run on the scanner thread, in due order.
         self._schedule: list[tuple[float, int, str, _Hang]] = []
         self._seq = itertools.count()
@@ -125,6 +136,7 @@ class NodeMonitor:
         if self.shm_path.exists() or self.shm_path.is_symlink():
             self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
         self._mm = layout.create_segment(self.shm_path, self.local_world_size)
+        self._floor = time.monotonic()
         self._timers.start()
         self._stop.clear()
         self._scanner = threading.Thread(
@@ -146,7 +158,11 @@ class NodeMonitor:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        for old in self._retired:
+            old.close()
+        self._retired = []
         self.shm_path.unlink(missing_ok=True)
+        self.shm_path.with_name(SHM_NAME + ".next").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.run_dir.rmdir()  # only if nothing else lives there
 
@@ -175,6 +191,7 @@ class NodeMonitor:
         """Starts judging the workers of a fresh attempt (local_rank -> pid)."""
         stderr_paths = stderr_paths or {}
         with self._lock:
+            self._refused_pids.clear()
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -190,6 +207,7 @@ class NodeMonitor:
             "monitor_attempt_started",
             {"attempt": attempt, "pids": {str(k): v for k, v in pids.items()}},
         )
+        self._resolve_controls()
 
     def end_attempt(self) -> None:
         """Stops judging: the supervisor is tearing the workers down.
@@ -202,14 +220,30 @@ class NodeMonitor:
                 self._timers.forget_pid(rank.pid)
             self._ranks = {}
             self._attempt = None
-            if self._mm is not None:
-                for i in range(self.local_world_size):
-                    layout.reset_slot(self._mm, i)
+            self._rebuild_segment()
             pending = [item for item in self._schedule if item[2] != "kill"]
             self._schedule = [item for item in self._schedule if item[2] == "kill"]
             heapq.heapify(self._schedule)
         for _, _, _, hang in sorted(pending, key=lambda item: item[:2]):
             self._terminate(hang)
+
+    def _rebuild_segment(self) -> None:
+        """Gives the next attempt a fresh segment (called with the lock held, before its
+        workers start): nothing a worker of this one scribbled, header included, carries
+        over, and its leftover processes write into a file nobody reads."""
+        if self._mm is None:
+            return
+        fresh = self.shm_path.with_name(SHM_NAME + ".next")
+        fresh.unlink(missing_ok=True)
+        mm = layout.create_segment(fresh, self.local_world_size)
+        os.replace(fresh, self.shm_path)
+        # The scanner may still be reading the old mapping: close it one rebuild later.
+        for old in self._retired:
+            old.close()
+        self._retired = [self._mm]
+        self._mm = mm
+        self._floor = time.monotonic()
+        self._bad_fields.clear()
 
     def poll_hangs(self) -> list[HangReport]:
         with self._lock:
@@ -217,6 +251,7 @@ class NodeMonitor:
         return out
 
     def poll_requests(self) -> list[ControlRequest]:
+        self._resolve_controls()
         with self._lock:
             out, self._requests = self._requests, []
         return out
@@ -294,7 +329,24 @@ class NodeMonitor:
         if key != rank.names_key:
             rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
             rank.names_key = key
-        return judge(snap, rank.names, self.config, time.monotonic()), snap.pid
+        now = time.monotonic()
+        bad = problems(snap, self._floor, now)
+        if bad:
+            self._note_bad_fields(rank, snap.pid, bad)
+        return judge(snap, rank.names, self.config, now, self._floor), snap.pid
+
+    def _note_bad_fields(self, rank: _Rank, pid: int, fields: list[str]) -> None:
+        new = [f for f in fields if (rank.local_rank, f) not in self._bad_fields]
+        if not new:
+            return
+        self._bad_fields.update((rank.local_rank, f) for f in new)
+        log.warning(
+            "rank %d (pid %d) slot holds out-of-range %s; ignored",
+            rank.local_rank,
+            pid,
+            ", ".join(new),
+        )
+        self._emit("monitor_bad_slot", {"local_rank": rank.local_rank, "pid": pid, "fields": new})
 
     def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
         with self._lock:
@@ -428,9 +480,19 @@ class NodeMonitor:
     def _on_timer_expired(self, timer: ExpiredTimer) -> None:
         rank = self._rank_of_pid(timer.pid)
         if rank is None:
-            # Not one of ours to report, but the requester asked for it to die.
-            self._emit("timer_expired", {"pid": timer.pid, "scope": timer.scope_id, "rank": None})
-            procs.signal_pid(timer.pid, timer.signal or signal.SIGKILL)
+            # Only workers of this attempt (and their children) are ever signalled on
+            # request: a timer must not become a way to kill the guardian, the warm
+            # template, the launcher's parent or anyone else.
+            if self._note_foreign(timer.pid):
+                log.warning(
+                    "timer %r expired for pid %d, which is no worker of this attempt; not signalled",
+                    timer.scope_id,
+                    timer.pid,
+                )
+                self._emit(
+                    "timer_expired",
+                    {"pid": timer.pid, "scope": timer.scope_id, "rank": None, "reaped": False},
+                )
             return
         snap = layout.read_slot(self._mm, rank.local_rank) if self._mm is not None else None
         hb_age = None
@@ -445,18 +507,53 @@ class NodeMonitor:
         self._begin_hang(rank, timer.pid, verdict, timer.signal)
         self._wake.set()
 
-    def _on_control(self, msg: ControlMessage) -> None:
-        rank = self._rank_of_pid(msg.pid)
-        req = ControlRequest(
-            action=msg.action,
-            global_rank=msg.global_rank
-            if msg.global_rank is not None
-            else (rank.global_rank if rank else None),
-            local_rank=rank.local_rank if rank else None,
-            pid=msg.pid,
-            received_at=time.time(),
-        )
+    def _note_foreign(self, pid: int) -> bool:
+        """True the first time `pid` is refused (so each is logged once, in bounded memory)."""
         with self._lock:
-            self._requests.append(req)
-        # The supervisor records the request (and its decision) in events.jsonl.
-        log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
+            if pid in self._refused_pids:
+                return False
+            if len(self._refused_pids) >= MAX_REFUSED_LOGGED:
+                self._refused_pids.clear()
+            self._refused_pids.add(pid)
+            return True
+
+    def _on_control(self, msg: ControlMessage) -> None:
+        # Resolved now while the sender surely runs; one that arrives before its attempt
+        # is registered waits (bounded) for begin_attempt or the next poll.
+        with self._lock:
+            if len(self._pending_controls) >= MAX_PENDING_CONTROLS:
+                self._pending_controls.pop(0)
+            self._pending_controls.append((msg, time.monotonic()))
+        self._resolve_controls()
+
+    def _resolve_controls(self) -> None:
+        with self._lock:
+            pending, self._pending_controls = self._pending_controls, []
+        keep: list[tuple[ControlMessage, float]] = []
+        now = time.monotonic()
+        for msg, received in pending:
+            rank = self._rank_of_pid(msg.pid)
+            if rank is not None:
+                req = ControlRequest(
+                    action=msg.action,
+                    # The registered rank, not the one the message claims.
+                    global_rank=rank.global_rank,
+                    local_rank=rank.local_rank,
+                    pid=msg.pid,
+                    received_at=time.time(),
+                )
+                with self._lock:
+                    self._requests.append(req)
+                # The supervisor records the request (and its decision) in events.jsonl.
+                log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
+            elif now - received < CONTROL_GRACE and procs.is_alive(msg.pid):
+                keep.append((msg, received))
+            elif self._note_foreign(msg.pid):
+                log.warning(
+                    "control request %s from pid %d, which is no worker of this attempt; ignored",
+                    msg.action.value,
+                    msg.pid,
+                )
+                self._emit("control_request_refused", {"pid": msg.pid, "action": msg.action.value})
+        with self._lock:
+            self._pending_controls[:0] = keep
