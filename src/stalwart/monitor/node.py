@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import json
 import logging
 import os
 import signal
@@ -179,6 +180,15 @@ class NodeMonitor:
             envvars.SLOT: str(local_rank),
             envvars.GLOBAL_RANK: str(global_rank),
             envvars.SAFETY_FACTOR: repr(self.config.safety_factor),
+            envvars.TIMEOUTS: json.dumps(
+                {
+                    "hb_initial": self.config.effective_initial_timeout,
+                    "hb": self.config.hb_timeout,
+                    "sections": dict(self.config.section_timeouts),
+                    "oos": self.config.out_of_section_timeout,
+                },
+                separators=(",", ":"),
+            ),
         }
 
     def begin_attempt(
