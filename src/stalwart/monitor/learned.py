@@ -152,8 +152,10 @@ def from_nvidia_state(state: Any) -> LearnedTimeouts:
         "section",
         {"section", "out_of_section", "calculated_sections", "is_out_of_section_calculated"},
     )
-    table = sec.get("section") or {}
-    calculated = sec.get("calculated_sections") or []
+    table = sec.get("section")
+    table = {} if table is None else table
+    calculated = sec.get("calculated_sections")
+    calculated = [] if calculated is None else calculated
     if not isinstance(table, Mapping) or not isinstance(calculated, list | tuple | set):
         raise ValueError(
             f"{NVIDIA_STATE_KEY}['section']: 'section' must be a mapping and "
