@@ -117,6 +117,8 @@ class NodeMonitor:
         self._requests: list[ControlRequest] = []
         self._pending_controls: list[tuple[ControlMessage, float]] = []
         self._refused_pids: set[int] = set()
+        # pid -> start time of processes found not to descend from a worker (this attempt).
+        self._not_ours: dict[int, int] = {}
         # (due, seq, step, hang): steps run on the scanner thread, in due order.
         self._schedule: list[tuple[float, int, str, _Hang]] = []
         self._seq = itertools.count()
@@ -202,6 +204,7 @@ class NodeMonitor:
         stderr_paths = stderr_paths or {}
         with self._lock:
             self._refused_pids.clear()
+            self._not_ours.clear()
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -275,14 +278,22 @@ class NodeMonitor:
             log.exception("log_event(%s) failed", event)
 
     def _rank_of_pid(self, pid: int) -> _Rank | None:
+        """The rank `pid` is, or descends from; None for any other process."""
         with self._lock:
             for rank in self._ranks.values():
                 if pid == rank.pid or pid in rank.verified_pids:
                     return rank
+            started = procs.start_time(pid)
+            if started is not None and self._not_ours.get(pid) == started:
+                return None  # same process as last time: a walk up /proc would say no again
             for rank in self._ranks.values():
                 if procs.is_descendant(pid, rank.pid):
                     rank.verified_pids.add(pid)
                     return rank
+            if started is not None:
+                if len(self._not_ours) >= MAX_REFUSED_LOGGED:
+                    self._not_ours.clear()
+                self._not_ours[pid] = started
         return None
 
     def _same_process(self, rank: _Rank, pid: int) -> bool:
@@ -529,41 +540,46 @@ class NodeMonitor:
 
     def _on_control(self, msg: ControlMessage) -> None:
         # Resolved now while the sender surely runs; one that arrives before its attempt
-        # is registered waits (bounded) for begin_attempt or the next poll.
+        # is registered waits (bounded) for begin_attempt or the supervisor's next poll.
+        if self._accept_control(msg, time.monotonic()):
+            return
         with self._lock:
             if len(self._pending_controls) >= MAX_PENDING_CONTROLS:
                 self._pending_controls.pop(0)
             self._pending_controls.append((msg, time.monotonic()))
-        self._resolve_controls()
 
     def _resolve_controls(self) -> None:
         with self._lock:
             pending, self._pending_controls = self._pending_controls, []
-        keep: list[tuple[ControlMessage, float]] = []
-        now = time.monotonic()
-        for msg, received in pending:
-            rank = self._rank_of_pid(msg.pid)
-            if rank is not None:
-                req = ControlRequest(
-                    action=msg.action,
-                    # The registered rank, not the one the message claims.
-                    global_rank=rank.global_rank,
-                    local_rank=rank.local_rank,
-                    pid=msg.pid,
-                    received_at=time.time(),
-                )
-                with self._lock:
-                    self._requests.append(req)
-                # The supervisor records the request (and its decision) in events.jsonl.
-                log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
-            elif now - received < CONTROL_GRACE and procs.is_alive(msg.pid):
-                keep.append((msg, received))
-            elif self._note_foreign(msg.pid):
+        keep = [(msg, t) for msg, t in pending if not self._accept_control(msg, t)]
+        with self._lock:
+            self._pending_controls[:0] = keep
+
+    def _accept_control(self, msg: ControlMessage, received: float) -> bool:
+        """Queues the request of a worker; False while a live unknown sender may still turn
+        out to be one (within CONTROL_GRACE); refuses (and logs once) anything else."""
+        rank = self._rank_of_pid(msg.pid)
+        if rank is None:
+            if time.monotonic() - received < CONTROL_GRACE and procs.is_alive(msg.pid):
+                return False
+            if self._note_foreign(msg.pid):
                 log.warning(
                     "control request %s from pid %d, which is no worker of this attempt; ignored",
                     msg.action.value,
                     msg.pid,
                 )
                 self._emit("control_request_refused", {"pid": msg.pid, "action": msg.action.value})
+            return True
+        req = ControlRequest(
+            action=msg.action,
+            # The registered rank, not the one the message claims.
+            global_rank=rank.global_rank,
+            local_rank=rank.local_rank,
+            pid=msg.pid,
+            received_at=time.time(),
+        )
         with self._lock:
-            self._pending_controls[:0] = keep
+            self._requests.append(req)
+        # The supervisor records the request (and its decision) in events.jsonl.
+        log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
+        return True

@@ -359,10 +359,12 @@ class TimerServer:
             return
         chosen = found.msg
         if pid == os.getpid():
-            log.error("timer scope %r names the monitor's own pid; not reaping", chosen.scope_id)
+            if self._refuse_throttle():
+                log.error("timer %r names the monitor's own pid; not reaping", chosen.scope_id)
             return
         if not procs.is_alive(pid):
-            log.info("timer %r of pid %d expired after the process ended", chosen.scope_id, pid)
+            if self._refuse_throttle():
+                log.info("timer %r of pid %d expired after it ended", chosen.scope_id, pid)
             return
         self.on_expired(
             ExpiredTimer(
