@@ -343,3 +343,14 @@ def test_monitor_segment_files_are_gone_after_stop(harness: Harness) -> None:
     mon.stop()
     harness.monitor = None
     assert not run_dir.exists()
+
+
+def test_stalwart_timer_is_an_importable_module() -> None:
+    # A fresh interpreter: in this one an earlier attribute access may have loaded it.
+    code = (
+        "import stalwart.timer\n"
+        "from stalwart.timer import expires, TimerClient\n"
+        "import stalwart\n"
+        "assert stalwart.timer.expires is expires\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
