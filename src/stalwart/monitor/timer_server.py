@@ -361,6 +361,11 @@ class TimerServer:
         if pid == os.getpid():
             if self._refuse_throttle():
                 log.error("timer %r names the monitor's own pid; not reaping", chosen.scope_id)
+                if self.log_event is not None:
+                    self.log_event(
+                        "timer_expired",
+                        {"pid": pid, "scope": chosen.scope_id, "rank": None, "reaped": False},
+                    )
             return
         if not procs.is_alive(pid):
             if self._refuse_throttle():
