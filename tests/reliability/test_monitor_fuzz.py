@@ -102,61 +102,70 @@ def test_timer_pipe_fuzz(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
+        hb_timeout = 3.0
         mon = h.start(
-            MonitorConfig(check_interval=0.05, stack_dump_wait=0.2, term_grace=1.0, hb_timeout=20),
-            nranks=2,
+            MonitorConfig(
+                check_interval=0.05, stack_dump_wait=0.2, term_grace=1.0, hb_timeout=hb_timeout
+            ),
+            nranks=3,
         )
         healthy = h.spawn(0, "healthy", "100000", "0.02")
-        hung = h.spawn(1, "stop_heartbeat")  # beats three times, then only sleeps
-        mon.begin_attempt(0, {0: healthy.pid, 1: hung.pid})
-        h.wait_ready(0)
-        h.wait_ready(1)
+        by_timer = h.spawn(1, "healthy", "100000", "0.02")  # beats on; only a timer hangs it
+        by_hb = h.spawn(2, "stop_heartbeat")  # beats three times, then only sleeps
+        mon.begin_attempt(0, {0: healthy.pid, 1: by_timer.pid, 2: by_hb.pid})
+        for lr in range(3):
+            h.wait_ready(lr)
+        mm, _ = layout.open_segment(mon.shm_path)
+        hb_due = layout.read_slot(mm, 2).last_hb + hb_timeout + time.time() - time.monotonic()
+        mm.close()
         # Everything a request could name that is not a worker: a bystander, init, the
         # launcher itself (this process), its parent, a pid that no longer exists.
         others = [bystander.pid, 1, os.getpid(), os.getppid(), gone.pid]
         fd = os.open(mon.pipe_path, os.O_WRONLY | os.O_NONBLOCK)
         deadline = time.monotonic() + 120
-        due = 0.0
+        timer_due = math.inf
         sent = 0
         t0 = time.monotonic()
         try:
-            # At least MESSAGES, and on until past the real hang's deadline: it must be
-            # caught while the flood goes on.
-            while sent < MESSAGES or time.time() < due + 1.2:
+            # At least MESSAGES, and on until past both real hangs' deadlines: they must
+            # be caught while the flood goes on.
+            while sent < MESSAGES or time.time() < max(timer_due, hb_due) + 1.2:
                 batch = b"".join(_junk_line(rng, others) for _ in range(50))
                 _write_all(fd, batch, deadline)
                 sent += 50
                 if sent == MESSAGES // 2:
-                    # The real hang: the hung rank's own timer, in the middle of the flood.
-                    due = time.time() + 1.5
-                    _write_all(
-                        fd, encode(TimerMessage(hung.pid, "real", due, signal.SIGTERM)), deadline
-                    )
+                    # A real hang: a rank's own timer, in the middle of the flood.
+                    timer_due = time.time() + 1.5
+                    line = encode(TimerMessage(by_timer.pid, "real", timer_due, signal.SIGTERM))
+                    _write_all(fd, line, deadline)
             flood_s = time.monotonic() - t0
         finally:
             os.close(fd)
         found: list[HangReport] = []
 
-        def hung_reported() -> bool:
+        def both_reported() -> bool:
             found.extend(mon.poll_hangs())
-            return bool(found)
+            return len(found) >= 2
 
-        wait_for(hung_reported, 30, "the real hang to be reported")
+        wait_for(both_reported, 30, "both real hangs to be reported")
         time.sleep(0.5)
         found.extend(mon.poll_hangs())
         detail = f"seed {SEED}, {sent} messages in {flood_s:.1f} s"
-        assert [r.pid for r in found] == [hung.pid], detail
-        assert found[0].kind is HangKind.TIMER and found[0].section == "real", detail
-        assert found[0].detected_at - due < 1.0, (
-            f"caught {found[0].detected_at - due:.2f} s late; {detail}"
-        )
-        assert hung.wait(timeout=10) == -signal.SIGTERM
+        by_pid = {r.pid: r for r in found}
+        assert sorted(by_pid) == sorted([by_timer.pid, by_hb.pid]) and len(found) == 2, detail
+        timer_hang, hb_hang = by_pid[by_timer.pid], by_pid[by_hb.pid]
+        assert timer_hang.kind is HangKind.TIMER and timer_hang.section == "real", detail
+        assert hb_hang.kind is HangKind.HEARTBEAT, detail
+        late = (timer_hang.detected_at - timer_due, hb_hang.detected_at - hb_due)
+        assert max(late) < 1.0, f"caught {late[0]:.2f} s / {late[1]:.2f} s late; {detail}"
+        assert by_timer.wait(timeout=10) == -signal.SIGTERM
         assert healthy.poll() is None and bystander.poll() is None, detail
         assert mon.poll_requests() == [], detail
         assert {"stalwart-monitor", "stalwart-timer-server"} <= _alive_threads(), detail
         assert mon._timers.active_timers < 5000, detail  # type: ignore[attr-defined]
         print(
-            f"timer-pipe fuzz: {detail}; hang caught {found[0].detected_at - due:+.3f} s after expiry"
+            f"timer-pipe fuzz: {detail}; timer hang caught {late[0]:+.3f} s after expiry, "
+            f"heartbeat hang {late[1]:+.3f} s after its deadline"
         )
     finally:
         h.close()
