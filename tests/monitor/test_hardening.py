@@ -354,3 +354,25 @@ def test_stalwart_timer_is_an_importable_module() -> None:
         "assert stalwart.timer.expires is expires\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_workers_child_is_still_reaped_by_its_own_timer(harness: Harness, tmp_path: Path) -> None:
+    mon = harness.start(fast())
+    pidfile = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pidfile)!r}, 'w').write(str(c.pid))\n"
+        "c.wait(); time.sleep(120)\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code])
+    harness.procs.append(worker)  # type: ignore[arg-type]
+    mon.begin_attempt(0, {0: worker.pid})
+    child = int(wait_for(lambda: pidfile.exists() and pidfile.read_text(), 30, "the child"))
+    fd = pipe_fd(mon.pipe_path)
+    try:
+        os.write(fd, encode(TimerMessage(child, "child_step", time.time() - 0.1, 15)))
+        (report,) = wait_for(mon.poll_hangs, 10, "the child's hang")
+        assert report.pid == child and report.section == "child_step"
+    finally:
+        os.close(fd)

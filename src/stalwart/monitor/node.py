@@ -55,7 +55,9 @@ class _Rank:
     pid: int
     start_time: int | None
     stderr: Path | None
-    verified_pids: set[int] = dataclasses.field(default_factory=set)
+    # Descendants seen writing the slot or holding a timer -> their start time, so a pid
+    # the kernel reuses for an unrelated process is not taken for them.
+    verified_pids: dict[int, int | None] = dataclasses.field(default_factory=dict)
     foreign_pids: set[int] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
@@ -281,14 +283,17 @@ class NodeMonitor:
         """The rank `pid` is, or descends from; None for any other process."""
         with self._lock:
             for rank in self._ranks.values():
-                if pid == rank.pid or pid in rank.verified_pids:
+                if pid == rank.pid:
                     return rank
             started = procs.start_time(pid)
+            for rank in self._ranks.values():
+                if pid in rank.verified_pids and rank.verified_pids[pid] == started:
+                    return rank
             if started is not None and self._not_ours.get(pid) == started:
                 return None  # same process as last time: a walk up /proc would say no again
             for rank in self._ranks.values():
                 if procs.is_descendant(pid, rank.pid):
-                    rank.verified_pids.add(pid)
+                    rank.verified_pids[pid] = started
                     return rank
             if started is not None:
                 if len(self._not_ours) >= MAX_REFUSED_LOGGED:
@@ -298,6 +303,8 @@ class NodeMonitor:
 
     def _same_process(self, rank: _Rank, pid: int) -> bool:
         if pid != rank.pid:
+            if pid in rank.verified_pids:
+                return procs.start_time(pid) == rank.verified_pids[pid] and procs.is_alive(pid)
             return procs.is_alive(pid)
         return rank.start_time is None or procs.start_time(pid) == rank.start_time
 
@@ -345,7 +352,7 @@ class NodeMonitor:
             if snap.pid in rank.foreign_pids or not procs.is_descendant(snap.pid, rank.pid):
                 rank.foreign_pids.add(snap.pid)
                 return None, 0
-            rank.verified_pids.add(snap.pid)
+            rank.verified_pids[snap.pid] = procs.start_time(snap.pid)
         key = (snap.pid, snap.attach_time, snap.name_count)
         if key != rank.names_key:
             rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
