@@ -21,7 +21,8 @@ from stalwart.monitor.layout import SlotSnapshot, SlotState
 from stalwart.monitor.reports import HangKind
 
 #: Shortest timeout a slot may set; below it (denormals, rounding noise) it is ignored.
-MIN_LIMIT = 1e-3
+#: Learned timeouts of microsecond sections are legitimate, hence not higher.
+MIN_LIMIT = 1e-6
 #: Longest timeout a slot may set (about 31 years); use +inf to switch a check off.
 MAX_LIMIT = 1e9
 #: How far in the future a timestamp may lie (a write racing the scanner's clock read).

@@ -91,7 +91,7 @@ class LearnedTimeouts:
         def secs(value: Any, what: str) -> float | None:
             if value is None:
                 return None
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"learned timeout {what} must be > 0 seconds, got {value!r}")
             return float(value)
 
