@@ -376,3 +376,20 @@ def test_a_workers_child_is_still_reaped_by_its_own_timer(harness: Harness, tmp_
         assert report.pid == child and report.section == "child_step"
     finally:
         os.close(fd)
+
+
+def test_segment_reset_in_place_when_a_fresh_one_cannot_be_made(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    mon = harness.start(fast())
+    (mon.run_dir / (node.SHM_NAME + ".next")).mkdir()  # where the fresh segment would go
+    mm, _ = layout.open_segment(mon.shm_path)
+    mm[0 : layout.HEADER_SIZE] = os.urandom(layout.HEADER_SIZE)
+    mm.close()
+    mon.begin_attempt(0, {})
+    mon.end_attempt()
+    assert "resetting it in place" in caplog.text
+    mm2, nslots = layout.open_segment(mon.shm_path)
+    assert nslots == 1
+    mm2.close()
+    (mon.run_dir / (node.SHM_NAME + ".next")).rmdir()

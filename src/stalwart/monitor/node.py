@@ -249,9 +249,19 @@ class NodeMonitor:
         if self._mm is None:
             return
         fresh = self.shm_path.with_name(SHM_NAME + ".next")
-        fresh.unlink(missing_ok=True)
-        mm = layout.create_segment(fresh, self.local_world_size)
-        os.replace(fresh, self.shm_path)
+        try:
+            fresh.unlink(missing_ok=True)
+            mm = layout.create_segment(fresh, self.local_world_size)
+            os.replace(fresh, self.shm_path)
+        except OSError as exc:
+            # E.g. a full tmpfs: reuse the mapping, rewriting what a worker may have scribbled.
+            log.warning("could not make a fresh monitor segment (%s); resetting it in place", exc)
+            with contextlib.suppress(OSError):
+                fresh.unlink(missing_ok=True)
+            layout.reset_segment(self._mm, self.local_world_size)
+            self._floor = time.monotonic()
+            self._bad_fields.clear()
+            return
         # The scanner may still be reading the old mapping: close it one rebuild later.
         for old in self._retired:
             old.close()
