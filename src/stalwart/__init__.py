@@ -18,17 +18,23 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"inject", "launch", "monitor", "inprocess", "checkpoint", "rendezvous", "config"}
-_ALIASES = {"timer": "stalwart.monitor.timer"}
+_SUBMODULES = {
+    "inject",
+    "launch",
+    "monitor",
+    "inprocess",
+    "checkpoint",
+    "rendezvous",
+    "config",
+    "timer",
+}
 
-__all__ = ["__version__", "record", *sorted(_SUBMODULES), *sorted(_ALIASES)]
+__all__ = ["__version__", "record", *sorted(_SUBMODULES)]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"stalwart.{name}")
-    if name in _ALIASES:
-        return importlib.import_module(_ALIASES[name])
     if name == "record":
         from stalwart.launch.errors import record
 

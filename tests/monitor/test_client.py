@@ -113,3 +113,21 @@ def test_exception_hook_ends_sections_and_chains(
     assert seen == ["'boom'"] and c.last_exception == "KeyError: 'boom'"
     assert layout.read_slot(seg, 0).open_times[0] == 0  # type: ignore[arg-type]
     c.shutdown_workload_monitoring()
+
+
+def test_learned_timeouts_reach_the_slot_as_the_monitor_accepts_them(seg: object) -> None:
+    from stalwart.monitor.judge import override_ok
+
+    c = _client()
+    c.load_state_dict(
+        {"stalwart_monitor": {"version": 1, "heartbeat": {"initial": 2e-5, "subsequent": 1e-5},
+                              "sections": {"tiny": 5e-5}, "out_of_section": 3.0}}
+    )  # fmt: skip
+    snap = layout.read_slot(seg, 0)  # type: ignore[arg-type]
+    assert (snap.hb_initial_override, snap.hb_override, snap.oos_override) == (2e-5, 1e-5, 3.0)
+    assert snap.limits[0] == 5e-5
+    assert all(override_ok(v) for v in (snap.hb_override, snap.oos_override, *snap.limits))
+    with pytest.raises(RankMonitorError, match="must be > 0 seconds, got nan"):
+        c.load_state_dict(
+            {"stalwart_monitor": {"version": 1, "heartbeat": {"subsequent": float("nan")}}}
+        )

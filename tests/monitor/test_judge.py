@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from stalwart.monitor import HangKind, MonitorConfig
-from stalwart.monitor.judge import judge
+from stalwart.monitor.judge import judge, problems
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
 
 ZERO = (0.0,) * MAX_SECTIONS
@@ -62,3 +64,46 @@ def test_detached_or_free_slots_are_never_judged() -> None:
     cfg = MonitorConfig(hb_timeout=1, hb_initial_timeout=1)
     assert judge(slot(state=SlotState.DETACHED), [], cfg, 1e9) is None
     assert judge(slot(pid=0), [], cfg, 1e9) is None
+
+
+# Numbers no healthy rank writes: each must be ignored, never believed (issue 10 item 7).
+BAD = [-1.0, -math.inf, math.nan, 5e-324, -5e-324, 1e-9, 1e300]
+
+
+@pytest.mark.parametrize("value", BAD)
+@pytest.mark.parametrize("field", ["hb_override", "hb_initial_override", "oos_override"])
+def test_out_of_range_override_falls_back_to_the_config(field: str, value: float) -> None:
+    cfg = MonitorConfig(hb_timeout=2, hb_initial_timeout=10, out_of_section_timeout=5)
+    hb = 0.0 if field == "hb_initial_override" else 110.0
+    snap = slot(last_hb=hb, attach_time=105.0, oos_start=110.0, **{field: value})
+    assert judge(snap, [], cfg, 111.0, floor=50.0) is None  # within every configured limit
+    assert field.removesuffix("_override") in problems(snap, 50.0, 111.0)
+
+
+@pytest.mark.parametrize("value", [*BAD, 10.0, 500.0])  # 10: before the segment existed
+@pytest.mark.parametrize("field", ["last_hb", "attach_time", "oos_start"])
+def test_unbelievable_timestamp_skips_its_check(field: str, value: float) -> None:
+    cfg = MonitorConfig(hb_timeout=2, hb_initial_timeout=10, out_of_section_timeout=5)
+    snap = slot(**{"last_hb": 110.0, "attach_time": 105.0, "oos_start": 110.0, field: value})
+    assert judge(snap, [], cfg, 111.0, floor=50.0) is None
+    assert field in problems(snap, 50.0, 111.0)
+
+
+@pytest.mark.parametrize("value", BAD)
+def test_bad_section_numbers(value: float) -> None:
+    cfg = MonitorConfig(section_timeouts={"fwd": 3}, out_of_section_timeout=1)
+    lim = tuple(value if i == 0 else 0.0 for i in range(MAX_SECTIONS))
+    snap = slot(name_count=1, open_times=opened(0, 110.0), limits=lim, oos_start=60.0)
+    assert judge(snap, ["fwd"], cfg, 111.0, floor=50.0) is None
+    snap = slot(name_count=1, open_times=opened(0, value), oos_start=60.0)
+    # An open section, however odd its time, still stops the out-of-section clock.
+    assert judge(snap, ["fwd"], cfg, 111.0, floor=50.0) is None
+    assert "open[0]" in problems(snap, 50.0, 111.0)
+
+
+def test_in_range_values_are_believed() -> None:
+    cfg = MonitorConfig(hb_timeout=2)
+    snap = slot(last_hb=60.0, hb_override=math.inf)
+    assert judge(snap, [], cfg, 111.0, floor=50.0) is None and problems(snap, 50.0, 111.0) == []
+    v = judge(slot(last_hb=60.0, hb_override=0.5), [], cfg, 111.0, floor=50.0)
+    assert v is not None and v.timeout == 0.5

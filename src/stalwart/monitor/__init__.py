@@ -7,7 +7,13 @@ Launcher side: `NodeMonitor`, `MonitorConfig`.
 Nothing here imports torch at import time, nor the launcher.
 """
 
-from stalwart.monitor.client import RankMonitorClient, RankMonitorError
+from stalwart.monitor.client import (
+    HeartbeatTimeouts,
+    RankMonitorClient,
+    RankMonitorClientError,
+    RankMonitorError,
+    SectionTimeouts,
+)
 from stalwart.monitor.config import MonitorConfig, parse_section_timeout
 from stalwart.monitor.node import NodeMonitor
 from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
@@ -18,10 +24,13 @@ __all__ = [
     "ControlRequest",
     "HangKind",
     "HangReport",
+    "HeartbeatTimeouts",
     "MonitorConfig",
     "NodeMonitor",
     "RankMonitorClient",
+    "RankMonitorClientError",
     "RankMonitorError",
+    "SectionTimeouts",
     "TimerClient",
     "TimerUnavailableError",
     "expires",

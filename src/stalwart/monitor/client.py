@@ -14,6 +14,8 @@ Workload control requests cannot be honoured without a launcher and always raise
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -25,9 +27,11 @@ from typing import Any
 
 from stalwart.monitor import envvars, layout, stacks
 from stalwart.monitor.learned import (
+    NVIDIA_STATE_KEY,
     STATE_KEY,
     LearnedTimeouts,
     Observations,
+    from_nvidia_state,
     gather_json,
     merge_max,
 )
@@ -44,6 +48,62 @@ _pack_i64 = layout.I64.pack_into
 
 class RankMonitorError(RuntimeError):
     """Misuse of the client (not initialised, section opened twice, ...)."""
+
+
+#: NVIDIA's name for the same error, so `except RankMonitorClientError` works unchanged.
+RankMonitorClientError = RankMonitorError
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatTimeouts:
+    """Heartbeat timeouts in force, in NVIDIA's shape (None: not checked)."""
+
+    initial: float | None
+    subsequent: float | None
+    were_calculated: bool
+
+    @property
+    def are_valid(self) -> bool:
+        return self.initial is not None and self.subsequent is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class SectionTimeouts:
+    """Section and out-of-section timeouts in force, in NVIDIA's shape."""
+
+    section: dict[str, float | None]
+    out_of_section: float | None
+    calculated_sections: list[str]
+    is_out_of_section_calculated: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Configured:
+    """The node's configured timeouts, as the launcher put them in the environment."""
+
+    hb_initial: float | None = None
+    hb: float | None = None
+    sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    oos: float | None = None
+
+    @classmethod
+    def from_env(cls) -> _Configured:
+        raw = os.environ.get(envvars.TIMEOUTS)
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+
+            def secs(v: Any) -> float | None:
+                return float(v) if isinstance(v, int | float) and v > 0 else None
+
+            sections = {str(k): float(v) for k, v in dict(data.get("sections") or {}).items()}
+            return cls(
+                secs(data.get("hb_initial")), secs(data.get("hb")), sections, secs(data.get("oos"))
+            )
+        except (ValueError, TypeError, AttributeError):
+            log.warning("ignoring malformed %s=%r", envvars.TIMEOUTS, raw[:200])
+            return cls()
 
 
 class RankMonitorClient:
@@ -78,6 +138,7 @@ class RankMonitorClient:
             raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
         self.safety_factor = safety_factor
         self.learned = LearnedTimeouts()
+        self._configured = _Configured.from_env()
         self.last_exception: str | None = None
         self.active = False  # True when a node monitor actually reads our slot
         self._buf: mmap.mmap | bytearray | None = None
@@ -365,23 +426,57 @@ class RankMonitorClient:
                 _pack_f64(buf, self._base + layout.OFF_LIMIT + 8 * idx, secs)
 
     @property
-    def hb_timeouts(self) -> tuple[float | None, float | None]:
-        """(initial, subsequent) learned heartbeat timeouts; None where the config applies."""
-        return self.learned.hb_initial, self.learned.hb
+    def hb_timeouts(self) -> HeartbeatTimeouts:
+        """Heartbeat timeouts in force: learned ones where there are, else the node's config."""
+        learned, conf = self.learned, self._configured
+        if learned.hb is not None:
+            return HeartbeatTimeouts(learned.hb_initial or learned.hb, learned.hb, True)
+        return HeartbeatTimeouts(conf.hb_initial, conf.hb, False)
 
     @property
-    def section_timeouts(self) -> dict[str, float]:
-        return dict(self.learned.sections)
+    def section_timeouts(self) -> SectionTimeouts:
+        """Section timeouts in force: the config's, with learned ones taking precedence."""
+        learned, conf = self.learned, self._configured
+        table: dict[str, float | None] = {**conf.sections, **learned.sections}
+        return SectionTimeouts(
+            section=table,
+            out_of_section=learned.oos if learned.oos is not None else conf.oos,
+            calculated_sections=sorted(learned.sections),
+            is_out_of_section_calculated=learned.oos is not None,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Learned timeouts as plain data (identical on every rank); put it in a checkpoint."""
         return {STATE_KEY: self.learned.to_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores learned timeouts; takes effect at once, or at init if not yet initialised."""
-        if STATE_KEY not in state:
-            return
-        self.learned = LearnedTimeouts.from_state(state[STATE_KEY])
+        """Restores learned timeouts; takes effect at once, or at init if not yet initialised.
+
+        Takes stalwart's state ({"stalwart_monitor": ...}) or NVIDIA's RankMonitorClient's
+        ({"current_timeouts": {"heartbeat": ..., "section": ...}}); an empty mapping (no
+        checkpoint yet) changes nothing; anything else is a RankMonitorError.
+        """
+        if not isinstance(state, Mapping):
+            raise RankMonitorError(
+                f"load_state_dict expects a mapping with key {STATE_KEY!r} or "
+                f"{NVIDIA_STATE_KEY!r}, got {type(state).__name__}"
+            )
+        try:
+            if STATE_KEY in state:
+                learned = LearnedTimeouts.from_state(state[STATE_KEY])
+            elif NVIDIA_STATE_KEY in state:
+                learned = from_nvidia_state(state[NVIDIA_STATE_KEY])
+            elif not state:
+                return
+            else:
+                keys = ", ".join(sorted(map(repr, state)))
+                raise RankMonitorError(
+                    f"monitor state has key(s) {keys}; expected {STATE_KEY!r} (stalwart) "
+                    f"or {NVIDIA_STATE_KEY!r} (NVIDIA's RankMonitorClient)"
+                )
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise RankMonitorError(f"bad monitor state: {exc}") from None
+        self.learned = learned
         self._write_learned()
 
     # -- workload control ------------------------------------------------------------

@@ -20,3 +20,5 @@ GLOBAL_RANK = "STALWART_MONITOR_GLOBAL_RANK"
 SAFETY_FACTOR = "STALWART_MONITOR_SAFETY_FACTOR"
 #: When "1", a client that finds no monitor raises instead of warning and doing nothing.
 STRICT = "STALWART_MONITOR_STRICT"
+#: The node's configured timeouts (JSON), so a client can report the timeouts in force.
+TIMEOUTS = "STALWART_MONITOR_TIMEOUTS"

@@ -2,6 +2,13 @@
 
 Pure functions over a `SlotSnapshot`, so the rules are tested without processes.
 Timeouts a rank learned (written into its slot) take precedence over the node config.
+
+The slot is memory any process of the job can write, so every number is range-checked
+before it is believed: a timestamp must lie between the segment's creation (`floor`)
+and now, a timeout override must be 0 (use the config), +inf (not checked) or a finite
+number of seconds in [MIN_LIMIT, MAX_LIMIT]. A bad timestamp skips the check that needs
+it (never a hang on a number nobody could have written honestly); a bad override falls
+back to the config. `problems` names the bad fields so the monitor can log them once.
 """
 
 from __future__ import annotations
@@ -13,6 +20,14 @@ from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.layout import SlotSnapshot, SlotState
 from stalwart.monitor.reports import HangKind
 
+#: Shortest timeout a slot may set; below it (denormals, rounding noise) it is ignored.
+#: Learned timeouts of microsecond sections are legitimate, hence not higher.
+MIN_LIMIT = 1e-6
+#: Longest timeout a slot may set (about 31 years); use +inf to switch a check off.
+MAX_LIMIT = 1e9
+#: How far in the future a timestamp may lie (a write racing the scanner's clock read).
+FUTURE_SLACK = 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
@@ -23,48 +38,100 @@ class Verdict:
     iteration: int | None
 
 
+def override_ok(value: float) -> bool:
+    return value == 0.0 or value == math.inf or MIN_LIMIT <= value <= MAX_LIMIT
+
+
+def timestamp_ok(value: float, floor: float, now: float) -> bool:
+    """A monotonic time this attempt could have written (0 means "none")."""
+    return value == 0.0 or floor <= value <= now + FUTURE_SLACK
+
+
 def effective(override: float, default: float | None) -> float | None:
-    """0 in the slot means "use the config"; +inf means "explicitly not checked"."""
-    if override == 0.0 or math.isnan(override):
+    """0 in the slot means "use the config"; +inf means "explicitly not checked"; anything
+    out of range is ignored (the config applies)."""
+    if override == 0.0 or not override_ok(override):
         return default
     if math.isinf(override):
         return None
     return override
 
 
+def problems(snap: SlotSnapshot, floor: float, now: float) -> list[str]:
+    """Names of the fields of an attached slot that hold numbers out of range."""
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return []
+    bad = [
+        name
+        for name, value in (
+            ("attach_time", snap.attach_time),
+            ("last_hb", snap.last_hb),
+            ("oos_start", snap.oos_start),
+        )
+        if not timestamp_ok(value, floor, now)
+    ]
+    bad += [
+        name
+        for name, value in (
+            ("hb_initial", snap.hb_initial_override),
+            ("hb", snap.hb_override),
+            ("oos", snap.oos_override),
+        )
+        if not override_ok(value)
+    ]
+    count = max(0, min(snap.name_count, len(snap.open_times)))
+    bad += [f"open[{i}]" for i in range(count) if not timestamp_ok(snap.open_times[i], floor, now)]
+    bad += [f"limit[{i}]" for i in range(count) if not override_ok(snap.limits[i])]
+    return bad
+
+
 def judge(
-    snap: SlotSnapshot, names: list[str], config: MonitorConfig, now: float
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float = 0.0,
 ) -> Verdict | None:
     if snap.state != SlotState.ATTACHED or snap.pid <= 0:
         return None
-    hb_age = now - snap.last_hb if snap.last_hb > 0 else None
+
+    def ts(value: float) -> float | None:
+        """The timestamp if present and believable, else None (its check is skipped)."""
+        return value if value > 0 and timestamp_ok(value, floor, now) else None
+
+    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
+    hb_age = now - last_hb if last_hb is not None else None
     iteration = snap.iteration if snap.iteration >= 0 else None
     last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
 
     def verdict(kind: HangKind, timeout: float, section: str | None) -> Verdict:
         return Verdict(kind, section, timeout, hb_age, iteration)
 
-    if snap.last_hb <= 0:
+    if snap.last_hb == 0.0:
         limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
-        if limit is not None and snap.attach_time > 0 and now - snap.attach_time > limit:
+        if limit is not None and attach is not None and now - attach > limit:
             return verdict(HangKind.INITIAL_HEARTBEAT, limit, last_section)
-    else:
+    elif last_hb is not None:
         limit = effective(snap.hb_override, config.hb_timeout)
-        if limit is not None and now - snap.last_hb > limit:
+        if limit is not None and now - last_hb > limit:
             return verdict(HangKind.HEARTBEAT, limit, last_section)
 
     any_open = False
-    for idx in range(min(snap.name_count, len(names))):
-        opened = snap.open_times[idx]
-        if opened <= 0:
+    for idx in range(max(0, min(snap.name_count, len(names)))):
+        raw = snap.open_times[idx]
+        if raw == 0.0:
             continue
+        # An unbelievable open time still means "some section is open" for the
+        # out-of-section clock; only its own check is skipped.
         any_open = True
+        opened = ts(raw)
         limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
-        if limit is not None and now - opened > limit:
+        if opened is not None and limit is not None and now - opened > limit:
             return verdict(HangKind.SECTION, limit, names[idx])
 
-    if not any_open and snap.oos_start > 0:
+    oos_start = ts(snap.oos_start)
+    if not any_open and oos_start is not None:
         limit = effective(snap.oos_override, config.out_of_section_timeout)
-        if limit is not None and now - snap.oos_start > limit:
+        if limit is not None and now - oos_start > limit:
             return verdict(HangKind.OUT_OF_SECTION, limit, last_section)
     return None

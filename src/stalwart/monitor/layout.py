@@ -93,10 +93,16 @@ def create_segment(path: Path, nslots: int) -> mmap.mmap:
         mm = mmap.mmap(fd, segment_size(nslots))
     finally:
         os.close(fd)
+    reset_segment(mm, nslots)
+    return mm
+
+
+def reset_segment(mm: mmap.mmap, nslots: int) -> None:
+    """Writes the header and empties every slot."""
+    mm[0:HEADER_SIZE] = bytes(HEADER_SIZE)
     HEADER.pack_into(mm, 0, MAGIC, VERSION, nslots, SLOT_SIZE, MAX_SECTIONS)
     for i in range(nslots):
         reset_slot(mm, i)
-    return mm
 
 
 def open_segment(path: Path | str) -> tuple[mmap.mmap, int]:

@@ -15,6 +15,8 @@ from typing import Any
 
 STATE_KEY = "stalwart_monitor"
 STATE_VERSION = 1
+#: The key NVIDIA's RankMonitorClient.state_dict() puts its timeouts under.
+NVIDIA_STATE_KEY = "current_timeouts"
 
 
 @dataclasses.dataclass
@@ -89,7 +91,7 @@ class LearnedTimeouts:
         def secs(value: Any, what: str) -> float | None:
             if value is None:
                 return None
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"learned timeout {what} must be > 0 seconds, got {value!r}")
             return float(value)
 
@@ -101,6 +103,71 @@ class LearnedTimeouts:
             sections={k: v for k, v in sections.items() if v is not None},
             oos=secs(state.get("out_of_section"), "out-of-section"),
         )
+
+
+def _nvidia_secs(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{NVIDIA_STATE_KEY}: {what} must be > 0 seconds or null, got {value!r}")
+    return float(value)
+
+
+def _nvidia_part(state: Mapping[str, Any], key: str, fields: set[str]) -> Mapping[str, Any]:
+    part = state.get(key)
+    if part is None:
+        return {}
+    if not isinstance(part, Mapping):
+        raise ValueError(f"{NVIDIA_STATE_KEY}[{key!r}] must be a mapping, got {part!r}")
+    unknown = sorted(set(map(str, part)) - fields)
+    if unknown:
+        raise ValueError(
+            f"{NVIDIA_STATE_KEY}[{key!r}] has unknown key(s) {', '.join(unknown)}; "
+            f"expected {', '.join(sorted(fields))}"
+        )
+    return part
+
+
+def from_nvidia_state(state: Any) -> LearnedTimeouts:
+    """The timeouts NVIDIA's RankMonitorClient had *calculated*, from the value it stored
+    under "current_timeouts". Values it had only from its config are not carried over:
+    under stalwart the node's config supplies those."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{NVIDIA_STATE_KEY} must be a mapping, got {state!r}")
+    unknown = sorted(set(map(str, state)) - {"heartbeat", "section"})
+    if unknown:
+        raise ValueError(
+            f"{NVIDIA_STATE_KEY} has unknown key(s) {', '.join(unknown)}; "
+            "expected heartbeat, section"
+        )
+    out = LearnedTimeouts()
+    hb = _nvidia_part(state, "heartbeat", {"initial", "subsequent", "were_calculated"})
+    if hb.get("were_calculated", True):
+        out.hb = _nvidia_secs(hb.get("subsequent"), "heartbeat subsequent")
+        initial = _nvidia_secs(hb.get("initial"), "heartbeat initial")
+        if out.hb is not None:
+            out.hb_initial = max(initial or out.hb, out.hb)
+    sec = _nvidia_part(
+        state,
+        "section",
+        {"section", "out_of_section", "calculated_sections", "is_out_of_section_calculated"},
+    )
+    table = sec.get("section")
+    table = {} if table is None else table
+    calculated = sec.get("calculated_sections")
+    calculated = [] if calculated is None else calculated
+    if not isinstance(table, Mapping) or not isinstance(calculated, list | tuple | set):
+        raise ValueError(
+            f"{NVIDIA_STATE_KEY}['section']: 'section' must be a mapping and "
+            f"'calculated_sections' a list, got {table!r} and {calculated!r}"
+        )
+    for name in calculated:
+        secs = _nvidia_secs(table.get(name), f"section {name!r}")
+        if secs is not None:
+            out.sections[str(name)] = secs
+    if sec.get("is_out_of_section_calculated"):
+        out.oos = _nvidia_secs(sec.get("out_of_section"), "out_of_section")
+    return out
 
 
 def gather_json(payload: dict[str, Any], store: Any | None, seq: int) -> list[dict[str, Any]]:

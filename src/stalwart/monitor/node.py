@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
+import json
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 
 from stalwart.monitor import envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Verdict, judge
+from stalwart.monitor.judge import Verdict, judge, problems
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
@@ -39,6 +40,12 @@ PIPE_NAME = "timer.pipe"
 STACKS_MAX_BYTES = 64 * 1024
 STACKS_POLL = 0.02
 STACKS_MAX_WAIT_FACTOR = 5
+#: Refused pids remembered so that each is logged once (then the set starts afresh).
+MAX_REFUSED_LOGGED = 4096
+#: Control requests held while their sender is not (yet) a registered worker.
+MAX_PENDING_CONTROLS = 64
+#: Seconds a control request from a live, not yet registered pid waits for its attempt.
+CONTROL_GRACE = 5.0
 
 
 @dataclasses.dataclass
@@ -48,7 +55,9 @@ class _Rank:
     pid: int
     start_time: int | None
     stderr: Path | None
-    verified_pids: set[int] = dataclasses.field(default_factory=set)
+    # Descendants seen writing the slot or holding a timer -> their start time, so a pid
+    # the kernel reuses for an unrelated process is not taken for them.
+    verified_pids: dict[int, int | None] = dataclasses.field(default_factory=dict)
     foreign_pids: set[int] = dataclasses.field(default_factory=set)
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
@@ -98,6 +107,9 @@ class NodeMonitor:
         self.shm_path = self.run_dir / SHM_NAME
         self.pipe_path = self.run_dir / PIPE_NAME
         self._mm: Any = None
+        self._retired: list[Any] = []
+        self._floor = 0.0  # monotonic time the segment was made: no slot time is older
+        self._bad_fields: set[tuple[int, str]] = set()  # (local rank, field) logged once
         self._lock = threading.RLock()
         self._event_lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {}
@@ -105,6 +117,10 @@ class NodeMonitor:
         self._attempt: int | None = None
         self._hangs: list[HangReport] = []
         self._requests: list[ControlRequest] = []
+        self._pending_controls: list[tuple[ControlMessage, float]] = []
+        self._refused_pids: set[int] = set()
+        # pid -> start time of processes found not to descend from a worker (this attempt).
+        self._not_ours: dict[int, int] = {}
         # (due, seq, step, hang): steps run on the scanner thread, in due order.
         self._schedule: list[tuple[float, int, str, _Hang]] = []
         self._seq = itertools.count()
@@ -125,6 +141,7 @@ class NodeMonitor:
         if self.shm_path.exists() or self.shm_path.is_symlink():
             self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
         self._mm = layout.create_segment(self.shm_path, self.local_world_size)
+        self._floor = time.monotonic()
         self._timers.start()
         self._stop.clear()
         self._scanner = threading.Thread(
@@ -146,7 +163,11 @@ class NodeMonitor:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
+        for old in self._retired:
+            old.close()
+        self._retired = []
         self.shm_path.unlink(missing_ok=True)
+        self.shm_path.with_name(SHM_NAME + ".next").unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             self.run_dir.rmdir()  # only if nothing else lives there
 
@@ -163,6 +184,15 @@ class NodeMonitor:
             envvars.SLOT: str(local_rank),
             envvars.GLOBAL_RANK: str(global_rank),
             envvars.SAFETY_FACTOR: repr(self.config.safety_factor),
+            envvars.TIMEOUTS: json.dumps(
+                {
+                    "hb_initial": self.config.effective_initial_timeout,
+                    "hb": self.config.hb_timeout,
+                    "sections": dict(self.config.section_timeouts),
+                    "oos": self.config.out_of_section_timeout,
+                },
+                separators=(",", ":"),
+            ),
         }
 
     def begin_attempt(
@@ -175,6 +205,8 @@ class NodeMonitor:
         """Starts judging the workers of a fresh attempt (local_rank -> pid)."""
         stderr_paths = stderr_paths or {}
         with self._lock:
+            self._refused_pids.clear()
+            self._not_ours.clear()
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -190,6 +222,7 @@ class NodeMonitor:
             "monitor_attempt_started",
             {"attempt": attempt, "pids": {str(k): v for k, v in pids.items()}},
         )
+        self._resolve_controls()
 
     def end_attempt(self) -> None:
         """Stops judging: the supervisor is tearing the workers down.
@@ -202,14 +235,40 @@ class NodeMonitor:
                 self._timers.forget_pid(rank.pid)
             self._ranks = {}
             self._attempt = None
-            if self._mm is not None:
-                for i in range(self.local_world_size):
-                    layout.reset_slot(self._mm, i)
+            self._rebuild_segment()
             pending = [item for item in self._schedule if item[2] != "kill"]
             self._schedule = [item for item in self._schedule if item[2] == "kill"]
             heapq.heapify(self._schedule)
         for _, _, _, hang in sorted(pending, key=lambda item: item[:2]):
             self._terminate(hang)
+
+    def _rebuild_segment(self) -> None:
+        """Gives the next attempt a fresh segment (called with the lock held, before its
+        workers start): nothing a worker of this one scribbled, header included, carries
+        over, and its leftover processes write into a file nobody reads."""
+        if self._mm is None:
+            return
+        fresh = self.shm_path.with_name(SHM_NAME + ".next")
+        try:
+            fresh.unlink(missing_ok=True)
+            mm = layout.create_segment(fresh, self.local_world_size)
+            os.replace(fresh, self.shm_path)
+        except OSError as exc:
+            # E.g. a full tmpfs: reuse the mapping, rewriting what a worker may have scribbled.
+            log.warning("could not make a fresh monitor segment (%s); resetting it in place", exc)
+            with contextlib.suppress(OSError):
+                fresh.unlink(missing_ok=True)
+            layout.reset_segment(self._mm, self.local_world_size)
+            self._floor = time.monotonic()
+            self._bad_fields.clear()
+            return
+        # The scanner may still be reading the old mapping: close it one rebuild later.
+        for old in self._retired:
+            old.close()
+        self._retired = [self._mm]
+        self._mm = mm
+        self._floor = time.monotonic()
+        self._bad_fields.clear()
 
     def poll_hangs(self) -> list[HangReport]:
         with self._lock:
@@ -217,6 +276,7 @@ class NodeMonitor:
         return out
 
     def poll_requests(self) -> list[ControlRequest]:
+        self._resolve_controls()
         with self._lock:
             out, self._requests = self._requests, []
         return out
@@ -230,18 +290,31 @@ class NodeMonitor:
             log.exception("log_event(%s) failed", event)
 
     def _rank_of_pid(self, pid: int) -> _Rank | None:
+        """The rank `pid` is, or descends from; None for any other process."""
         with self._lock:
             for rank in self._ranks.values():
-                if pid == rank.pid or pid in rank.verified_pids:
+                if pid == rank.pid:
                     return rank
+            started = procs.start_time(pid)
+            for rank in self._ranks.values():
+                if pid in rank.verified_pids and rank.verified_pids[pid] == started:
+                    return rank
+            if started is not None and self._not_ours.get(pid) == started:
+                return None  # same process as last time: a walk up /proc would say no again
             for rank in self._ranks.values():
                 if procs.is_descendant(pid, rank.pid):
-                    rank.verified_pids.add(pid)
+                    rank.verified_pids[pid] = started
                     return rank
+            if started is not None:
+                if len(self._not_ours) >= MAX_REFUSED_LOGGED:
+                    self._not_ours.clear()
+                self._not_ours[pid] = started
         return None
 
     def _same_process(self, rank: _Rank, pid: int) -> bool:
         if pid != rank.pid:
+            if pid in rank.verified_pids:
+                return procs.start_time(pid) == rank.verified_pids[pid] and procs.is_alive(pid)
             return procs.is_alive(pid)
         return rank.start_time is None or procs.start_time(pid) == rank.start_time
 
@@ -289,12 +362,29 @@ class NodeMonitor:
             if snap.pid in rank.foreign_pids or not procs.is_descendant(snap.pid, rank.pid):
                 rank.foreign_pids.add(snap.pid)
                 return None, 0
-            rank.verified_pids.add(snap.pid)
+            rank.verified_pids[snap.pid] = procs.start_time(snap.pid)
         key = (snap.pid, snap.attach_time, snap.name_count)
         if key != rank.names_key:
             rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
             rank.names_key = key
-        return judge(snap, rank.names, self.config, time.monotonic()), snap.pid
+        now = time.monotonic()
+        bad = problems(snap, self._floor, now)
+        if bad:
+            self._note_bad_fields(rank, snap.pid, bad)
+        return judge(snap, rank.names, self.config, now, self._floor), snap.pid
+
+    def _note_bad_fields(self, rank: _Rank, pid: int, fields: list[str]) -> None:
+        new = [f for f in fields if (rank.local_rank, f) not in self._bad_fields]
+        if not new:
+            return
+        self._bad_fields.update((rank.local_rank, f) for f in new)
+        log.warning(
+            "rank %d (pid %d) slot holds out-of-range %s; ignored",
+            rank.local_rank,
+            pid,
+            ", ".join(new),
+        )
+        self._emit("monitor_bad_slot", {"local_rank": rank.local_rank, "pid": pid, "fields": new})
 
     def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
         with self._lock:
@@ -428,9 +518,19 @@ class NodeMonitor:
     def _on_timer_expired(self, timer: ExpiredTimer) -> None:
         rank = self._rank_of_pid(timer.pid)
         if rank is None:
-            # Not one of ours to report, but the requester asked for it to die.
-            self._emit("timer_expired", {"pid": timer.pid, "scope": timer.scope_id, "rank": None})
-            procs.signal_pid(timer.pid, timer.signal or signal.SIGKILL)
+            # Only workers of this attempt (and their children) are ever signalled on
+            # request: a timer must not become a way to kill the guardian, the warm
+            # template, the launcher's parent or anyone else.
+            if self._note_foreign(timer.pid):
+                log.warning(
+                    "timer %r expired for pid %d, which is no worker of this attempt; not signalled",
+                    timer.scope_id,
+                    timer.pid,
+                )
+                self._emit(
+                    "timer_expired",
+                    {"pid": timer.pid, "scope": timer.scope_id, "rank": None, "reaped": False},
+                )
             return
         snap = layout.read_slot(self._mm, rank.local_rank) if self._mm is not None else None
         hb_age = None
@@ -445,14 +545,53 @@ class NodeMonitor:
         self._begin_hang(rank, timer.pid, verdict, timer.signal)
         self._wake.set()
 
+    def _note_foreign(self, pid: int) -> bool:
+        """True the first time `pid` is refused (so each is logged once, in bounded memory)."""
+        with self._lock:
+            if pid in self._refused_pids:
+                return False
+            if len(self._refused_pids) >= MAX_REFUSED_LOGGED:
+                self._refused_pids.clear()
+            self._refused_pids.add(pid)
+            return True
+
     def _on_control(self, msg: ControlMessage) -> None:
+        # Resolved now while the sender surely runs; one that arrives before its attempt
+        # is registered waits (bounded) for begin_attempt or the supervisor's next poll.
+        if self._accept_control(msg, time.monotonic()):
+            return
+        with self._lock:
+            if len(self._pending_controls) >= MAX_PENDING_CONTROLS:
+                self._pending_controls.pop(0)
+            self._pending_controls.append((msg, time.monotonic()))
+
+    def _resolve_controls(self) -> None:
+        with self._lock:
+            pending, self._pending_controls = self._pending_controls, []
+        keep = [(msg, t) for msg, t in pending if not self._accept_control(msg, t)]
+        with self._lock:
+            self._pending_controls[:0] = keep
+
+    def _accept_control(self, msg: ControlMessage, received: float) -> bool:
+        """Queues the request of a worker; False while a live unknown sender may still turn
+        out to be one (within CONTROL_GRACE); refuses (and logs once) anything else."""
         rank = self._rank_of_pid(msg.pid)
+        if rank is None:
+            if time.monotonic() - received < CONTROL_GRACE and procs.is_alive(msg.pid):
+                return False
+            if self._note_foreign(msg.pid):
+                log.warning(
+                    "control request %s from pid %d, which is no worker of this attempt; ignored",
+                    msg.action.value,
+                    msg.pid,
+                )
+                self._emit("control_request_refused", {"pid": msg.pid, "action": msg.action.value})
+            return True
         req = ControlRequest(
             action=msg.action,
-            global_rank=msg.global_rank
-            if msg.global_rank is not None
-            else (rank.global_rank if rank else None),
-            local_rank=rank.local_rank if rank else None,
+            # The registered rank, not the one the message claims.
+            global_rank=rank.global_rank,
+            local_rank=rank.local_rank,
             pid=msg.pid,
             received_at=time.time(),
         )
@@ -460,3 +599,4 @@ class NodeMonitor:
             self._requests.append(req)
         # The supervisor records the request (and its decision) in events.jsonl.
         log.info("rank %s (pid %d) requests %s", req.global_rank, req.pid, req.action.value)
+        return True

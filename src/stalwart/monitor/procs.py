@@ -77,9 +77,19 @@ def signal_pid(pid: int, sig: int, group: bool = False) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        log.error("not allowed to send %s to pid %d", signal.Signals(sig).name, pid)
+        log.error("not allowed to send %s to pid %d", signal_name(sig), pid)
+        return False
+    except OSError as exc:  # EINVAL: not a signal of this system
+        log.error("cannot send signal %s to pid %d: %s", signal_name(sig), pid, exc.strerror)
         return False
     return True
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
 
 
 def continue_if_stopped(pid: int, group: bool = False) -> bool:

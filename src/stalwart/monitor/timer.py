@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from stalwart.monitor import envvars
 from stalwart.monitor.pipe import PipeError, PipeWriter
-from stalwart.monitor.wire import TimerMessage, encode
+from stalwart.monitor.wire import TimerMessage, check_signal, encode
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,21 @@ def timer_file_from_env() -> str | None:
 
 
 class TimerClient:
-    """Sends acquire/release requests for this process to the node's timer server."""
+    """Sends acquire/release requests for this process to the node's timer server.
 
-    def __init__(self, path: str, sig: int = signal.SIGTERM, keep_open: bool = True) -> None:
+    `sig` is what reaps this process when a timer expires: SIGKILL by default, as with
+    torch's FileTimerClient; a signal <= 0 only reports the expiry and never reaps.
+    A number that is no signal of this system is refused here with ValueError.
+    """
+
+    def __init__(self, path: str, sig: int = signal.SIGKILL, keep_open: bool = True) -> None:
         self.path = path
-        self.signal = int(sig)
+        self.signal = check_signal(int(sig))
         self._writer = PipeWriter(path, keep_open=keep_open)
 
     def acquire(self, scope_id: str, expiration_time: float, sig: int | None = None) -> None:
         """Arms a timer that expires at wall-clock `expiration_time`."""
-        self._send(scope_id, expiration_time, self.signal if sig is None else int(sig))
+        self._send(scope_id, expiration_time, self.signal if sig is None else check_signal(sig))
 
     def release(self, scope_id: str) -> None:
         self._send(scope_id, -1.0, 0)
@@ -92,10 +97,15 @@ def expires(
 ) -> Iterator[None]:
     """Kills this process (stacks first, then `sig`) if the block runs longer than `after` s.
 
-    `scope` names the timer in reports; it defaults to the caller's file:line.
+    `scope` names the timer in reports; it defaults to the caller's file:line. `sig`
+    defaults to the client's (SIGKILL); a signal <= 0 only reports the expiry.
     """
-    if after <= 0:
-        raise ValueError(f"expires(after=...) must be > 0 seconds, got {after!r}")
+    if not after > 0 or after == float("inf"):
+        raise ValueError(
+            f"expires(after=...) must be a finite number of seconds > 0, got {after!r}"
+        )
+    if sig is not None:
+        check_signal(sig)
     if client is None:
         client = _default_client()
     if client is None:

@@ -6,11 +6,18 @@ is handed to `on_expired` (NodeMonitor dumps stacks, terminates the worker and r
 a hang so the supervisor restarts). Garbage lines, oversized lines, unknown or vanished
 pids are logged and dropped; the pipe is opened read-write so that writers coming and
 going never produce EOF.
+
+Bad input cannot switch reaping off: each round reads at most `MAX_DRAIN_BYTES` before
+it reaps, lines are split in linear time, one line's failure never drops another's,
+the table is capped per pid and swept of dead pids, and expiries come off a heap so a
+large table costs nothing per round.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import os
 import select
@@ -23,11 +30,29 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.monitor import procs
-from stalwart.monitor.wire import PIPE_BUF, BadMessage, ControlMessage, TimerMessage, decode
+from stalwart.monitor.wire import (
+    PIPE_BUF,
+    VALID_SIGNALS,
+    BadMessage,
+    ControlMessage,
+    TimerMessage,
+    decode,
+)
 
 log = logging.getLogger(__name__)
 
 LogEvent = Callable[[str, dict[str, Any]], None]
+
+#: Signal used for a timer whose signal is not one of this system's (and torch's default).
+DEFAULT_SIGNAL = int(signal.SIGKILL)
+#: Bytes read per round before expired timers are reaped again, so a flood cannot delay them.
+MAX_DRAIN_BYTES = 1 << 20
+#: Timers one process may hold at once; more are refused (a client leaking scope names).
+MAX_TIMERS_PER_PID = 4096
+#: Processes with timers at once; a backstop, since timers of dead processes are swept.
+MAX_PIDS = 16384
+#: Seconds between sweeps that drop the timers of processes that ended.
+SWEEP_INTERVAL = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,9 +64,30 @@ class ExpiredTimer:
     timeout_hint: float | None  # seconds between acquire and expiry, when the acquire was seen
 
 
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    msg: TimerMessage
+    seen: float  # wall clock at receipt
+    seq: int  # matches the heap item that will expire it
+
+
 def default_reap(timer: ExpiredTimer) -> None:
     """Stand-alone reaping: the requested signal to the worker's pid, never to ourselves."""
-    procs.signal_pid(timer.pid, timer.signal or signal.SIGKILL)
+    procs.signal_pid(timer.pid, timer.signal)
+
+
+class _Throttle:
+    """Lets the first `burst` occurrences through, then one in `every`: a client stuck
+    in a loop must not flood the log or the events."""
+
+    def __init__(self, burst: int = 10, every: int = 1000) -> None:
+        self.count = 0
+        self.burst = burst
+        self.every = every
+
+    def __call__(self) -> bool:
+        self.count += 1
+        return self.count <= self.burst or self.count % self.every == 0
 
 
 class TimerServer:
@@ -54,21 +100,34 @@ class TimerServer:
         on_control: Callable[[ControlMessage], None] | None = None,
         log_event: LogEvent | None = None,
         max_interval: float = 0.1,
+        max_timers_per_pid: int = MAX_TIMERS_PER_PID,
+        max_pids: int = MAX_PIDS,
     ) -> None:
         self.path = Path(path)
         self.on_expired = on_expired
         self.on_control = on_control
         self.log_event = log_event
         self.max_interval = max_interval
+        self.max_timers_per_pid = max_timers_per_pid
+        self.max_pids = max_pids
         self._fd = -1
         self._buf = b""
         self._discarding = False
-        self._timers: dict[tuple[int, str], tuple[TimerMessage, float]] = {}
-        # Guards _timers: the supervisor's thread calls forget_pid/clear.
+        self._timers: dict[int, dict[str, _Entry]] = {}
+        # (expiration, seq, pid, scope); stale items (released or re-armed) are skipped.
+        self._heap: list[tuple[float, int, int, str]] = []
+        self._seq = itertools.count()
+        self._count = 0
+        self._next_sweep = 0.0
+        # Guards the table: the supervisor's thread calls forget_pid/clear.
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dropped = 0  # malformed lines, for tests and metrics
+        self.refused = 0  # well-formed timers not kept (dead pid, table full)
+        self._drop_throttle = _Throttle()
+        self._refuse_throttle = _Throttle()
+        self._observe_throttle = _Throttle()
 
     # -- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
@@ -114,55 +173,76 @@ class TimerServer:
     def _next_wait(self) -> float:
         wait = self.max_interval
         with self._lock:
-            if self._timers:
-                soonest = min(msg.expiration_time for msg, _ in self._timers.values())
-                wait = min(wait, max(0.0, soonest - time.time()))
+            if self._heap:
+                wait = min(wait, max(0.0, self._heap[0][0] - time.time()))
         return wait
 
     # -- one round -------------------------------------------------------------------
     def run_once(self, timeout: float = 0.0) -> None:
-        """Waits up to `timeout` s for input, handles every complete line, then reaps."""
+        """Waits up to `timeout` s for input, handles what arrived (up to MAX_DRAIN_BYTES),
+        then reaps."""
         self.open()
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         if poller.poll(timeout * 1000):
             self._drain()
         self._reap_expired()
+        self._sweep()
 
     def _drain(self) -> None:
-        while True:
+        total = 0
+        while total < MAX_DRAIN_BYTES:
             try:
                 chunk = os.read(self._fd, 65536)
             except BlockingIOError:
                 return
             if not chunk:
                 return
-            self._buf += chunk
-            while True:
-                line, sep, rest = self._buf.partition(b"\n")
-                if not sep:
-                    break
-                self._buf = rest
-                if self._discarding:
-                    self._discarding = False  # end of an oversized line
-                    continue
+            total += len(chunk)
+            self._feed(chunk)
+
+    def _feed(self, chunk: bytes) -> None:
+        if self._discarding:
+            end = chunk.find(b"\n")
+            if end < 0:
+                return
+            chunk = chunk[end + 1 :]
+            self._discarding = False
+        # One split per chunk: linear in its size, however many (empty) lines it holds.
+        lines = (self._buf + chunk).split(b"\n") if self._buf else chunk.split(b"\n")
+        self._buf = lines.pop()
+        for line in lines:
+            if not line:
+                continue
+            try:
                 self._handle_line(line)
-            if len(self._buf) >= PIPE_BUF:
-                # No client writes lines this long; drop it rather than buffer without bound.
-                self._drop("oversized line", self._buf[:80])
-                self._buf = b""
-                self._discarding = True
+            except Exception:  # one request's failure must not cost the others
+                self._drop("request failed", line)
+                log.debug("request failed", exc_info=True)
+        if len(self._buf) >= PIPE_BUF:
+            # No client writes lines this long; drop it rather than buffer without bound.
+            self._drop("oversized line", self._buf[:80])
+            self._buf = b""
+            self._discarding = True
 
     def _drop(self, why: str, sample: bytes) -> None:
         self.dropped += 1
-        # A client stuck writing garbage in a loop must not flood the log or the events.
-        if self.dropped > 10 and self.dropped % 1000:
+        if not self._drop_throttle():
             return
         log.warning("timer server dropped a request: %s (%r)", why, sample[:80])
         if self.log_event is not None:
             self.log_event("monitor_bad_request", {"reason": why, "dropped": self.dropped})
 
+    def _refuse(self, why: str) -> None:
+        """A well-formed request that is not kept (dead pid, table full)."""
+        self.refused += 1
+        if self._refuse_throttle():
+            log.info("timer server refused a request: %s (%d so far)", why, self.refused)
+
     def _handle_line(self, line: bytes) -> None:
+        if len(line) > PIPE_BUF:
+            self._drop("oversized line", line[:80])
+            return
         if not line.strip():
             return
         try:
@@ -174,51 +254,162 @@ class TimerServer:
             if self.on_control is not None:
                 self.on_control(msg)
             return
-        key = (msg.pid, msg.scope_id)
+        if msg.is_release:
+            self._release(msg.pid, msg.scope_id)
+            return
+        if msg.signal > 0 and msg.signal not in VALID_SIGNALS:
+            # Reaped all the same: a hung worker must not run forever because of a typo.
+            self._drop(
+                f"timer {msg.scope_id!r} of pid {msg.pid} names signal {msg.signal}, "
+                f"which does not exist; it will be reaped with SIGKILL",
+                line,
+            )
+            msg = dataclasses.replace(msg, signal=DEFAULT_SIGNAL)
+        self._acquire(msg)
+
+    def _acquire(self, msg: TimerMessage) -> None:
         with self._lock:
-            if msg.is_release:
-                self._timers.pop(key, None)
+            scopes = self._timers.get(msg.pid)
+            if scopes is None:
+                full = len(self._timers) >= self.max_pids
             else:
-                self._timers[key] = (msg, time.time())
+                full = msg.scope_id not in scopes and len(scopes) >= self.max_timers_per_pid
+        if scopes is None and not full and not procs.is_alive(msg.pid):
+            self._refuse(f"timer {msg.scope_id!r} for pid {msg.pid}, which does not exist")
+            return
+        if full:
+            self._refuse(f"timer {msg.scope_id!r}: the table is full for pid {msg.pid}")
+            return
+        seq = next(self._seq)
+        with self._lock:
+            scopes = self._timers.setdefault(msg.pid, {})
+            if msg.scope_id not in scopes:
+                self._count += 1
+            scopes[msg.scope_id] = _Entry(msg, time.time(), seq)
+            heapq.heappush(self._heap, (msg.expiration_time, seq, msg.pid, msg.scope_id))
+            if len(self._heap) > 2 * self._count + 1024:
+                self._rebuild_heap()
+
+    def _release(self, pid: int, scope: str) -> None:
+        with self._lock:
+            scopes = self._timers.get(pid)
+            if scopes is not None and scopes.pop(scope, None) is not None:
+                self._count -= 1
+                if not scopes:
+                    del self._timers[pid]
+
+    def _rebuild_heap(self) -> None:
+        """Drops stale heap items (called with the lock held)."""
+        self._heap = [
+            (e.msg.expiration_time, e.seq, pid, scope)
+            for pid, scopes in self._timers.items()
+            for scope, e in scopes.items()
+        ]
+        heapq.heapify(self._heap)
+
+    def _pop_expired(self, now: float) -> dict[int, list[_Entry]]:
+        expired: dict[int, list[_Entry]] = {}
+        with self._lock:
+            while self._heap and self._heap[0][0] <= now:
+                _, seq, pid, scope = heapq.heappop(self._heap)
+                entry = self._timers.get(pid, {}).get(scope)
+                if entry is not None and entry.seq == seq:
+                    expired.setdefault(pid, []).append(entry)
+            for pid, entries in expired.items():
+                scopes = self._timers.get(pid, {})
+                if any(e.msg.signal > 0 for e in entries):
+                    # One expiry ends the process, so every other timer it held goes too.
+                    self._count -= len(scopes)
+                    self._timers.pop(pid, None)
+                else:
+                    for e in entries:
+                        if scopes.pop(e.msg.scope_id, None) is not None:
+                            self._count -= 1
+                    if not scopes:
+                        self._timers.pop(pid, None)
+        return expired
 
     def _reap_expired(self) -> None:
         now = time.time()
-        expired_pids: dict[int, tuple[TimerMessage, float]] = {}
-        with self._lock:
-            for msg, seen in self._timers.values():
-                if msg.expiration_time <= now and msg.pid not in expired_pids:
-                    expired_pids[msg.pid] = (msg, seen)
-            # One expiry ends the process, so every other timer it held goes too.
-            for key in [k for k in self._timers if k[0] in expired_pids]:
-                del self._timers[key]
-        for pid, (msg, seen) in expired_pids.items():
-            if pid == os.getpid():
-                log.error("timer scope %r names the monitor's own pid; not reaping", msg.scope_id)
-                continue
-            if not procs.is_alive(pid):
-                log.info("timer %r of pid %d expired after the process ended", msg.scope_id, pid)
-                continue
-            self.on_expired(
-                ExpiredTimer(
-                    pid=pid,
-                    scope_id=msg.scope_id,
-                    signal=msg.signal,
-                    expiration_time=msg.expiration_time,
-                    timeout_hint=max(0.0, msg.expiration_time - seen),
-                )
+        for pid, entries in self._pop_expired(now).items():
+            try:
+                self._expire(pid, entries)
+            except Exception:  # one timer's failure must not keep the others from reaping
+                log.exception("handling the expired timers of pid %d failed", pid)
+
+    def _expire(self, pid: int, entries: list[_Entry]) -> None:
+        # As torch does: the earliest expired timer that names a signal decides.
+        entries.sort(key=lambda e: e.msg.expiration_time)
+        found = next((e for e in entries if e.msg.signal > 0), None)
+        if found is None:
+            # torch's meaning of a signal <= 0: report the expiry, never reap.
+            for m in (e.msg for e in entries):
+                if self._observe_throttle():
+                    log.warning(
+                        "timer %r of pid %d expired; signal %d: observed, not reaped",
+                        m.scope_id,
+                        pid,
+                        m.signal,
+                    )
+                    if self.log_event is not None:
+                        self.log_event(
+                            "timer_expired",
+                            {"pid": pid, "scope": m.scope_id, "signal": m.signal, "reaped": False},
+                        )
+            return
+        chosen = found.msg
+        if pid == os.getpid():
+            if self._refuse_throttle():
+                log.error("timer %r names the monitor's own pid; not reaping", chosen.scope_id)
+                if self.log_event is not None:
+                    self.log_event(
+                        "timer_expired",
+                        {"pid": pid, "scope": chosen.scope_id, "rank": None, "reaped": False},
+                    )
+            return
+        if not procs.is_alive(pid):
+            if self._refuse_throttle():
+                log.info("timer %r of pid %d expired after it ended", chosen.scope_id, pid)
+            return
+        self.on_expired(
+            ExpiredTimer(
+                pid=pid,
+                scope_id=chosen.scope_id,
+                signal=chosen.signal,
+                expiration_time=chosen.expiration_time,
+                timeout_hint=max(0.0, chosen.expiration_time - found.seen),
             )
+        )
+
+    def _sweep(self) -> None:
+        """Drops the timers of processes that ended (at most once per SWEEP_INTERVAL)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL
+        with self._lock:
+            pids = list(self._timers)
+        dead = [pid for pid in pids if not procs.is_alive(pid)]
+        if not dead:
+            return
+        with self._lock:
+            for pid in dead:
+                self._count -= len(self._timers.pop(pid, {}))
+            self._rebuild_heap()
+        log.info("dropped the timers of %d processes that ended", len(dead))
 
     def forget_pid(self, pid: int) -> None:
         """Drops every timer of `pid` (called when the supervisor stops a worker)."""
         with self._lock:
-            for key in [k for k in self._timers if k[0] == pid]:
-                del self._timers[key]
+            self._count -= len(self._timers.pop(pid, {}))
 
     def clear(self) -> None:
         with self._lock:
             self._timers.clear()
+            self._heap.clear()
+            self._count = 0
 
     @property
     def active_timers(self) -> int:
         with self._lock:
-            return len(self._timers)
+            return self._count

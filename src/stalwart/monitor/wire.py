@@ -13,12 +13,28 @@ import dataclasses
 import json
 import math
 import select
+import signal
 from typing import Any
 
 from stalwart.monitor.reports import ControlAction
 
 PIPE_BUF: int = getattr(select, "PIPE_BUF", 4096)
 VERSION = 1
+MAX_PID = 2**31 - 1  # pid_t; a larger number cannot name a process
+#: Signal numbers a timer may name; <= 0 means "observe, never reap" (torch's meaning).
+VALID_SIGNALS: frozenset[int] = frozenset(int(s) for s in signal.valid_signals())
+
+
+def check_signal(sig: int) -> int:
+    """`sig` if a timer may carry it (<= 0, or a real signal); ValueError naming it otherwise."""
+    if isinstance(sig, bool) or not isinstance(sig, int):
+        raise ValueError(f"timer signal must be an integer, got {sig!r}")
+    if sig > 0 and sig not in VALID_SIGNALS:
+        raise ValueError(
+            f"timer signal {sig} is not a signal of this system "
+            f"(expected 1..{max(VALID_SIGNALS)}, or <= 0 to only observe)"
+        )
+    return sig
 
 
 class MessageTooLarge(ValueError):
@@ -90,7 +106,10 @@ def _int(body: dict[str, Any], key: str) -> int:
 def decode(line: bytes) -> Message:
     """Parses one line (without its newline); raises BadMessage on anything unexpected."""
     try:
+        # RecursionError: a deeply nested line exhausts the parser's recursion limit.
         body = json.loads(line)
+    except RecursionError:
+        raise BadMessage("not JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadMessage(f"not JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -98,7 +117,7 @@ def decode(line: bytes) -> Message:
     if body.get("version") != VERSION:
         raise BadMessage(f"unsupported version {body.get('version')!r}")
     pid = _int(body, "pid")
-    if pid <= 0:
+    if not 0 < pid <= MAX_PID:
         raise BadMessage(f"bad pid {pid}")
     if body.get("type", "timer") == "control":
         rank = body.get("global_rank")

@@ -1,0 +1,74 @@
+"""Under a real `stalwart run`, a rank asks the monitor to kill the launcher, the guardian
+and the warm template, and sends a control request in the name of a pid that does not
+exist (issue 10 item 4): nothing is signalled, the job is not stopped, it succeeds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RANK = """
+import json, os, subprocess, sys, time
+from stalwart.monitor.reports import ControlAction
+from stalwart.monitor.wire import ControlMessage, TimerMessage, encode
+
+def children(pid):
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                raw = f.read().decode()
+        except OSError:
+            continue
+        if int(raw[raw.rfind(")") + 2 :].split()[1]) == pid:
+            out.append(int(d))
+    return out
+
+launcher = os.getppid()
+# The launcher and everything it runs besides this rank: the guardian, the warm template.
+targets = [launcher] + [p for p in children(launcher) if p != os.getpid()]
+gone = subprocess.Popen([sys.executable, "-c", "pass"])
+gone.wait()
+fd = os.open(os.environ["STALWART_TIMER_FILE"], os.O_WRONLY | os.O_NONBLOCK)
+for pid in targets:
+    os.write(fd, encode(TimerMessage(pid, "evil", time.time() - 1, 9)))
+os.write(fd, encode(ControlMessage(gone.pid, 0, ControlAction.SHUTDOWN_WORKLOAD)))
+time.sleep(2.0)  # many server rounds and supervisor polls
+alive = {pid: os.path.exists(f"/proc/{pid}") for pid in targets}
+print("TARGETS " + json.dumps(alive), flush=True)
+sys.exit(0 if all(alive.values()) else 3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_requests_against_the_launcher_side_are_refused(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+    logs = tmp_path / "logs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
+         "--max-restarts", "0", "--rdzv-id", "untrusted", "--log-dir", str(logs),
+         "--redirects", "1", str(script)],
+        capture_output=True, text=True, timeout=100, env=env, cwd=ROOT,
+    )  # fmt: skip
+    events_file = logs / "untrusted" / "events.jsonl"
+    events = [json.loads(x) for x in events_file.read_text().splitlines() if x.strip()]
+    names = [e["event"] for e in events]
+    assert proc.returncode == 0, (names, proc.stderr[-3000:])
+    out = "".join(p.read_text() for p in logs.rglob("stdout.log"))
+    targets = json.loads(next(x for x in out.splitlines() if x.startswith("TARGETS "))[8:])
+    assert len(targets) >= 2, targets  # the launcher and at least the guardian
+    refused = {e["pid"] for e in events if e["event"] == "timer_expired" and not e["reaped"]}
+    assert refused == {int(p) for p in targets}
+    assert "control_request_refused" in names
+    assert "control_request" not in names and "job_stopped" not in names
