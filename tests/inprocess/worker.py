@@ -160,8 +160,8 @@ def scenario_health() -> None:
         if call.iteration == 0 and step == 2 and call.rank == 1:
             raise RuntimeError("injected")
 
-    def health_check(state: State) -> None:
-        if state.initial_rank == 1:
+    def health_check(state: State, exc: BaseException | None) -> None:
+        if exc is not None and state.initial_rank == 1:
             raise RuntimeError("unhealthy device")
 
     @Wrapper(health_check=health_check, **fast())
@@ -178,12 +178,13 @@ def scenario_health() -> None:
 def scenario_hooks() -> None:
     progress = {"step": 0}
 
-    def initialize(state: State) -> None:
+    def initialize(state: State) -> State:
         emit("initialize", iteration=state.iteration)
         if state.iteration == 0 and state.initial_rank == 1:
             raise ValueError("bad init")
+        return state
 
-    def finalize(state: State) -> None:
+    def finalize(state: State, exc: BaseException | None) -> None:
         emit("finalize", iteration=state.iteration)
         if state.iteration == 1 and state.initial_rank == 0:
             raise ValueError("bad finalize")
