@@ -5,11 +5,19 @@ Works under plain ``torchrun`` and under ``stalwart run`` (never imports
 ``stalwart.launch``); ranks learn everything from torchrun's environment.
 Code written for NVIDIA's ``nvidia_resiliency_ext.inprocess`` runs with its
 import line changed: its hook shapes, ``Compose``, ``CallWrapper`` and
-exception names, and its submodule paths (``exception``, ``rank_assignment``,
-``health_check``, ``abort``, ``monitor_thread``) are all here.
+exception names, and its submodule paths (``exception``, ``initialize``, ``abort``,
+``finalize``, ``health_check``, ``rank_assignment``, ``monitor_thread``) are all here.
 """
 
-from . import abort, exception, health_check, monitor_thread, rank_assignment
+from . import (
+    abort,
+    exception,
+    finalize,
+    health_check,
+    initialize,
+    monitor_thread,
+    rank_assignment,
+)
 from .abort import Abort, AbortTorchDistributed, abort_nccl_communicators, destroy_process_groups
 from .assignment import ActiveWorldSize, FillGaps, RankAssignment, RankFilter, ShiftRanks
 from .call import Call, CallWrapper
@@ -60,7 +68,9 @@ __all__ = [
     "abort_nccl_communicators",
     "destroy_process_groups",
     "exception",
+    "finalize",
     "health_check",
+    "initialize",
     "monitor_thread",
     "rank_assignment",
     "tcp_store",

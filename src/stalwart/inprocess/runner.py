@@ -105,6 +105,8 @@ class Runner:
         # The wrapper rewrites these per iteration; put the launcher's back at the end.
         self._saved_env = {k: os.environ.get(k) for k in _EXPORTED_ENV}
         self.is_host = rank == HOST_RANK
+        # A RestartError from initialize: this rank leaves with it instead of restarting.
+        self._leave_with: Exception | None = None
         self._closers: list[Callable[[], None]] = []
         try:
             self._start()
@@ -337,7 +339,10 @@ class Runner:
                         outcome = _Outcome(finished=True, value=value)
                     except Exception as exc:
                         self.gate.busy = False
-                        outcome = _Outcome(error=exc)
+                        if exc is self._leave_with:
+                            outcome = _Outcome(exit=exc)
+                        else:
+                            outcome = _Outcome(error=exc)
                     except RankShouldRestart as exc:
                         self.gate.busy = False
                         if not monitor.fired:  # raised by the function, not injected
@@ -374,6 +379,10 @@ class Runner:
         if opts.initialize is not None:
             try:
                 initialized = opts.initialize(state)
+            except RestartError as exc:
+                # The hook says stop restarting (``RetryController``): not a fault.
+                self._leave_with = exc
+                raise
             except Exception as exc:
                 self._hook_failed("initialize", state, exc)
             if initialized is not None:
