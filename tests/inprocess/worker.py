@@ -199,6 +199,33 @@ def scenario_hooks() -> None:
         emit("error", type=type(exc).__name__, message=str(exc))
 
 
+def scenario_base_exit() -> None:
+    """Initial rank ``LEAVER`` raises the BaseException named by ``EXC`` mid-training."""
+    leaver = int(os.environ["LEAVER"])
+    exc_type: type[BaseException] = {
+        "SystemExit": SystemExit,
+        "KeyboardInterrupt": KeyboardInterrupt,
+        "GeneratorExit": GeneratorExit,
+    }[os.environ["EXC"]]
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.initial_rank == leaver:
+            time.sleep(0.3)  # the peer is blocked in all_reduce by now
+            emit("fault")
+            raise exc_type(7) if exc_type is SystemExit else exc_type()
+
+    @Wrapper(**fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault)
+
+    try:
+        emit("result", value=fn())
+    except BaseException as exc:
+        emit("left", type=type(exc).__name__)
+        raise
+
+
 def scenario_leaks() -> None:
     restarts = int(os.environ.get("RESTARTS", "20"))
 
