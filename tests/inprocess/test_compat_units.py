@@ -280,3 +280,19 @@ def test_default_abort_aborts_nccl_before_destroying_groups(
     state = _state()
     assert AbortTorchDistributed(release_sockets=False)(state) is state
     assert log == ["group_start", "abort world", "group_end", "destroy"]
+
+
+def test_store_kwargs_in_nvidia_spelling() -> None:
+    from stalwart.inprocess.store import tcp_store
+    from tests.inprocess.harness import free_port
+
+    port = free_port()
+    host = tcp_store(
+        is_host=True,
+        host_name="127.0.0.1",
+        port=port,
+        timeout=datetime.timedelta(seconds=5),
+    )
+    client = tcp_store(is_host=False, host_name="127.0.0.1", port=port, timeout=5.0)
+    client.set("k", "v")
+    assert host.get("k") == b"v"
