@@ -311,7 +311,8 @@ class Runner:
         if outcome.finished and monitor.fired:
             log.warning("rank %d: restart requested after completion; ignored", state.rank)
         if outcome.error is not None:
-            self._report_fault(self.state, outcome.error)
+            # Once per restart: the monitor thread has aborted already if it fired.
+            self._report_fault(self.state, outcome.error, aborted=monitor.fired)
         elif outcome.exit is not None and self.opts.abort is not None:
             # Peers blocked in a collective with this rank are released sooner.
             try:
@@ -427,7 +428,7 @@ class Runner:
         except Exception:
             log.exception("could not record the interruption in the store")
 
-    def _report_fault(self, state: State, error: Exception) -> None:
+    def _report_fault(self, state: State, error: Exception, aborted: bool) -> None:
         log.warning(
             "rank %d iteration %d failed: %s",
             state.rank,
@@ -442,7 +443,7 @@ class Runner:
             seen.add(id(link))
             link.__traceback__ = None
             link = link.__cause__ or link.__context__
-        if self.opts.abort is not None:
+        if self.opts.abort is not None and not aborted:
             try:
                 self.opts.abort(state)
             except Exception as exc:
