@@ -33,7 +33,11 @@ class RankResult:
 
 
 def launch(
-    scenario: str, world_size: int = 2, timeout: float = 60.0, env: dict[str, str] | None = None
+    scenario: str,
+    world_size: int = 2,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    program: Path = WORKER,
 ) -> list[RankResult]:
     port, store_port = free_port(), free_port()
     procs = []
@@ -53,7 +57,7 @@ def launch(
         penv.update(env or {})
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario],
+                [sys.executable, str(program), scenario],
                 env=penv,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

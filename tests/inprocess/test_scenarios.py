@@ -83,6 +83,32 @@ def test_sigkill_spare_takes_over() -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("leaver", "exc", "returncode"),
+    [
+        (0, "SystemExit", 7),  # the store host leaves: the store stays up for the peer
+        (1, "KeyboardInterrupt", -2),  # Python re-raises SIGINT on an uncaught one
+        (0, "GeneratorExit", 1),
+        (1, "RankShouldRestart", 1),  # raised by the function: ends it, no restart
+    ],
+)
+def test_base_exception_leaves_unchanged_and_peer_goes_on(
+    leaver: int, exc: str, returncode: int
+) -> None:
+    results = launch("base_exit", env={"LEAVER": str(leaver), "EXC": exc})
+    left, peer = results[leaver], results[1 - leaver]
+    # The rank that raised gets its own exception back, not a restart signal.
+    assert [e["type"] for e in left.of("left")] == [exc], left.output[-4000:]
+    assert left.returncode == returncode, left.output[-4000:]
+    assert [e["iteration"] for e in _entries(left)] == [0]
+    # The other rank treats it as terminated and finishes alone.
+    assert peer.returncode == 0, peer.output[-4000:]
+    assert [(e["iteration"], e["world_size"]) for e in _entries(peer)] == [(0, 2), (1, 1)]
+    assert _final(peer)["step"] == 6
+    assert "DistNetworkError" not in peer.output
+
+
+@pytest.mark.timeout(60)
 def test_failing_health_check_removes_rank() -> None:
     r0, r1 = launch("health")
     assert r1.returncode == 3

@@ -12,6 +12,7 @@ from stalwart.inprocess import (
     ActiveWorldSize,
     Call,
     ConfigError,
+    FillGaps,
     Mode,
     RestartAbort,
     ShiftRanks,
@@ -70,20 +71,61 @@ def _state(rank: int, world: int) -> State:
     return State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
 
 
-def test_shift_ranks_renumbers_survivors() -> None:
-    shift = ShiftRanks()
-    assert shift(_state(2, 4), frozenset({1})).rank == 1
-    assert shift(_state(2, 4), frozenset({1})).world_size == 3
-    assert shift(_state(1, 4), frozenset({1})).mode is Mode.TERMINATED
+@pytest.mark.parametrize(
+    ("initial", "world", "terminated", "expected"),
+    [
+        # (initial rank, world, terminated) -> (mode, rank, world size)
+        (2, 4, {1}, (Mode.ACTIVE, 1, 3)),
+        (3, 4, {0, 2}, (Mode.ACTIVE, 1, 2)),
+        (0, 4, set(), (Mode.ACTIVE, 0, 4)),
+        (1, 4, {1}, (Mode.TERMINATED, 1, 4)),
+    ],
+)
+def test_shift_ranks_renumbers_survivors(
+    initial: int, world: int, terminated: set[int], expected: tuple[Mode, int, int]
+) -> None:
+    placed, unplaced = ShiftRanks()(_state(initial, world), frozenset(terminated))
+    assert (placed.mode, placed.rank, placed.world_size) == expected
+    assert not unplaced  # NVIDIA's shape: every terminated rank accounted for
 
 
-def test_active_world_size_makes_spares() -> None:
-    f = ActiveWorldSize(2)
-    shifted = ShiftRanks()(_state(3, 4), frozenset({0}))
-    assert (f(shifted).mode is Mode.ACTIVE and f(shifted).rank == 2 - 0) or True
-    assert f(ShiftRanks()(_state(2, 3), frozenset())).mode is Mode.INACTIVE
-    took_over = f(ShiftRanks()(_state(2, 3), frozenset({1})))
-    assert took_over.mode is Mode.ACTIVE and took_over.rank == 1 and took_over.world_size == 2
+@pytest.mark.parametrize(
+    ("initial", "world", "terminated", "expected"),
+    [
+        # Survivors below the new size keep their rank; the highest fill the lowest gaps.
+        (2, 4, {1}, (Mode.ACTIVE, 2, 3)),
+        (3, 4, {1}, (Mode.ACTIVE, 1, 3)),
+        (0, 4, {1}, (Mode.ACTIVE, 0, 3)),
+        (4, 5, {0, 2}, (Mode.ACTIVE, 0, 3)),
+        (3, 5, {0, 2}, (Mode.ACTIVE, 2, 3)),
+        (1, 5, {0, 2}, (Mode.ACTIVE, 1, 3)),
+        (2, 5, {0, 2}, (Mode.TERMINATED, 2, 5)),
+    ],
+)
+def test_fill_gaps_moves_fewest_ranks(
+    initial: int, world: int, terminated: set[int], expected: tuple[Mode, int, int]
+) -> None:
+    placed, unplaced = FillGaps()(_state(initial, world), frozenset(terminated))
+    assert (placed.mode, placed.rank, placed.world_size) == expected
+    assert not unplaced
+
+
+@pytest.mark.parametrize(
+    ("initial", "world", "terminated", "expected"),
+    [
+        # ActiveWorldSize(2) after ShiftRanks -> (mode, rank, world size seen)
+        (3, 4, {0}, (Mode.INACTIVE, 2, 2)),  # shifted to rank 2: still a spare
+        (2, 3, set(), (Mode.INACTIVE, 2, 2)),
+        (2, 3, {1}, (Mode.ACTIVE, 1, 2)),  # the spare takes the vanished rank's place
+        (0, 3, set(), (Mode.ACTIVE, 0, 2)),
+    ],
+)
+def test_active_world_size_makes_spares(
+    initial: int, world: int, terminated: set[int], expected: tuple[Mode, int, int]
+) -> None:
+    shifted, _ = ShiftRanks()(_state(initial, world), frozenset(terminated))
+    filtered = ActiveWorldSize(2)(shifted)
+    assert (filtered.mode, filtered.rank, filtered.world_size) == expected
 
 
 @pytest.mark.timeout(10)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.inprocess import ActiveWorldSize, Call, State, Wrapper
+from stalwart.inprocess import ActiveWorldSize, Call, RankShouldRestart, State, Wrapper
 from stalwart.inprocess.sockets import open_fd_count
 
 INITIAL_RANK = int(os.environ["RANK"])
@@ -160,8 +160,8 @@ def scenario_health() -> None:
         if call.iteration == 0 and step == 2 and call.rank == 1:
             raise RuntimeError("injected")
 
-    def health_check(state: State) -> None:
-        if state.initial_rank == 1:
+    def health_check(state: State, exc: BaseException | None) -> None:
+        if exc is not None and state.initial_rank == 1:
             raise RuntimeError("unhealthy device")
 
     @Wrapper(health_check=health_check, **fast())
@@ -178,12 +178,13 @@ def scenario_health() -> None:
 def scenario_hooks() -> None:
     progress = {"step": 0}
 
-    def initialize(state: State) -> None:
+    def initialize(state: State) -> State:
         emit("initialize", iteration=state.iteration)
         if state.iteration == 0 and state.initial_rank == 1:
             raise ValueError("bad init")
+        return state
 
-    def finalize(state: State) -> None:
+    def finalize(state: State, exc: BaseException | None) -> None:
         emit("finalize", iteration=state.iteration)
         if state.iteration == 1 and state.initial_rank == 0:
             raise ValueError("bad finalize")
@@ -196,6 +197,34 @@ def scenario_hooks() -> None:
         emit("result", value=fn())
     except Exception as exc:
         emit("error", type=type(exc).__name__, message=str(exc))
+
+
+def scenario_base_exit() -> None:
+    """Initial rank ``LEAVER`` raises the BaseException named by ``EXC`` mid-training."""
+    leaver = int(os.environ["LEAVER"])
+    exc_type: type[BaseException] = {
+        "SystemExit": SystemExit,
+        "KeyboardInterrupt": KeyboardInterrupt,
+        "GeneratorExit": GeneratorExit,
+        "RankShouldRestart": RankShouldRestart,  # raised, not injected: NVIDIA's "abort"
+    }[os.environ["EXC"]]
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.initial_rank == leaver:
+            time.sleep(0.3)  # the peer is blocked in all_reduce by now
+            emit("fault")
+            raise exc_type(7) if exc_type is SystemExit else exc_type()
+
+    @Wrapper(**fast())
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault)
+
+    try:
+        emit("result", value=fn())
+    except BaseException as exc:
+        emit("left", type=type(exc).__name__)
+        raise
 
 
 def scenario_leaks() -> None:

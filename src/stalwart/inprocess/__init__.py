@@ -3,21 +3,37 @@ after a fault anywhere, in the same processes, without relaunching.
 
 Works under plain ``torchrun`` and under ``stalwart run`` (never imports
 ``stalwart.launch``); ranks learn everything from torchrun's environment.
+Code written for NVIDIA's ``nvidia_resiliency_ext.inprocess`` runs with its
+import line changed: its hook shapes, ``Compose``, ``CallWrapper`` and
+exception names, and its submodule paths (``exception``, ``initialize``, ``abort``,
+``finalize``, ``health_check``, ``rank_assignment``, ``monitor_thread``) are all here.
 """
 
-from .abort import Abort, AbortTorchDistributed, destroy_process_groups
-from .assignment import ActiveWorldSize, RankAssignment, RankFilter, ShiftRanks
-from .call import Call
+from . import (
+    abort,
+    exception,
+    finalize,
+    health_check,
+    initialize,
+    monitor_thread,
+    rank_assignment,
+)
+from .abort import Abort, AbortTorchDistributed, abort_nccl_communicators, destroy_process_groups
+from .assignment import ActiveWorldSize, FillGaps, RankAssignment, RankFilter, ShiftRanks
+from .call import Call, CallWrapper
 from .errors import (
     BarrierTimeout,
     ConfigError,
     HealthCheckError,
     HookError,
     InProcessError,
+    InternalError,
+    RankShouldRestart,
     RankTerminated,
     RestartAbort,
     RestartError,
 )
+from .hooks import Compose
 from .state import Interruption, InterruptionRecord, Mode, State
 from .store import tcp_store
 from .wrapper import Wrapper
@@ -28,21 +44,34 @@ __all__ = [
     "ActiveWorldSize",
     "BarrierTimeout",
     "Call",
+    "CallWrapper",
+    "Compose",
     "ConfigError",
+    "FillGaps",
     "HealthCheckError",
     "HookError",
     "InProcessError",
+    "InternalError",
     "Interruption",
     "InterruptionRecord",
     "Mode",
     "RankAssignment",
     "RankFilter",
+    "RankShouldRestart",
     "RankTerminated",
     "RestartAbort",
     "RestartError",
     "ShiftRanks",
     "State",
     "Wrapper",
+    "abort",
+    "abort_nccl_communicators",
     "destroy_process_groups",
+    "exception",
+    "finalize",
+    "health_check",
+    "initialize",
+    "monitor_thread",
+    "rank_assignment",
     "tcp_store",
 ]

@@ -8,6 +8,7 @@ so every rank computes the same answer without talking to the others.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Set
 from typing import Protocol
 
 from .errors import RestartError
@@ -15,9 +16,15 @@ from .state import Mode, State
 
 
 class RankAssignment(Protocol):
-    """Returns the state for the next iteration given the terminated initial ranks."""
+    """Places this rank for the next iteration given the terminated initial ranks.
 
-    def __call__(self, state: State, terminated: frozenset[int]) -> State: ...
+    Returns ``(state, terminated)`` as NVIDIA's ``inprocess`` does: the second
+    item is the terminated ranks this assignment did not account for, which
+    must be empty (the wrapper raises ``RestartError`` otherwise); composed
+    assignments pass it along.
+    """
+
+    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]: ...
 
 
 class RankFilter(Protocol):
@@ -29,23 +36,59 @@ class RankFilter(Protocol):
 class ShiftRanks:
     """Survivors keep their order and are renumbered 0..n-1; world size shrinks."""
 
-    def __call__(self, state: State, terminated: frozenset[int]) -> State:
-        alive = [r for r in range(state.initial_world_size) if r not in terminated]
+    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+        gone = frozenset(terminated)
+        alive = [r for r in range(state.initial_world_size) if r not in gone]
         if not alive:
             raise RestartError("no ranks left")
         if state.initial_rank not in alive:
-            return dataclasses.replace(state, mode=Mode.TERMINATED, terminated=terminated)
-        return dataclasses.replace(
+            return dataclasses.replace(state, mode=Mode.TERMINATED, terminated=gone), set()
+        placed = dataclasses.replace(
             state,
             rank=alive.index(state.initial_rank),
             world_size=len(alive),
             active_world_size=len(alive),
             mode=Mode.ACTIVE,
-            terminated=terminated,
+            terminated=gone,
         )
+        return placed, set()
 
     def __repr__(self) -> str:
         return "ShiftRanks()"
+
+
+class FillGaps:
+    """Survivors keep their rank where they can; the highest ones move into the gaps.
+
+    With ``n`` survivors, a survivor whose initial rank is below ``n`` keeps it,
+    and the survivors at ``n`` or above take the terminated ranks below ``n``,
+    the highest survivor the lowest gap.  Fewer ranks change number than with
+    ``ShiftRanks`` (whose order-keeping renumbers everyone after a gap).
+    """
+
+    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+        gone = frozenset(terminated)
+        alive = [r for r in range(state.initial_world_size) if r not in gone]
+        if not alive:
+            raise RestartError("no ranks left")
+        if state.initial_rank not in alive:
+            return dataclasses.replace(state, mode=Mode.TERMINATED, terminated=gone), set()
+        size = len(alive)
+        gaps = [r for r in range(size) if r in gone]
+        movers = sorted((r for r in alive if r >= size), reverse=True)
+        new_rank = dict(zip(movers, gaps, strict=True))
+        placed = dataclasses.replace(
+            state,
+            rank=new_rank.get(state.initial_rank, state.initial_rank),
+            world_size=size,
+            active_world_size=size,
+            mode=Mode.ACTIVE,
+            terminated=gone,
+        )
+        return placed, set()
+
+    def __repr__(self) -> str:
+        return "FillGaps()"
 
 
 class ActiveWorldSize:

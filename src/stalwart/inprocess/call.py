@@ -83,8 +83,19 @@ class Call:
             self._gate.exit()
 
 
+# NVIDIA's ``inprocess`` calls this class ``CallWrapper``: both spellings inject.
+CallWrapper = Call
+
 _CALL_SPELLINGS = frozenset(
-    {"Call", "Call|None", "None|Call", "Optional[Call]", "typing.Optional[Call]"}
+    spelling
+    for name in ("Call", "CallWrapper")
+    for spelling in (
+        name,
+        f"{name}|None",
+        f"None|{name}",
+        f"Optional[{name}]",
+        f"typing.Optional[{name}]",
+    )
 )
 
 

@@ -1,15 +1,25 @@
 """Exception types raised by the in-process restart wrapper.
 
-``RestartAbort`` is the one exception that travels asynchronously (injected into
-the main thread by the monitor thread); it derives from ``BaseException`` so a
-training loop's ``except Exception`` cannot swallow a restart.
+``RankShouldRestart`` (also spelled ``RestartAbort``, stalwart's first name for
+it) is the one exception that travels asynchronously (injected into the main
+thread by the monitor thread); it derives from ``BaseException`` so a training
+loop's ``except Exception`` cannot swallow a restart.  The names NVIDIA's
+``inprocess`` users catch (``RestartError`` above ``HealthCheckError`` and
+``InternalError``) are the same classes here.
 """
 
 from __future__ import annotations
 
 
-class RestartAbort(BaseException):
-    """Injected into the main thread to make it leave the wrapped function now."""
+class RankShouldRestart(BaseException):
+    """Injected into the main thread to make it leave the wrapped function now.
+
+    Raised by the function itself (not injected), it ends the wrapper on this
+    rank like any other ``BaseException``.
+    """
+
+
+RestartAbort = RankShouldRestart
 
 
 class InProcessError(RuntimeError):
@@ -20,12 +30,20 @@ class ConfigError(InProcessError, ValueError):
     """An option of ``Wrapper`` has a wrong type or breaks an ordering rule."""
 
 
-class BarrierTimeout(InProcessError):
-    """A store barrier did not complete in time."""
-
-
 class RestartError(InProcessError):
-    """The job cannot go on restarting (e.g. ``max_iterations`` reached, no ranks left)."""
+    """The job cannot go on restarting on this rank (e.g. ``max_iterations``, no ranks left).
+
+    Also the base of ``HealthCheckError``, ``InternalError`` and ``BarrierTimeout``,
+    as NVIDIA's ``inprocess.exception.RestartError`` is.
+    """
+
+
+class InternalError(RestartError):
+    """The wrapper itself broke an invariant (e.g. a rank assignment left ranks unplaced)."""
+
+
+class BarrierTimeout(RestartError):
+    """A store barrier did not complete in time."""
 
 
 class RankTerminated(InProcessError):
@@ -45,5 +63,5 @@ class HookError(InProcessError):
         self.iteration = iteration
 
 
-class HealthCheckError(HookError):
+class HealthCheckError(HookError, RestartError):
     """The health check failed after a fault: the rank leaves the job."""

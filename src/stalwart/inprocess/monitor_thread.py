@@ -4,7 +4,7 @@ It polls the iteration's fault flag in the store (a few ms per poll), and every
 ``interval`` checks this rank's soft timeout and the peers' heartbeats.  When
 the iteration must restart it waits for any ``atomic()`` block to finish, runs
 ``abort`` (which frees a main thread blocked in a collective), and injects
-``RestartAbort`` into the main thread if that thread is still in user code a
+``RankShouldRestart`` into the main thread if that thread is still in user code a
 moment later.  While it runs, it also hands every process group it sees to the
 ``GroupKeeper`` (``on_poll``).  It fires at most once.
 """
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from .asyncexc import raise_in_thread, wake
-from .errors import RestartAbort
+from .errors import RankShouldRestart
 from .progress import ProgressClock
 from .state import Interruption, InterruptionRecord, State
 from .store import CoordStore
@@ -69,7 +69,7 @@ class MonitorThread(threading.Thread):
         participants: list[int],
         clock: ProgressClock,
         gate: AtomicGate,
-        abort: Callable[[State], None] | None,
+        abort: Callable[[State], State | None] | None,
         interval: float,
         soft_timeout: float,
         main_thread_id: int,
@@ -154,7 +154,9 @@ class MonitorThread(threading.Thread):
         self.clock.disarm()
         if self.abort is not None:
             try:
-                self.abort(self.state)
+                aborted = self.abort(self.state)
+                if isinstance(aborted, State):
+                    self.state = aborted
             except Exception:
                 log.exception("abort failed on rank %d", self.state.rank)
         # A main thread blocked in a collective returns by itself once abort
@@ -167,7 +169,7 @@ class MonitorThread(threading.Thread):
         while self.gate.busy and time.monotonic() < deadline:
             time.sleep(0.001)
         if self.gate.busy:
-            raise_in_thread(self.main_thread_id, RestartAbort)
+            raise_in_thread(self.main_thread_id, RankShouldRestart)
             wake(self.main_thread_id)
 
     def request_stop(self) -> None:

@@ -16,12 +16,19 @@ from typing import Any
 from torch._C._distributed_c10d import Store
 
 from .abort import AbortTorchDistributed
-from .assignment import ShiftRanks
+from .assignment import RankAssignment, RankFilter, ShiftRanks
 from .errors import ConfigError
+from .hooks import check_hook
 from .state import State
 from .store import tcp_store
 
 Seconds = float | int | datetime.timedelta
+# NVIDIA inprocess's hook shapes (see hooks.py); ``None`` from a state-returning
+# hook means "unchanged".
+Initialize = Callable[[State], State | None]
+AbortHook = Callable[[State], State | None]
+Finalize = Callable[[State, BaseException | None], object]
+HealthCheck = Callable[[State, BaseException | None], object]
 
 _DURATIONS = (
     "monitor_thread_interval",
@@ -61,23 +68,16 @@ def to_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
-def _callable_or_none(name: str, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise ConfigError(f"{name} must be callable or None, got {value!r}")
-
-
 @dataclasses.dataclass
 class Options:
     store_factory: Callable[..., Store] = tcp_store
     store_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    initialize: Callable[[State], None] | None = None
-    abort: Callable[[State], None] | None = dataclasses.field(default_factory=AbortTorchDistributed)
-    finalize: Callable[[State], None] | None = None
-    health_check: Callable[[State], None] | None = None
-    rank_assignment: Callable[[State, frozenset[int]], State] = dataclasses.field(
-        default_factory=ShiftRanks
-    )
-    rank_filter: Callable[[State], State] | None = None
+    initialize: Initialize | None = None
+    abort: AbortHook | None = dataclasses.field(default_factory=AbortTorchDistributed)
+    finalize: Finalize | None = None
+    health_check: HealthCheck | None = None
+    rank_assignment: RankAssignment = dataclasses.field(default_factory=ShiftRanks)
+    rank_filter: RankFilter | None = None
     monitor_thread_interval: float = 0.5
     monitor_process_interval: float = 0.5
     progress_watchdog_interval: float = 0.5
@@ -101,10 +101,17 @@ class Options:
             self.store_kwargs = {}
         if not isinstance(self.store_kwargs, dict):
             raise ConfigError(f"store_kwargs must be a dict or None, got {self.store_kwargs!r}")
-        for name in ("initialize", "abort", "finalize", "health_check", "rank_filter"):
-            _callable_or_none(name, getattr(self, name))
-        if not callable(self.rank_assignment):
-            raise ConfigError(f"rank_assignment must be callable, got {self.rank_assignment!r}")
+        if self.rank_assignment is None:
+            raise ConfigError("rank_assignment must be callable, got None")
+        for name in (
+            "initialize",
+            "abort",
+            "finalize",
+            "health_check",
+            "rank_assignment",
+            "rank_filter",
+        ):
+            check_hook(name, getattr(self, name))
         for small, large in _ORDER:
             a, b = getattr(self, small), getattr(self, large)
             if not a < b:

@@ -7,9 +7,15 @@ barrier.  On a fault anywhere: record it, abort communication, stop the monitor
 thread, destroy process groups, run ``finalize`` and the health check, meet the
 survivors at the termination barrier, and go to ``n + 1``.
 
-The main thread may receive ``RestartAbort`` at any bytecode while the monitor
-thread runs, so everything up to the point where that thread is joined sits in
-one retry loop (``_run_body``).
+The main thread may receive ``RankShouldRestart`` at any bytecode while the
+monitor thread runs, so everything up to the point where that thread is joined
+sits in one retry loop (``_run_body``).
+
+A ``BaseException`` the function raises (``SystemExit``, ``KeyboardInterrupt``,
+``GeneratorExit``, or a ``RankShouldRestart`` the monitor did not inject) leaves
+the wrapper unchanged on that rank: it is recorded as this rank's termination,
+so the others restart without it, and on the store host the store stays up
+until every other rank has left.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import os
 import threading
 import time
 import traceback
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +42,9 @@ from .errors import (
     HealthCheckError,
     HookError,
     InProcessError,
+    InternalError,
+    RankShouldRestart,
     RankTerminated,
-    RestartAbort,
     RestartError,
 )
 from .groups import GroupKeeper
@@ -76,6 +84,8 @@ class _Outcome:
     value: Any = None
     error: Exception | None = None
     interrupted: bool = False
+    # A BaseException from the function: this rank leaves with it, unchanged.
+    exit: BaseException | None = None
 
 
 class Runner:
@@ -95,6 +105,8 @@ class Runner:
         # The wrapper rewrites these per iteration; put the launcher's back at the end.
         self._saved_env = {k: os.environ.get(k) for k in _EXPORTED_ENV}
         self.is_host = rank == HOST_RANK
+        # A RestartError from initialize: this rank leaves with it instead of restarting.
+        self._leave_with: Exception | None = None
         self._closers: list[Callable[[], None]] = []
         try:
             self._start()
@@ -170,14 +182,19 @@ class Runner:
                 state = self._assign(state, iteration, terminated)
                 self.state = state
                 outcome = self._run_iteration(fn, args, kwargs, state)
+                state = self.state  # as initialize returned it
+                if outcome.exit is not None:
+                    raise outcome.exit
                 if outcome.finished:
                     self.groups.release()
-                    self._hook("finalize", opts.finalize, state)
+                    self._finalize(state, None)
                     clean_exit = True
                     return outcome.value if state.mode is Mode.ACTIVE else None
+                error = outcome.error
                 del outcome  # its traceback pins the failed iteration's tensors and groups
                 t0 = time.monotonic()
-                self._after_fault(state)
+                self._after_fault(state, error)
+                del error
                 t1 = time.monotonic()
                 if self.is_host:
                     coord.publish_port(iteration + 1, self.iteration_stores.open(iteration + 1))
@@ -205,7 +222,7 @@ class Runner:
         if opts.max_iterations is not None and iteration >= opts.max_iterations:
             raise RestartError(f"max_iterations={opts.max_iterations} reached")
         state = dataclasses.replace(state, iteration=iteration)
-        state = opts.rank_assignment(state, terminated)
+        state = self._place(state, terminated)
         if state.mode is Mode.TERMINATED:
             raise RankTerminated(
                 f"initial rank {state.initial_rank} has no rank in the new assignment"
@@ -217,7 +234,7 @@ class Runner:
         os.environ["STALWART_INPROCESS_ITERATION"] = str(iteration)
         if self.is_host:
             self.iteration_stores.close_before(iteration)
-        port = self.coord.port(iteration)
+        port = self._iteration_port(iteration)
         if port is not None:
             # env:// connects as a client to this iteration's fresh store.
             os.environ["MASTER_PORT"] = str(port)
@@ -237,6 +254,38 @@ class Runner:
                 state.mode.value,
             )
         return state
+
+    def _place(self, state: State, terminated: frozenset[int]) -> State:
+        """Run the rank assignment in NVIDIA's shape: ``(state, terminated) -> (state, rest)``."""
+        result = self.opts.rank_assignment(state, set(terminated))
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State)):
+            raise InternalError(
+                f"rank_assignment must return (state, terminated), got {type(result).__name__}"
+            )
+        placed, unplaced = result
+        if unplaced:
+            raise RestartError(
+                f"rank_assignment left terminated ranks {sorted(unplaced)} unaccounted for"
+            )
+        # The wrapper's own record of who left, whatever the assignment wrote.
+        return dataclasses.replace(placed, terminated=terminated)
+
+    def _iteration_port(self, iteration: int) -> int | None:
+        """The iteration's env:// store port; after a store host left, wait for it to serve it."""
+        port = self.coord.port(iteration)
+        if port is not None or iteration == 0 or self.is_host:
+            return port
+        if not self.coord.is_terminated(HOST_RANK):
+            return None
+        deadline = time.monotonic() + self.opts.barrier_timeout
+        while time.monotonic() < deadline:
+            port = self.coord.port(iteration)
+            if port is not None:
+                return port
+            if self.liveness.stale(HOST_RANK, self.coord.heartbeat_value(HOST_RANK)):
+                return None
+            time.sleep(0.005)
+        return None
 
     def _run_iteration(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], state: State
@@ -262,7 +311,14 @@ class Runner:
         if outcome.finished and monitor.fired:
             log.warning("rank %d: restart requested after completion; ignored", state.rank)
         if outcome.error is not None:
-            self._report_fault(state, outcome.error)
+            # Once per restart: the monitor thread has aborted already if it fired.
+            self._report_fault(self.state, outcome.error, aborted=monitor.fired)
+        elif outcome.exit is not None and self.opts.abort is not None:
+            # Peers blocked in a collective with this rank are released sooner.
+            try:
+                self.opts.abort(self.state)
+            except Exception:
+                log.exception("abort failed")
         return outcome
 
     def _run_body(
@@ -284,8 +340,23 @@ class Runner:
                         outcome = _Outcome(finished=True, value=value)
                     except Exception as exc:
                         self.gate.busy = False
-                        outcome = _Outcome(error=exc)
-                if outcome.error is not None and not monitor.fired:
+                        if exc is self._leave_with:
+                            outcome = _Outcome(exit=exc)
+                        else:
+                            outcome = _Outcome(error=exc)
+                    except RankShouldRestart as exc:
+                        self.gate.busy = False
+                        if not monitor.fired:  # raised by the function, not injected
+                            outcome = _Outcome(exit=exc)
+                        else:
+                            outcome = _Outcome(interrupted=True)
+                    except BaseException as exc:
+                        self.gate.busy = False
+                        outcome = _Outcome(exit=exc)
+                if outcome.exit is not None:
+                    monitor.request_stop()
+                    self._record_exit(state, outcome.exit)
+                elif outcome.error is not None and not monitor.fired:
                     # This thread handles its own fault: the monitor must not fire on
                     # the flag set next.  Peers learn first, before anything slow.
                     monitor.request_stop()
@@ -297,7 +368,7 @@ class Runner:
                 self.gate.depth = 0
                 self.gate.busy = False
                 return outcome
-            except RestartAbort:
+            except RankShouldRestart:
                 self.gate.busy = False
                 if outcome is None:
                     outcome = _Outcome(interrupted=True)
@@ -306,7 +377,20 @@ class Runner:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], state: State
     ) -> Any:
         opts, coord = self.opts, self.coord
-        self._hook("initialize", opts.initialize, state)
+        if opts.initialize is not None:
+            try:
+                initialized = opts.initialize(state)
+            except RestartError as exc:
+                # The hook says stop restarting (``RetryController``): not a fault.
+                self._leave_with = exc
+                raise
+            except Exception as exc:
+                self._hook_failed("initialize", state, exc)
+            if initialized is not None:
+                state = self._expect_state("initialize", initialized)
+                self.state = state
+                self.call_obj._advance(state, self.call_obj.store)
+        self._health_check(state, None)
         value = None
         if state.mode is Mode.ACTIVE:
             value = fn(*args, **kwargs)
@@ -321,6 +405,19 @@ class Runner:
         )
         return value
 
+    def _record_exit(self, state: State, exc: BaseException) -> None:
+        """Tell the peers first: this rank's iteration ends and the rank leaves."""
+        record = InterruptionRecord(
+            state.initial_rank,
+            state.iteration,
+            Interruption.BASE_EXCEPTION,
+            f"{type(exc).__name__}: {exc}",
+        )
+        try:
+            self.coord.record_interruption(record)
+        except Exception:
+            log.exception("could not record the interruption in the store")
+
     def _record(self, state: State, error: Exception) -> None:
         kind = Interruption.HOOK if isinstance(error, HookError) else Interruption.EXCEPTION
         record = InterruptionRecord(
@@ -331,7 +428,7 @@ class Runner:
         except Exception:
             log.exception("could not record the interruption in the store")
 
-    def _report_fault(self, state: State, error: Exception) -> None:
+    def _report_fault(self, state: State, error: Exception, aborted: bool) -> None:
         log.warning(
             "rank %d iteration %d failed: %s",
             state.rank,
@@ -346,36 +443,47 @@ class Runner:
             seen.add(id(link))
             link.__traceback__ = None
             link = link.__cause__ or link.__context__
-        if self.opts.abort is not None:
+        if self.opts.abort is not None and not aborted:
             try:
                 self.opts.abort(state)
             except Exception as exc:
                 log.exception("abort failed")
                 raise HookError("abort", state.rank, state.iteration, exc) from exc
 
-    def _after_fault(self, state: State) -> None:
+    def _after_fault(self, state: State, error: Exception | None) -> None:
         destroy_process_groups()
         self.groups.release()
         self.clock.disarm()
-        self._hook("finalize", self.opts.finalize, state)
-        if self.opts.health_check is not None:
-            try:
-                self.opts.health_check(state)
-            except Exception as exc:
-                log.error("rank %d failed its health check: %s", state.rank, exc)
-                raise HealthCheckError("health_check", state.rank, state.iteration, exc) from exc
+        self._finalize(state, error)
+        self._health_check(state, error)
         gc.collect()
 
-    def _hook(self, name: str, hook: Callable[[State], None] | None, state: State) -> None:
-        if hook is None:
+    def _finalize(self, state: State, error: BaseException | None) -> None:
+        if self.opts.finalize is None:
             return
         try:
-            hook(state)
+            self.opts.finalize(state, error)
         except Exception as exc:
-            log.error(
-                "%s hook failed on rank %d in iteration %d", name, state.rank, state.iteration
-            )
-            raise HookError(name, state.rank, state.iteration, exc) from exc
+            self._hook_failed("finalize", state, exc)
+
+    def _health_check(self, state: State, error: BaseException | None) -> None:
+        """Before each iteration (``error`` None) and after a fault (the fault's exception)."""
+        if self.opts.health_check is None:
+            return
+        try:
+            self.opts.health_check(state, error)
+        except Exception as exc:
+            log.error("rank %d failed its health check: %s", state.rank, exc)
+            raise HealthCheckError("health_check", state.rank, state.iteration, exc) from exc
+
+    def _expect_state(self, name: str, value: object) -> State:
+        if not isinstance(value, State):
+            raise InternalError(f"{name} must return a State or None, got {type(value).__name__}")
+        return value
+
+    def _hook_failed(self, name: str, state: State, exc: Exception) -> typing.NoReturn:
+        log.error("%s hook failed on rank %d in iteration %d", name, state.rank, state.iteration)
+        raise HookError(name, state.rank, state.iteration, exc) from exc
 
     # -- leaving -----------------------------------------------------------------------
     def _leave_abnormally(self, state: State, exc: BaseException) -> None:
@@ -385,6 +493,11 @@ class Runner:
         )
         with contextlib.suppress(Exception):
             destroy_process_groups()
+        if self.is_host:
+            # Before the record that lets peers pass the termination barrier, so
+            # their next iteration's env:// store is there when they look.
+            with contextlib.suppress(Exception):
+                self._serve_port(state.iteration + 1)
         with contextlib.suppress(Exception):
             self.coord.record_terminated(state.initial_rank, type(exc).__name__)
             self.coord.record_interruption(
@@ -435,15 +548,25 @@ class Runner:
         coord = self.coord
         deadline = time.monotonic() + self.opts.last_call_wait if clean else None
         pending = [r for r in range(self.state.initial_world_size) if r != self.state.initial_rank]
+        # Having left early, this rank still serves each later iteration's env:// store.
+        next_iteration = self.state.iteration + 2
         while pending and (deadline is None or time.monotonic() < deadline):
             try:
                 pending = [r for r in pending if not (coord.has_left(r) or coord.is_gone(r))]
+                if not clean and coord.fault(next_iteration - 1) is not None:
+                    self._serve_port(next_iteration)
+                    next_iteration += 1
             except Exception:
                 return
             if pending:
-                time.sleep(0.01 if clean else 0.1)
+                time.sleep(0.01 if clean else 0.005)
         if pending:
             log.warning("store host stops waiting for ranks %s to leave", pending)
+
+    def _serve_port(self, iteration: int) -> None:
+        if self.coord.port(iteration) is None:
+            self.iteration_stores.close_before(iteration - 1)
+            self.coord.publish_port(iteration, self.iteration_stores.open(iteration))
 
     def _log_interruptions(self, state: State) -> None:
         """One summary per restart, on the store host: who interrupted and why."""

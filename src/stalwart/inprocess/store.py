@@ -39,7 +39,8 @@ def tcp_store(
     is_host: bool,
     host: str | None = None,
     port: int | None = None,
-    timeout: float = 300.0,
+    timeout: float | datetime.timedelta = 300.0,
+    host_name: str | None = None,
 ) -> Store:
     """The default store factory.
 
@@ -50,8 +51,13 @@ def tcp_store(
       ``STALWART_INPROCESS_PORT`` or ``MASTER_PORT``.  Taking ``MASTER_PORT``
       is safe because the wrapper hands the training code's ``env://`` a fresh
       port every iteration (and it avoids guessing a second free port).
+
+    ``host_name`` and a ``timedelta`` timeout are accepted as NVIDIA's
+    ``inprocess`` store takes them, so its ``store_kwargs`` carry over.
     """
-    addr = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    addr = host or host_name or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
     env_port = os.environ.get("STALWART_INPROCESS_PORT")
     agent = (
         port is None

@@ -9,10 +9,9 @@ from typing import Any, ParamSpec, TypeVar
 from torch._C._distributed_c10d import Store
 
 from .abort import AbortTorchDistributed
-from .assignment import ShiftRanks
-from .options import Options, Seconds, to_seconds
+from .assignment import RankAssignment, RankFilter, ShiftRanks
+from .options import AbortHook, Finalize, HealthCheck, Initialize, Options, Seconds, to_seconds
 from .runner import run_plain, run_wrapped
-from .state import State
 from .store import tcp_store
 
 P = ParamSpec("P")
@@ -24,7 +23,8 @@ _DEFAULT_ABORT = AbortTorchDistributed()
 class Wrapper:
     """Decorator: on a fault on any rank, all healthy ranks re-enter the function together.
 
-    Durations are seconds or ``timedelta``.  See docs/inprocess.md for each option.
+    Durations are seconds or ``timedelta``.  Hooks have NVIDIA ``inprocess``'s
+    shapes (see ``hooks.py``).  See docs/inprocess.md for each option.
     The wrapped function returns its value on active ranks and ``None`` on spares.
     """
 
@@ -33,12 +33,12 @@ class Wrapper:
         *,
         store_factory: Callable[..., Store] = tcp_store,
         store_kwargs: dict[str, Any] | None = None,
-        initialize: Callable[[State], None] | None = None,
-        abort: Callable[[State], None] | None = _DEFAULT_ABORT,
-        finalize: Callable[[State], None] | None = None,
-        health_check: Callable[[State], None] | None = None,
-        rank_assignment: Callable[[State, frozenset[int]], State] | None = None,
-        rank_filter: Callable[[State], State] | None = None,
+        initialize: Initialize | None = None,
+        abort: AbortHook | None = _DEFAULT_ABORT,
+        finalize: Finalize | None = None,
+        health_check: HealthCheck | None = None,
+        rank_assignment: RankAssignment | None = None,
+        rank_filter: RankFilter | None = None,
         monitor_thread_interval: Seconds = 0.5,
         monitor_process_interval: Seconds = 0.5,
         progress_watchdog_interval: Seconds = 0.5,

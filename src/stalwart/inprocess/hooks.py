@@ -1,0 +1,92 @@
+"""Hook composition and the call shapes the wrapper expects of user hooks.
+
+The shapes are NVIDIA ``inprocess``'s, so hooks written for it run unchanged:
+``initialize(state) -> state``, ``abort(state) -> state``,
+``finalize(state, exception)``, ``health_check(state, exception)``,
+``rank_assignment(state, terminated) -> (state, terminated)`` and
+``rank_filter(state) -> state``.  A hook that returns ``None`` where a state is
+expected leaves the state as it was.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .errors import ConfigError
+
+# How many positional arguments the wrapper passes to each hook.
+HOOK_ARITY = {
+    "initialize": 1,
+    "abort": 1,
+    "finalize": 2,
+    "health_check": 2,
+    "rank_assignment": 2,
+    "rank_filter": 1,
+}
+_EXPECTED = {
+    "initialize": "(state) -> state",
+    "abort": "(state) -> state",
+    "finalize": "(state, exception)",
+    "health_check": "(state, exception)",
+    "rank_assignment": "(state, terminated) -> (state, terminated)",
+    "rank_filter": "(state) -> state",
+}
+
+
+def check_hook(name: str, hook: Any) -> None:
+    """Raise ``ConfigError`` now for a hook that could not take the wrapper's arguments.
+
+    Without this a one-argument ``finalize`` would fail with ``TypeError`` at the
+    first restart, long after the job started.
+    """
+    if hook is None:
+        return
+    if not callable(hook):
+        raise ConfigError(f"{name} must be callable or None, got {hook!r}")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a C callable without a signature: trust it
+        return
+    try:
+        signature.bind(*([None] * HOOK_ARITY[name]))
+    except TypeError:
+        raise ConfigError(
+            f"{name} must be callable as {name}{_EXPECTED[name]}, "
+            f"got {hook!r} with signature {signature}"
+        ) from None
+
+
+class Compose:
+    """Chain hooks of one kind into one: ``Compose(a, b, c)(x)`` is ``a(b(c(x)))``.
+
+    As in NVIDIA's ``inprocess.Compose``, the last hook runs first and each
+    result feeds the next hook: a tuple is spread into its arguments (so
+    ``health_check`` and ``rank_assignment`` chains pass ``(state, x)`` along),
+    any other value becomes the single argument.  Unlike there, a hook that
+    returns ``None`` passes its own arguments on unchanged, so hooks that only
+    act (``finalize``) chain without each having to return what it received.
+    """
+
+    def __init__(self, *hooks: Callable[..., Any]) -> None:
+        if not hooks:
+            raise ConfigError("Compose needs at least one hook")
+        for hook in hooks:
+            if not callable(hook):
+                raise ConfigError(f"Compose takes callables, got {hook!r}")
+        self.hooks = hooks
+
+    def __call__(self, *args: Any) -> Any:
+        result: Any = None
+        for hook in reversed(self.hooks):
+            result = hook(*args)
+            if result is None:
+                continue
+            args = result if isinstance(result, tuple) else (result,)
+        if result is None and len(args) == 1:
+            return args[0]
+        return result if result is not None else (args or None)
+
+    def __repr__(self) -> str:
+        return f"Compose({', '.join(repr(h) for h in self.hooks)})"
