@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -63,7 +64,11 @@ def test_sigkill_of_writer_at_random_points_keeps_latest_loadable(tmp_path: Path
             if pid is not None:
                 # Kill anywhere from "request not read yet" to "already committed".
                 time.sleep(rng.uniform(0.0, 1.5 * write_s))
-                os.kill(pid, signal.SIGKILL)
+                # The pid can be the writer the previous trial killed, not yet noticed
+                # by the checkpointer: this save then fails against it, which is one
+                # more kill point, not a test error.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             try:
                 fut.result(timeout=60)
                 outcomes["ok"] += 1
