@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.launch.errors import ProcessFailure
+from stalwart.launch.hangs import annotate
+from stalwart.monitor import HangKind, HangReport
+
 from .helpers import SCRIPTS, events, stalwart
 
 pytestmark = pytest.mark.timeout(90)
@@ -70,3 +74,58 @@ def test_late_hang_report_still_explains_the_failure(tmp_path: Path) -> None:
     assert failed["root_cause"]["rank"] == 1
     assert failed["root_cause"]["reason"].startswith("hang detected: heartbeat timeout 1s")
     assert "hang detected: heartbeat timeout 1s" in proc.stderr
+
+
+def _hang(**kw: object) -> HangReport:
+    base: dict[str, object] = dict(
+        local_rank=1,
+        global_rank=1,
+        pid=42,
+        kind=HangKind.HEARTBEAT,
+        section=None,
+        timeout=2.0,
+        last_heartbeat_age=None,
+        iteration=None,
+        stacks="",
+        detected_at=100.0,
+    )
+    base.update(kw)
+    return HangReport(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("hang", "failure_ts", "failure_tb", "expected"),
+    [
+        (_hang(), 105.0, "", ("hang detected: heartbeat timeout 2s", 100.0, "")),
+        (
+            _hang(kind=HangKind.SECTION, section="step", last_heartbeat_age=3.04, iteration=7),
+            105.0,
+            "",
+            (
+                "hang detected: section timeout 2s, section 'step', last heartbeat 3.0s ago,"
+                " iteration 7",
+                100.0,
+                "",
+            ),
+        ),
+        # The worker's own traceback wins over the monitor's stacks; an earlier exit
+        # time is kept.
+        (
+            _hang(stacks="File x"),
+            99.0,
+            "Traceback",
+            ("hang detected: heartbeat timeout 2s", 99.0, "Traceback"),
+        ),
+        (
+            _hang(stacks="File x"),
+            105.0,
+            "",
+            ("hang detected: heartbeat timeout 2s", 100.0, "File x"),
+        ),
+    ],
+)
+def test_annotate(
+    hang: HangReport, failure_ts: float, failure_tb: str, expected: tuple[str, float, str]
+) -> None:
+    failure = ProcessFailure(1, 42, -15, timestamp=failure_ts, traceback=failure_tb)
+    assert annotate(failure, hang) == expected
