@@ -2,7 +2,10 @@
 reports into the launcher's terms (failure reasons and stacks, stop requests).
 
 The monitor reaps a hung worker itself; the supervisor then sees an ordinary worker
-death, and ``explain`` attaches the hang that caused it so the summary says why.
+death, and ``explain`` attaches the hang that caused it so the summary says why.  The
+supervisor never waits for a report before stopping the other workers: the monitor files
+its report before it signals, and one that comes later (a rank judged hung that died on
+its own meanwhile) is attached by calling ``explain`` again once the attempt is torn down.
 """
 
 from __future__ import annotations
@@ -10,9 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,6 @@ from stalwart.launch.errors import ProcessFailure
 from stalwart.monitor import ControlAction, HangReport, MonitorConfig, NodeMonitor
 
 logger = logging.getLogger(__name__)
-
-# How long to wait for the monitor's report after a worker it terminated has exited: the
-# report is filed microseconds after the signal, so this only bounds a pathological case.
-_REPORT_WAIT = 1.0
 
 
 class HangWatch:
@@ -73,35 +70,21 @@ class HangWatch:
         for report in self.monitor.poll_hangs():
             self._hangs[report.pid] = report
 
-    def explain(self, failures: list[ProcessFailure]) -> None:
-        """Gives failures of workers the monitor terminated the hang as reason; its stacks
-        stand in for a traceback."""
+    def explain(self, failures: list[ProcessFailure]) -> bool:
+        """Gives failures of workers the monitor judged hung the hang as reason; its stacks
+        stand in for a traceback.  Uses the reports filed so far and never waits for one,
+        so a death is acted on at once; returns True when it changed a failure (call it
+        again after the teardown for reports that came late)."""
         self.collect()
-        deadline = time.monotonic() + _REPORT_WAIT
-        pending = [f for f in failures if f.pid not in self._hangs]
-        while pending and self._killed_by_monitor(pending) and time.monotonic() < deadline:
-            time.sleep(0.01)
-            self.collect()
-            pending = [f for f in pending if f.pid not in self._hangs]
+        changed = False
         for f in failures:
             hang = self._hangs.get(f.pid)
             if hang is None:
                 continue
-            bits = [f"hang detected: {hang.kind.value} timeout {hang.timeout:g}s"]
-            if hang.section:
-                bits.append(f"section {hang.section!r}")
-            if hang.last_heartbeat_age is not None:
-                bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
-            if hang.iteration is not None:
-                bits.append(f"iteration {hang.iteration}")
-            f.reason = ", ".join(bits)
-            f.timestamp = min(f.timestamp, hang.detected_at)
-            if hang.stacks and not f.traceback:
-                f.traceback = hang.stacks
-
-    def _killed_by_monitor(self, failures: list[ProcessFailure]) -> bool:
-        sig = int(self.config.term_signal)
-        return any(f.exitcode in (-sig, -int(signal.SIGKILL)) for f in failures)
+            before = (f.reason, f.timestamp, f.traceback)
+            f.reason, f.timestamp, f.traceback = annotate(f, hang)
+            changed |= (f.reason, f.timestamp, f.traceback) != before
+        return changed
 
     def stop_requested(self, attempt: int) -> bool:
         """True when a rank asked to shut the workload down (or to exclude this node,
@@ -127,3 +110,20 @@ class HangWatch:
     def stop(self) -> None:
         self.monitor.stop()
         shutil.rmtree(self.ipc, ignore_errors=True)
+
+
+def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str]:
+    """(reason, timestamp, traceback) of *failure* once *hang* explains it: the hang is
+    the reason, its detection time the failure's time (it came first), its stacks the
+    traceback when the worker left none."""
+    bits = [f"hang detected: {hang.kind.value} timeout {hang.timeout:g}s"]
+    if hang.section:
+        bits.append(f"section {hang.section!r}")
+    if hang.last_heartbeat_age is not None:
+        bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
+    if hang.iteration is not None:
+        bits.append(f"iteration {hang.iteration}")
+    traceback = failure.traceback
+    if hang.stacks and not traceback:
+        traceback = hang.stacks
+    return ", ".join(bits), min(failure.timestamp, hang.detected_at), traceback

@@ -430,13 +430,25 @@ class Supervisor:
                         "reason": "a rank asked to shut the workload down",
                     },
                 )
+        self.events.emit("workers_stopping", attempt=info.round, reason=outcome.value)
         if self._hangs is not None:
             self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+        if outcome is RoundOutcome.LOCAL_FAILURE and result is not None:
+            self._explain_late(rdzv, info.round, result)
         self._emit_exits(ctx, info.round)
         self._reap_orphans(ctx)
         self._ctx = None
         return outcome, result
+
+    def _explain_late(self, rdzv: Rendezvous, round_: int, result: RunResult) -> None:
+        """A hang report filed after the death was acted on (the teardown did not wait for
+        it) still names the hang in this node's failure record, hence in the summary."""
+        if self._hangs is None:
+            return
+        failures = list(result.failures.values())
+        if failures and self._hangs.explain(failures):
+            rdzv.report_failure(round_, root_cause(failures).to_dict())
 
     def _reap_orphans(self, ctx: ProcessContext) -> None:
         keep = set(ctx.pids().values())

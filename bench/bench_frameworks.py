@@ -1,0 +1,255 @@
+"""Framework benchmark: Lightning and HF Trainer jobs, fault -> first resumed step.
+
+(The launcher benchmark's job, examples/train_ddp.py, runs alongside with its own step
+numbers, for the SIGKILL path against the crash path on a job without a framework.)
+
+The jobs are tests/frameworks/lightning_job.py (Lightning 2.6 ``Trainer``, DDP on gloo,
+``ModelCheckpoint`` + ``ckpt_path="last"``) and tests/frameworks/hf_job.py (transformers
+``Trainer`` on a tiny GPT-2 from a config, ``resume_from_checkpoint``), 2 ranks, 12 steps,
+a checkpoint every 4; rank 1 faults at step 7 of the first attempt, either by exiting
+with code 1 ("crash") or by SIGKILL to itself.  Each runs under torchrun with its working
+configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-warm`` and
+``stalwart run`` (warm, the default), interleaved.  Times come from rank 0's own records:
+
+* fault -> resumed: from the end of the step the fault followed to the end of the first
+  step of the next attempt;
+* for stalwart, where that time went, from events.jsonl and the records: detect (the
+  faulty worker's exit -> teardown began), survivor (teardown began -> the last worker
+  exited: the survivor's own SIGTERM handling), respawn (-> the new attempt's workers
+  started), setup (-> the framework's train-start hook: imports, process group, model,
+  checkpoint load), first step.
+
+    python bench/bench_frameworks.py [--repeats 3] [--jobs lightning,hf,example] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import fmt, machine, med, ratio, run_job, show, spread
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = ROOT / "tests" / "frameworks"
+STEPS, CKPT_EVERY, FAULT_AT = 12, 4, 7
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    argv: tuple[str, ...]  # after the work folder's place, written {work}
+    fault_at: int  # the step number given to the fault
+    before: int  # rank 0's last recorded step before the fault
+    last: int  # the job's last recorded step
+    needs: str | None = None  # a module the job imports
+
+
+JOBS = {
+    "lightning": Job(
+        "Lightning",
+        (str(FRAMEWORKS / "lightning_job.py"), "{work}", str(STEPS), str(CKPT_EVERY)),
+        FAULT_AT,
+        FAULT_AT,
+        STEPS,
+        "lightning",
+    ),
+    "hf": Job(
+        "HF Trainer",
+        (str(FRAMEWORKS / "hf_job.py"), "{work}", str(STEPS), str(CKPT_EVERY)),
+        FAULT_AT,
+        FAULT_AT,
+        STEPS,
+        "transformers",
+    ),
+    # The launcher benchmark's job, for the SIGKILL path against the crash path (its
+    # stalwart.inject.step comes before the step's work: the last recorded is one less).
+    "example": Job(
+        "examples/train_ddp.py",
+        (
+            str(ROOT / "examples" / "train_ddp.py"),
+            *("--steps", "40", "--ckpt-every", "20", "--quiet"),
+            *("--ckpt-dir", "{work}/ckpt", "--progress", "{work}/p.jsonl"),
+        ),
+        30,
+        29,
+        39,
+    ),
+}
+FAULTS = {"crash": "exit:rank=1,step={at},code=1", "SIGKILL": "sigkill:rank=1,step={at}"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+STALWART = [sys.executable, "-m", "stalwart.cli", "run"]
+PHASES = ("detect", "survivor", "respawn", "setup", "first step")
+
+
+@dataclass
+class Launcher:
+    name: str
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    stalwart: bool = True
+
+
+LAUNCHERS = [
+    Launcher(
+        "torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+        TORCHRUN,
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        stalwart=False,
+    ),
+    Launcher("stalwart run --no-warm", [*STALWART, "--no-warm"]),
+    Launcher("stalwart run (warm)", STALWART),
+]
+
+
+@dataclass
+class Cell:
+    resume: list[float] = field(default_factory=list)
+    phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    ok: int = 0
+    runs: int = 0
+
+
+def phases(work: Path, recs: list[dict[str, Any]]) -> dict[str, float | None] | None:
+    """Where stalwart's fault -> resumed time went (see the module docstring); a job
+    without a "start" record counts its setup up to the end of the first step."""
+    paths = list((work / "logs").glob("*/events.jsonl"))
+    if len(paths) != 1:
+        return None
+    evs = [json.loads(x) for x in paths[0].read_text().splitlines() if x.strip()]
+    # exited_at is None for a worker abandoned in uninterruptible sleep.
+    exits = [
+        e
+        for e in evs
+        if e["event"] == "worker_exit" and e["attempt"] == 0 and e["exited_at"] is not None
+    ]
+    stop = [e for e in evs if e["event"] == "workers_stopping" and e["attempt"] == 0]
+    spawn = [e for e in evs if e["event"] == "worker_spawn" and e["attempt"] == 1]
+    start = [r for r in recs if r.get("event") == "start" and r["attempt"] == 1]
+    first = [r for r in recs if r.get("event", "step") == "step" and r["attempt"] == 1]
+    faulty = [e["exited_at"] for e in exits if e["rank"] == 1]
+    if not (exits and stop and spawn and first and faulty):
+        return None
+    last_exit = max(e["exited_at"] for e in exits)
+    spawned = max(e["time"] for e in spawn)
+    began = start[0]["time"] if start else None
+    return {
+        "detect": stop[0]["time"] - faulty[0],
+        "survivor": last_exit - stop[0]["time"],
+        "respawn": spawned - last_exit,
+        "setup": (began if began is not None else first[0]["time"]) - spawned,
+        "first step": first[0]["time"] - began if began is not None else None,
+    }
+
+
+def run_once(job: Job, fault: str, launcher: Launcher, cell: Cell, deadline: float) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench_frameworks_") as d:
+        work = Path(d)
+        args = [
+            *launcher.cmd,
+            *("--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(work / "logs")),
+            *(a.replace("{work}", str(work)) for a in job.argv),
+        ]
+        env = {
+            **launcher.env,
+            "STALWART_INJECT": FAULTS[fault].format(at=job.fault_at),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(work / "hf_home"),
+        }
+        code, recs = run_job(args, env, work, deadline)
+        cell.runs += 1
+        steps = [r for r in recs if r.get("event", "step") == "step"]
+        before = [r for r in steps if r["attempt"] == 0 and r["step"] == job.before]
+        after = [r for r in steps if r["attempt"] == 1]
+        if before and after:
+            cell.resume.append(after[0]["time"] - before[-1]["time"])
+        if code == 0 and after and after[-1]["step"] == job.last:
+            cell.ok += 1
+        if launcher.stalwart and (split := phases(work, recs)) is not None:
+            for name, value in split.items():
+                if value is not None:
+                    cell.phases[name].append(value)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--deadline", type=float, default=120.0, help="seconds per run")
+    ap.add_argument(
+        "--jobs", default=",".join(JOBS), help="comma-separated subset of " + ",".join(JOBS)
+    )
+    ap.add_argument("--markdown", action="store_true")
+    ns = ap.parse_args()
+    chosen = [j for j in ns.jobs.split(",") if j]
+    unknown = [j for j in chosen if j not in JOBS]
+    if unknown or not chosen:
+        ap.error(f"--jobs {ns.jobs!r}: expected names from {','.join(JOBS)}")
+    missing = [n for j in chosen if (n := JOBS[j].needs) and importlib.util.find_spec(n) is None]
+    if missing:
+        ap.error(f"{', '.join(missing)} not installed: pip install -c constraints.txt -e '.[test]'")
+    jobs = [JOBS[j] for j in chosen]
+    cells: dict[tuple[str, str, str], Cell] = {
+        (j.name, f, lc.name): Cell() for j in jobs for f in FAULTS for lc in LAUNCHERS
+    }
+    t0 = time.monotonic()
+    for i in range(ns.repeats):
+        # Interleaved, so drift on a shared machine hits every launcher alike.
+        for job in jobs:
+            for fault in FAULTS:
+                for lc in LAUNCHERS:
+                    cell = cells[(job.name, fault, lc.name)]
+                    run_once(job, fault, lc, cell, ns.deadline)
+                    print(
+                        f"[{i + 1}/{ns.repeats}] {job.name} {fault} {lc.name}: "
+                        f"ok {cell.ok}/{cell.runs} ({time.monotonic() - t0:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    print(f"machine: {machine()}")
+    ref = LAUNCHERS[0].name
+    rows = []
+    for job in jobs:
+        for fault in FAULTS:
+            anchor = med(cells[(job.name, fault, ref)].resume)
+            for lc in LAUNCHERS:
+                c = cells[(job.name, fault, lc.name)]
+                rows.append(
+                    [job.name, fault, lc.name, f"{c.ok}/{c.runs}", spread(c.resume),
+                     ratio(med(c.resume), anchor)]
+                )  # fmt: skip
+    show(
+        "Fault -> first resumed step: 2 ranks on gloo, rank 1 faults once (min / median / max)",
+        ["job", "fault", "launcher", "finished", "fault -> resumed", "vs torchrun"],
+        rows,
+        ns.markdown,
+    )
+    rows = []
+    for job in jobs:
+        for fault in FAULTS:
+            for lc in LAUNCHERS[1:]:
+                c = cells[(job.name, fault, lc.name)]
+                rows.append([job.name, fault, lc.name, *(fmt(med(c.phases[p])) for p in PHASES)])
+    show(
+        "Where stalwart's fault -> resumed time goes (medians)",
+        ["job", "fault", "launcher", *PHASES],
+        rows,
+        ns.markdown,
+    )
+    for job in jobs:
+        for lc in LAUNCHERS[1:]:
+            crash = med(cells[(job.name, "crash", lc.name)].resume)
+            kill = med(cells[(job.name, "SIGKILL", lc.name)].resume)
+            if crash is not None and kill is not None:
+                print(f"- {job.name}, {lc.name}: SIGKILL path - crash path = {kill - crash:+.2f} s")
+
+
+if __name__ == "__main__":
+    main()
