@@ -33,6 +33,7 @@ from stalwart.launch.events import EventLog
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.monitor import ControlAction, ControlRequest
@@ -120,9 +121,10 @@ class Supervisor:
         base = cfg.log_dir
         if base is None:
             base = Path(tempfile.mkdtemp(prefix="stalwart_"))
-        self.run_dir: Path | None = None if str(base) == os.devnull else base / cfg.run_id
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_component(cfg.run_id)  # it names the monitor's folder too
+        self.run_dir: Path | None = None
+        if str(base) != os.devnull:
+            self.run_dir = make_run_dir(base, cfg.run_id)
         self.events = EventLog(
             self.run_dir / "events.jsonl" if self.run_dir else None,
             run_id=cfg.run_id,

@@ -178,7 +178,9 @@ class C10dRendezvous:
         self.kv.create(f"{p}failed", str(self.node_rank))
 
     def failed(self, round_: int) -> bool:
-        return self.kv.get(f"r{round_}/failed") is not None
+        # The flag alone is not enough: a node writes its record before the flag, so a
+        # flag without a valid record is a stranger's (or garbage) and fails nothing.
+        return self.kv.get(f"r{round_}/failed") is not None and bool(self.failures(round_))
 
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)

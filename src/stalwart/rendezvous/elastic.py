@@ -420,7 +420,9 @@ class ElasticRendezvous:
 
     def failed(self, round_: int) -> bool:
         self._check_cut_off()
-        if self.kv.get(f"r{round_}/failed") is not None:
+        # A node writes its record before the flag: a flag without a valid record fails
+        # nothing (it is garbage, or a stranger's).
+        if self.kv.get(f"r{round_}/failed") is not None and self.failures(round_):
             return True
         now = time.monotonic()
         if now - self._last_check < self.settings.keep_alive_interval / 4:
