@@ -165,6 +165,7 @@ class ElasticRendezvous:
         self._beat_ok = time.monotonic()
         self._stop = threading.Event()
         self._warned: set[str] = set()
+        self._excluded = False  # a rank asked to take this node out of the job
         ended = self._ended()
         if ended is not None:
             raise RendezvousError(
@@ -415,6 +416,8 @@ class ElasticRendezvous:
     # -- the running round -------------------------------------------------------------
     def report_failure(self, round_: int, failure: FailureRecord) -> None:
         rank = failure.node_rank
+        if failure.kind == "exclude_node" and rank == self.node_rank:
+            self._excluded = True
         self.kv.set(f"r{round_}/failure/{rank}", failure.encode().decode())
         self.kv.create(f"r{round_}/failed", str(rank))
 
@@ -456,9 +459,11 @@ class ElasticRendezvous:
     def leave(self) -> None:
         """Stops the keep-alive; the c10d store's host waits (``close_timeout``) until every
         registered node has left or is lost, since its exit takes the store with it."""
-        self._stop.set()
         try:
             self.kv.set(f"left/{self.id}", "1")
+            if self._hosts_store and self._excluded:
+                self._serve_until_the_end()
+            self._stop.set()
             if self._hosts_store:
                 deadline = time.monotonic() + self.settings.close_timeout
                 while time.monotonic() < deadline:
@@ -475,8 +480,28 @@ class ElasticRendezvous:
                     logger.warning("not every node left within %ss", self.settings.close_timeout)
         except RendezvousError as err:  # the store may already be gone
             logger.debug("leave(): %s", err)
+        self._stop.set()
         self.kv.close()
         self._worker_stores.clear()
+
+    def _serve_until_the_end(self) -> None:
+        """An excluded node that hosts the c10d store: its workers are gone, but the
+        others' rendezvous runs on its store, so it keeps serving (and beating) until
+        the job ends or every other node has left or is lost."""
+        logger.warning(
+            "this node is out of job %s but hosts its c10d store: serving it until the job ends",
+            self.run_id,
+        )
+        while self._ended() is None:
+            ids = [i for i in self._registered() if i != self.id]
+            self._live.observe(ids)
+            gone = self.kv.get_many([f"left/{i}" for i in ids])
+            if all(
+                g is not None or self._live.lost(i) is not None
+                for i, g in zip(ids, gone, strict=True)
+            ):
+                return
+            time.sleep(_SPARE_POLL)
 
     def _registered(self) -> list[str]:
         # Every node that ever joined a round, spares included.
