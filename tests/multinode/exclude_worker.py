@@ -29,4 +29,8 @@ if attempt == 0:
         client.send_workload_control_request("exclude_node")
     time.sleep(120)  # stopped by the launcher
     sys.exit("not stopped")
+if (out / "hold").exists():  # keep attempt 1 running until the test says go
+    deadline = time.monotonic() + 60
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 (out / f"ok_{attempt}_{node}").write_text(os.environ["WORLD_SIZE"])

@@ -99,6 +99,46 @@ def test_elastic_job_goes_on_without_the_excluded_node(tmp_path: Path, excluder:
     assert "node_excluded" in ev_out and ev_out.count("worker_spawn") == 1, ev_out
 
 
+def test_excluded_store_host_stops_serving_on_a_signal(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    port = free_port()
+    (tmp_path / "hold").touch()
+    args = [
+        "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "--rdzv-id", "exsig", "--rdzv-conf", "last_call_timeout=30,keep_alive_interval=0.5",
+        str(WORKER), str(tmp_path), "0",
+    ]  # fmt: skip
+    log = tmp_path / "host.log"
+    with open(log, "wb") as fh:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
+             "--max-restarts", "1", "--node-rank", "0", "--log-dir", str(tmp_path / "n0"), *args],
+            cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    other = None
+    try:
+        _wait_listening(port, host)
+        other = _launch(tmp_path, "n1", 1, args)
+        deadline = time.monotonic() + 90
+        while "serving it until the job ends" not in log.read_text():
+            assert time.monotonic() < deadline and host.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        # The host serves the store for the other node, which runs attempt 1 meanwhile.
+        host.send_signal(signal.SIGTERM)
+        host.wait(timeout=15)
+        out = log.read_text()
+        assert host.returncode == 0 and "Traceback" not in out, out[-3000:]
+    finally:
+        (tmp_path / "go").touch()
+        for p in (host, other):
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.communicate(timeout=30)
+
+
 def test_static_job_ends_with_the_reason(tmp_path: Path) -> None:
     port = str(free_port())
     args = [

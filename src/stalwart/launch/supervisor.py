@@ -154,6 +154,8 @@ class Supervisor:
             if self._ctx is not None:
                 for pid in self._ctx.pids().values():
                     posix.killpg_quiet(pid, signal.SIGKILL)
+            if self._rdzv is not None:
+                self._rdzv.interrupt()  # an excluded store host stops serving
             return
         raise SignalReceived(signum)
 

@@ -106,6 +106,10 @@ class Rendezvous(Protocol):
         """The job is over (success, or no restart left): spares waiting to join exit."""
         ...
 
+    def interrupt(self) -> None:
+        """A signal reached the launcher while it leaves: stop any wait in ``leave``."""
+        ...
+
     def leave(self) -> None:
         """This node is exiting; the store host waits for everyone before closing."""
         ...

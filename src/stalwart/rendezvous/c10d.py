@@ -194,6 +194,9 @@ class C10dRendezvous:
     def finish(self, succeeded: bool, reason: str) -> None:
         """Static membership has no spares waiting to be told."""
 
+    def interrupt(self) -> None:
+        """Nothing waits unbounded in ``leave`` here (the exit barrier has a timeout)."""
+
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:

@@ -166,6 +166,7 @@ class ElasticRendezvous:
         self._stop = threading.Event()
         self._warned: set[str] = set()
         self._excluded = False  # a rank asked to take this node out of the job
+        self._interrupted = threading.Event()
         ended = self._ended()
         if ended is not None:
             raise RendezvousError(
@@ -475,7 +476,9 @@ class ElasticRendezvous:
                         for i, g in zip(ids, gone, strict=True)
                     ):
                         break
-                    time.sleep(0.05)
+                    if self._interrupted.wait(0.05):
+                        logger.warning("interrupted while waiting for the other nodes to leave")
+                        break
                 else:
                     logger.warning("not every node left within %ss", self.settings.close_timeout)
         except RendezvousError as err:  # the store may already be gone
@@ -492,7 +495,7 @@ class ElasticRendezvous:
             "this node is out of job %s but hosts its c10d store: serving it until the job ends",
             self.run_id,
         )
-        while self._ended() is None:
+        while self._ended() is None and not self._interrupted.is_set():
             ids = [i for i in self._registered() if i != self.id]
             self._live.observe(ids)
             gone = self.kv.get_many([f"left/{i}" for i in ids])
@@ -501,7 +504,11 @@ class ElasticRendezvous:
                 for i, g in zip(ids, gone, strict=True)
             ):
                 return
-            time.sleep(_SPARE_POLL)
+            self._interrupted.wait(_SPARE_POLL)
+
+    def interrupt(self) -> None:
+        """A signal reached the exiting launcher: stop serving the store for the others."""
+        self._interrupted.set()
 
     def _registered(self) -> list[str]:
         # Every node that ever joined a round, spares included.

@@ -283,10 +283,11 @@ def check_run_id(
                 f"to publish the job's rendezvous id at {where}"
             )
         time.sleep(0.01)
-    if got.decode() != run_id:
+    owner = got.decode(errors="replace")
+    if owner != run_id:
         raise RendezvousError(
             f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
-            f"the store belongs to job {got.decode()!r}"
+            f"the store belongs to job {owner[:80]!r}"
         )
 
 
