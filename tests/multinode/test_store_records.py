@@ -81,3 +81,29 @@ def test_read_failures_drops_malformed_records_once(
             assert len(got) == (1 if kept else 0)
     drops = [r for r in caplog.records if "malformed failure record" in r.getMessage()]
     assert len(drops) == (0 if kept else 1)
+
+
+def test_host_store_for_peers_listens_on_the_advertised_address_only() -> None:
+    """A multi-node store: reachable at the address peers use, not on loopback (nor on
+    any other interface)."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    outside = next(
+        (
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+        ),
+        None,
+    )
+    if outside is None:
+        pytest.skip("this machine has no non-loopback address")
+    store = host_store(outside, 0, 10)
+    client = TCPStore(outside, store.port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", store.port))
