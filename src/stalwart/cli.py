@@ -289,10 +289,15 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
+    from stalwart.launch.runfiles import RunFolderError
     from stalwart.launch.supervisor import Supervisor
     from stalwart.rendezvous import RendezvousError
 
-    sup = Supervisor(cfg)
+    try:
+        sup = Supervisor(cfg)
+    except RunFolderError as err:
+        print(f"stalwart run: error: {err}", file=sys.stderr)
+        return 2
     sup.prestart()  # the warm template imports while this process imports torch
     _quiet_torch_import(verbose)
     try:

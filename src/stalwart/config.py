@@ -143,11 +143,12 @@ class LaunchConfig:
         if self.rdzv_endpoint:
             # Imported here: the rendezvous package imports this module.
             from stalwart.rendezvous.c10d import StoreEndpoint
-            from stalwart.rendezvous.etcd import parse_endpoints
+            from stalwart.rendezvous.etcd import access_from_conf, parse_endpoints
 
             try:
                 if self.rdzv_backend == "etcd":
                     parse_endpoints(self.rdzv_endpoint)
+                    access_from_conf(self.rdzv_conf, self.rdzv_endpoint)
                 else:
                     StoreEndpoint.parse(self.rdzv_endpoint)
             except ValueError as err:
@@ -226,7 +227,12 @@ RDZV_DEFAULTS = {
     "keep_alive_max_attempt": "3",
     "read_timeout": "60",
 }
-RDZV_CONF_KEYS = {*RDZV_DEFAULTS, "is_host"}
+# is_host: c10d; the others reach etcd (``rendezvous/etcd.py``: ACCESS_KEYS).
+RDZV_CONF_KEYS = {
+    *RDZV_DEFAULTS,
+    "is_host",
+    *("protocol", "cacert", "cert", "key", "username", "password", "password_file"),
+}
 
 
 def env_overrides(prefix: str = "STALWART_") -> dict[str, str]:

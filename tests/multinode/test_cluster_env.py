@@ -105,7 +105,21 @@ def test_two_slurm_nodes_form_one_job_from_the_environment(tmp_path: Path) -> No
     ("args", "needle"),
     [
         (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x"], "--rdzv-endpoint 'h:x'"),
-        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "https://e:2379"], "https etcd"),
+        (
+            [
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "https://e:2379",
+                "--rdzv-conf",
+                "cert=c",
+            ],
+            "cert and key",
+        ),
+        (
+            ["--rdzv-backend", "etcd", "--rdzv-endpoint", "e:2379", "--rdzv-conf", "password=x"],
+            "expected a username",
+        ),
         (["--rdzv-backend", "etcd"], "--rdzv-backend etcd: expected --rdzv-endpoint"),
         (["--nnodes", "1:3"], "--nnodes 1:3: an elastic node range needs"),
         (["--rdzv-conf", "is_host=maybe"], "is_host='maybe'"),

@@ -17,7 +17,10 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    from stalwart.rendezvous.api import FailureRecord
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +164,41 @@ class ProcessFailure:
             "error_file": self.error_file,
             "reason": self.reason,
         }
+
+    def to_record(self) -> FailureRecord:
+        # Imported here: workers import this module (``record``) and need no rendezvous.
+        from stalwart.rendezvous.api import FailureRecord
+
+        return FailureRecord(
+            local_rank=self.local_rank,
+            rank=self.rank,
+            node_rank=self.node_rank,
+            pid=self.pid,
+            exitcode=self.exitcode,
+            signal=self.signal,
+            timestamp=self.timestamp,
+            message=self.message,
+            traceback=self.traceback,
+            error_file=self.error_file,
+            reason=self.reason,
+        )
+
+    @classmethod
+    def from_record(cls, rec: FailureRecord) -> ProcessFailure:
+        """A failure another node reported (validated when read from the store)."""
+        f = cls(
+            local_rank=rec.local_rank,
+            pid=rec.pid,
+            exitcode=rec.exitcode,
+            rank=rec.rank,
+            node_rank=rec.node_rank,
+        )
+        f.timestamp = rec.timestamp or f.timestamp
+        f.message = rec.message
+        f.traceback = rec.traceback
+        f.error_file = rec.error_file
+        f.reason = rec.reason
+        return f
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProcessFailure:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.launch.runfiles import open_append
+
 
 class EventLog:
     """Appends structured events to a JSONL file; every line carries host and node rank."""
@@ -28,9 +30,9 @@ class EventLog:
         self._lock = threading.Lock()
         self._fd: int | None = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # O_APPEND keeps each line whole even if several launchers share the file.
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            # O_APPEND keeps each line whole even if several launchers share the file;
+            # a link planted at the path is refused (the folder is ``make_run_dir``'s).
+            self._fd = open_append(path)
 
     def set_node_rank(self, node_rank: int) -> None:
         self._base["node_rank"] = node_rank

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.launch.errors import ProcessFailure
-from stalwart.monitor import ControlAction, HangReport, MonitorConfig, NodeMonitor
+from stalwart.monitor import (
+    ControlAction,
+    ControlRequest,
+    HangReport,
+    MonitorConfig,
+    NodeMonitor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +92,10 @@ class HangWatch:
             changed |= (f.reason, f.timestamp, f.traceback) != before
         return changed
 
-    def stop_requested(self, attempt: int) -> bool:
-        """True when a rank asked to shut the workload down (or to exclude this node,
-        which with static membership ends the job the same way)."""
-        stop = False
+    def control_request(self, attempt: int) -> ControlRequest | None:
+        """The rank's request that ends this round, if any: a request to shut the
+        workload down wins over one to exclude a node; "continue" ends nothing."""
+        chosen: ControlRequest | None = None
         for req in self.monitor.poll_requests():
             self._emit(
                 "control_request",
@@ -98,14 +104,12 @@ class HangWatch:
                 rank=req.global_rank,
                 worker_pid=req.pid,
             )
-            if req.action in (ControlAction.SHUTDOWN_WORKLOAD, ControlAction.EXCLUDE_NODE):
-                logger.error(
-                    "rank %s asked to %s: stopping the job without restart",
-                    req.global_rank,
-                    req.action.value.replace("_", " "),
-                )
-                stop = True
-        return stop
+            if req.action is ControlAction.SHUTDOWN_WORKLOAD:
+                if chosen is None or chosen.action is not ControlAction.SHUTDOWN_WORKLOAD:
+                    chosen = req
+            elif req.action is ControlAction.EXCLUDE_NODE and chosen is None:
+                chosen = req
+        return chosen
 
     def stop(self) -> None:
         self.monitor.stop()

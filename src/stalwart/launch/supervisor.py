@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -32,9 +33,12 @@ from stalwart.launch.events import EventLog
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
+from stalwart.monitor import ControlAction, ControlRequest
 from stalwart.rendezvous import (
+    FailureRecord,
     JobEnded,
     Rendezvous,
     RendezvousError,
@@ -63,6 +67,31 @@ class RoundOutcome(Enum):
     LOCAL_FAILURE = "local_failure"
     PEER_FAILURE = "peer_failure"
     SHUTDOWN_REQUESTED = "shutdown_requested"
+    NODE_EXCLUDED = "node_excluded"
+
+
+def control_outcome(action: ControlAction, elastic: bool) -> RoundOutcome | None:
+    """What a rank's control request does to the round.  Excluding a node needs a
+    membership that can lose one (elastic ``MIN:MAX``); with fixed membership the job
+    cannot go on without the node, so the request ends the job as a shutdown does."""
+    if action is ControlAction.SHUTDOWN_WORKLOAD:
+        return RoundOutcome.SHUTDOWN_REQUESTED
+    if action is ControlAction.EXCLUDE_NODE:
+        return RoundOutcome.NODE_EXCLUDED if elastic else RoundOutcome.SHUTDOWN_REQUESTED
+    return None
+
+
+def control_reason(req: ControlRequest, outcome: RoundOutcome, node_rank: int) -> str:
+    """The one line a control request ends up as (events, the console, the peers)."""
+    who = f"rank {req.global_rank if req.global_rank is not None else '?'}"
+    if req.action is ControlAction.SHUTDOWN_WORKLOAD:
+        return f"{who} asked to shut the workload down"
+    if outcome is RoundOutcome.NODE_EXCLUDED:
+        return f"{who} asked to exclude node {node_rank} ({socket.gethostname()})"
+    return (
+        f"{who} asked to exclude node {node_rank}, and a job of fixed membership cannot go "
+        "on without it (exclusion needs elastic --nnodes MIN:MAX)"
+    )
 
 
 class SignalReceived(Exception):
@@ -92,9 +121,10 @@ class Supervisor:
         base = cfg.log_dir
         if base is None:
             base = Path(tempfile.mkdtemp(prefix="stalwart_"))
-        self.run_dir: Path | None = None if str(base) == os.devnull else base / cfg.run_id
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_component(cfg.run_id)  # it names the monitor's folder too
+        self.run_dir: Path | None = None
+        if str(base) != os.devnull:
+            self.run_dir = make_run_dir(base, cfg.run_id)
         self.events = EventLog(
             self.run_dir / "events.jsonl" if self.run_dir else None,
             run_id=cfg.run_id,
@@ -115,6 +145,7 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
+        self._reason = ""  # why a rank's control request ended the round
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -123,6 +154,8 @@ class Supervisor:
             if self._ctx is not None:
                 for pid in self._ctx.pids().values():
                     posix.killpg_quiet(pid, signal.SIGKILL)
+            if self._rdzv is not None:
+                self._rdzv.interrupt()  # an excluded store host stops serving
             return
         raise SignalReceived(signum)
 
@@ -259,19 +292,33 @@ class Supervisor:
                     ", ".join(info.left),
                 )
             outcome, result = self._run_round(rdzv, info)
+            records = rdzv.failures(round_) if outcome is not RoundOutcome.SUCCEEDED else []
+            shutdown = next((f for f in records if f.kind == "shutdown"), None)
             if outcome is RoundOutcome.SHUTDOWN_REQUESTED or (
-                outcome is RoundOutcome.PEER_FAILURE and self._peer_shutdown(rdzv, round_)
+                outcome is RoundOutcome.PEER_FAILURE and shutdown is not None
             ):
+                reason = self._reason or (shutdown.reason if shutdown else "") or "shutdown"
                 self.state = State.FAILED
-                self.events.emit("job_stopped", attempt=round_, reason="shutdown requested")
-                rdzv.finish(False, "a rank asked to shut the workload down")
+                self.events.emit("job_stopped", attempt=round_, reason=reason)
+                rdzv.finish(False, reason)
                 print(
-                    f"stalwart: job {cfg.run_id} stopped at the request of a rank "
-                    f"(attempt {round_}); not restarting",
+                    f"stalwart: job {cfg.run_id} stopped in attempt {round_}: {reason}; "
+                    "not restarting",
                     file=sys.stderr,
                     flush=True,
                 )
                 return JobResult(1, self.state, round_ + 1, [], {}, self.run_dir)
+            if outcome is RoundOutcome.NODE_EXCLUDED:
+                # The others restart without this node (MIN permitting); it leaves now.
+                self.state = State.SUCCEEDED
+                self.events.emit("node_excluded", attempt=round_, reason=self._reason)
+                print(
+                    f"stalwart: this node left job {cfg.run_id} in attempt {round_}: "
+                    f"{self._reason}; the job goes on with the other nodes",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return JobResult(0, self.state, round_ + 1, [], {}, self.run_dir)
             if outcome is RoundOutcome.SUCCEEDED:
                 self.state = State.SUCCEEDED
                 self.events.emit("job_succeeded", attempt=round_)
@@ -284,17 +331,20 @@ class Supervisor:
                     result.return_values if result else {},
                     self.run_dir,
                 )
-            records = rdzv.failures(round_)
-            failures = [ProcessFailure.from_dict(f) for f in records if f["local_rank"] >= 0]
-            for lost in (f for f in records if f.get("kind") == "node_lost"):
+            failures = [
+                ProcessFailure.from_record(f)
+                for f in records
+                if f.kind == "worker" and f.local_rank >= 0
+            ]
+            for gone in (f for f in records if f.kind in ("node_lost", "exclude_node")):
                 self.events.emit(
-                    "node_lost",
+                    "node_lost" if gone.kind == "node_lost" else "node_excluded",
                     attempt=round_,
-                    lost_node_rank=lost.get("node_rank"),
-                    lost_host=lost.get("host"),
-                    reason=lost.get("reason"),
+                    lost_node_rank=gone.node_rank,
+                    lost_host=gone.host,
+                    reason=gone.reason,
                 )
-                logger.warning("attempt %d: %s", round_, lost.get("reason"))
+                logger.warning("attempt %d: %s", round_, gone.reason)
             if not failures and result is not None:
                 failures = list(result.failures.values())
             if round_ >= cfg.max_restarts:
@@ -409,27 +459,14 @@ class Supervisor:
                     if self._hangs is not None:
                         self._hangs.explain(list(result.failures.values()))
                     cause = root_cause(list(result.failures.values()))
-                    rdzv.report_failure(info.round, cause.to_dict())
+                    rdzv.report_failure(info.round, cause.to_record())
                 else:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
                 outcome = RoundOutcome.PEER_FAILURE
                 self.events.emit("peer_failure", attempt=info.round)
-            elif self._hangs is not None and self._hangs.stop_requested(info.round):
-                outcome = RoundOutcome.SHUTDOWN_REQUESTED
-                # Ended before the round is failed, so that no spare starts a new round.
-                rdzv.finish(False, "a rank asked to shut the workload down")
-                rdzv.report_failure(
-                    info.round,
-                    {
-                        "kind": "shutdown",
-                        "local_rank": -1,
-                        "pid": os.getpid(),
-                        "exitcode": 0,
-                        "node_rank": info.group_rank,
-                        "reason": "a rank asked to shut the workload down",
-                    },
-                )
+            elif self._hangs is not None and (req := self._hangs.control_request(info.round)):
+                outcome = self._on_request(rdzv, info, req)
         self.events.emit("workers_stopping", attempt=info.round, reason=outcome.value)
         if self._hangs is not None:
             self._hangs.end()
@@ -448,7 +485,38 @@ class Supervisor:
             return
         failures = list(result.failures.values())
         if failures and self._hangs.explain(failures):
-            rdzv.report_failure(round_, root_cause(failures).to_dict())
+            rdzv.report_failure(round_, root_cause(failures).to_record())
+
+    def _on_request(
+        self, rdzv: Rendezvous, info: RendezvousInfo, req: ControlRequest
+    ) -> RoundOutcome | None:
+        outcome = control_outcome(req.action, rdzv.elastic)
+        if outcome is None:
+            return None
+        self._reason = reason = control_reason(req, outcome, info.group_rank)
+        logger.error(
+            "%s: %s",
+            reason,
+            "stopping the job without restart"
+            if outcome is RoundOutcome.SHUTDOWN_REQUESTED
+            else "this node leaves",
+        )
+        shutdown = outcome is RoundOutcome.SHUTDOWN_REQUESTED
+        if shutdown:
+            # Ended before the round is failed, so that no spare starts a new round.
+            rdzv.finish(False, reason)
+        rdzv.report_failure(
+            info.round,
+            FailureRecord(
+                kind="shutdown" if shutdown else "exclude_node",
+                local_rank=-1,
+                pid=os.getpid(),
+                node_rank=info.group_rank,
+                host=socket.gethostname(),
+                reason=reason,
+            ),
+        )
+        return outcome
 
     def _reap_orphans(self, ctx: ProcessContext) -> None:
         keep = set(ctx.pids().values())
@@ -473,9 +541,6 @@ class Supervisor:
         )
         self.events.emit("ranks_left", attempt=info.round, ranks=left)
         return True
-
-    def _peer_shutdown(self, rdzv: Rendezvous, round_: int) -> bool:
-        return any(f.get("kind") == "shutdown" for f in rdzv.failures(round_))
 
     def _await_peers(self, rdzv: Rendezvous, round_: int) -> RoundOutcome:
         """Local workers succeeded; the job succeeds only if every node's did."""

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stalwart.launch import posix
+from stalwart.launch.runfiles import APPEND_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class WarmPool:
         parent = os.getpid()
         # Import-time chatter of the template goes to its own log, not the job's console;
         # why it is unusable reaches the launcher as one message on the socket.
-        log = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log = os.open(self.log_path, APPEND_FLAGS, 0o644)
         self._proc = subprocess.Popen(
             [
                 sys.executable,

@@ -33,6 +33,7 @@ from stalwart.launch import posix
 from stalwart.launch.errors import ProcessFailure, record
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
+from stalwart.launch.runfiles import APPEND_FLAGS
 from stalwart.launch.warm import ForkedProcess, WarmPool
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ def _function_child(
     for fdno, path in ((1, stdout), (2, stderr)):
         target = path if path is not None else (None if console else os.devnull)
         if target is not None:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fd = os.open(target, APPEND_FLAGS, 0o644)
             os.dup2(fd, fdno)
             os.close(fd)
     os.environ.update(env)
@@ -119,7 +120,7 @@ def _stdin_or_devnull(opened: list[int]) -> int:
 
 def _open_stream(path: Path | None, console: bool) -> int | None:
     if path is not None:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        return os.open(path, APPEND_FLAGS, 0o644)
     return None if console else subprocess.DEVNULL
 
 
@@ -209,11 +210,7 @@ class ProcessContext:
         def stream(path: Path | None, console_fd: int, console: bool) -> int:
             if path is None and console:
                 return console_fd
-            fd = os.open(
-                path if path is not None else os.devnull,
-                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                0o644,
-            )
+            fd = os.open(path if path is not None else os.devnull, APPEND_FLAGS, 0o644)
             opened.append(fd)
             return fd
 

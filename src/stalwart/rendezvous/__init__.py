@@ -8,6 +8,7 @@ across nodes.
 """
 
 from stalwart.rendezvous.api import (
+    FailureRecord,
     JobEnded,
     Rendezvous,
     RendezvousError,
@@ -22,6 +23,7 @@ __all__ = [
     "C10dRendezvous",
     "ElasticRendezvous",
     "ElasticSettings",
+    "FailureRecord",
     "JobEnded",
     "Rendezvous",
     "RendezvousError",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Annotated, Literal, Protocol
+
+import msgspec
 
 
 class RendezvousError(RuntimeError):
@@ -21,6 +23,35 @@ class JobEnded(Exception):
         super().__init__(reason)
         self.succeeded = succeeded
         self.reason = reason
+
+
+# What ended a node's round: a worker failed, a node was lost (written by a peer on its
+# behalf), a rank asked to stop the job, or a rank asked to take its node out of the job.
+FailureKind = Literal["worker", "node_lost", "shutdown", "exclude_node"]
+
+
+class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's account of a failed round, as stored at ``r<n>/failure/<node rank>``.
+
+    Every node reads every other's, from a store anyone on its port can write: the
+    reader decodes it with this type and drops what does not fit."""
+
+    kind: FailureKind = "worker"
+    local_rank: Annotated[int, msgspec.Meta(ge=-1)]  # -1: the node, not one worker
+    node_rank: Annotated[int, msgspec.Meta(ge=0)]
+    pid: int = 0
+    exitcode: int = 0
+    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    signal: str | None = None
+    timestamp: float = 0.0
+    message: str = ""
+    traceback: str = ""
+    error_file: str = ""
+    reason: str = ""
+    host: str = ""
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
 
 
 @dataclass(frozen=True)
@@ -42,6 +73,9 @@ class RendezvousInfo:
 class Rendezvous(Protocol):
     run_id: str
     node_rank: int | None
+    # Whether the job can go on without a node (MIN:MAX membership): a rank's request to
+    # exclude its node then removes the node; with fixed membership it ends the job.
+    elastic: bool
 
     def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
         """Blocks until the nodes of a round have joined; returns ranks and the worker store.
@@ -50,7 +84,7 @@ class Rendezvous(Protocol):
         spare and is admitted at the next restart boundary."""
         ...
 
-    def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
+    def report_failure(self, round_: int, failure: FailureRecord) -> None:
         """Tells every node that *round_* failed (this node's root-cause candidate)."""
         ...
 
@@ -58,7 +92,7 @@ class Rendezvous(Protocol):
         """True once any node reported a failure in *round_* (cheap: polled often)."""
         ...
 
-    def failures(self, round_: int) -> list[dict[str, Any]]:
+    def failures(self, round_: int) -> list[FailureRecord]:
         """The failure records of every node that reported one in *round_*."""
         ...
 
@@ -70,6 +104,10 @@ class Rendezvous(Protocol):
 
     def finish(self, succeeded: bool, reason: str) -> None:
         """The job is over (success, or no restart left): spares waiting to join exit."""
+        ...
+
+    def interrupt(self) -> None:
+        """A signal reached the launcher while it leaves: stop any wait in ``leave``."""
         ...
 
     def leave(self) -> None:

@@ -9,16 +9,15 @@ its restarted workers then read a dead peer's address, failing most restarts her
 
 from __future__ import annotations
 
-import json
+import ipaddress
 import logging
 import socket
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from stalwart.rendezvous.api import RendezvousError, RendezvousInfo
-from stalwart.rendezvous.kv import C10dKV, check_run_id, read_failures
+from stalwart.rendezvous.api import FailureRecord, RendezvousError, RendezvousInfo
+from stalwart.rendezvous.kv import C10dKV, check_run_id, host_store, read_failures
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -49,8 +48,36 @@ class StoreEndpoint:
         return f"{self.host}:{self.port}"
 
 
+def _is_loopback_name(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_count(raw: bytes | None, key: str) -> int:
+    """A node's worker count from the store: a positive integer, or a one-line error."""
+    text = (raw or b"").decode(errors="replace")
+    if not text.isdigit() or int(text) < 1:
+        raise RendezvousError(f"rendezvous store key {key} holds {text[:40]!r}: expected a count")
+    return int(text)
+
+
+def parse_address(raw: bytes | None, key: str) -> tuple[str, int]:
+    """``host:port`` from the store, validated, or a one-line error."""
+    text = (raw or b"").decode(errors="replace")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RendezvousError(f"rendezvous store key {key} holds {text[:80]!r}: expected HOST:PORT")
+    return host, int(port)
+
+
 class C10dRendezvous:
     """Static-membership rendezvous of *nnodes* launchers through one ``TCPStore``."""
+
+    elastic = False
 
     def __init__(
         self,
@@ -72,6 +99,7 @@ class C10dRendezvous:
         self.is_host = host_store
         self._master_addr = master_addr
         self._worker_stores: dict[int, TCPStore] = {}
+        self._warned: set[str] = set()
         self.kv = C10dKV(
             endpoint.host,
             endpoint.port,
@@ -113,13 +141,12 @@ class C10dRendezvous:
             f"{self.nnodes} node(s) to join round {round_}",
             deadline,
         )
-        sizes = [
-            int(v or 0) for v in self.kv.get_many([f"{p}nproc/{i}" for i in range(self.nnodes)])
-        ]
+        raw = self.kv.get_many([f"{p}nproc/{i}" for i in range(self.nnodes)])
+        sizes = [parse_count(v, f"{p}nproc/{i}") for i, v in enumerate(raw)]
         if self.node_rank == 0:
             self._open_worker_store(round_)
         self._wait([f"{p}master"], "node 0 to publish the worker store", deadline)
-        addr, _, port = (self.kv.get(f"{p}master") or b"").decode().rpartition(":")
+        addr, port = parse_address(self.kv.get(f"{p}master"), f"{p}master")
         return RendezvousInfo(
             round=round_,
             group_rank=self.node_rank,
@@ -127,37 +154,36 @@ class C10dRendezvous:
             base_rank=sum(sizes[: self.node_rank]),
             world_size=sum(sizes),
             master_addr=addr,
-            master_port=int(port),
+            master_port=port,
             duration=time.monotonic() - t0,
         )
 
     def _open_worker_store(self, round_: int) -> None:
         # Old rounds' stores are closed so a straggler of a dead attempt cannot reach its
         # peers' successors through them.
-        from torch._C._distributed_c10d import TCPStore
-
         for r in list(self._worker_stores):
             del self._worker_stores[r]
-        store = TCPStore(
-            "0.0.0.0" if self._master_addr not in ("localhost", "127.0.0.1") else "127.0.0.1",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.join_timeout),
-        )
+        addr = self._local_address()
+        if self.nnodes == 1 and not _is_loopback_name(addr):
+            # One node: the workers are all here, so their store is reachable from
+            # loopback only, whatever --master-addr names.
+            addr = "127.0.0.1"
+        store = host_store(addr, 0, self.join_timeout)
         self._worker_stores[round_] = store
-        self.kv.set(f"r{round_}/master", f"{self._local_address()}:{store.port}")
+        self.kv.set(f"r{round_}/master", f"{addr}:{store.port}")
 
-    def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
+    def report_failure(self, round_: int, failure: FailureRecord) -> None:
         p = f"r{round_}/"
-        self.kv.set(f"{p}failure/{self.node_rank}", json.dumps(failure, default=str))
+        self.kv.set(f"{p}failure/{self.node_rank}", failure.encode().decode())
         self.kv.create(f"{p}failed", str(self.node_rank))
 
     def failed(self, round_: int) -> bool:
-        return self.kv.get(f"r{round_}/failed") is not None
+        # The flag alone is not enough: a node writes its record before the flag, so a
+        # flag without a valid record is a stranger's (or garbage) and fails nothing.
+        return self.kv.get(f"r{round_}/failed") is not None and bool(self.failures(round_))
 
-    def failures(self, round_: int) -> list[dict[str, Any]]:
-        return read_failures(self.kv, round_, self.nnodes)
+    def failures(self, round_: int) -> list[FailureRecord]:
+        return read_failures(self.kv, round_, self.nnodes, self._warned)
 
     def report_done(self, round_: int) -> None:
         self.kv.add(f"r{round_}/done", 1)
@@ -167,6 +193,9 @@ class C10dRendezvous:
 
     def finish(self, succeeded: bool, reason: str) -> None:
         """Static membership has no spares waiting to be told."""
+
+    def interrupt(self) -> None:
+        """Nothing waits unbounded in ``leave`` here (the exit barrier has a timeout)."""
 
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""

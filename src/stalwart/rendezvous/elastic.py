@@ -28,12 +28,23 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from stalwart.rendezvous.api import JobEnded, RendezvousError, RendezvousInfo, StoreLost
-from stalwart.rendezvous.kv import KV, read_failures
+import msgspec
+
+from stalwart.rendezvous.api import (
+    FailureRecord,
+    JobEnded,
+    RendezvousError,
+    RendezvousInfo,
+    StoreLost,
+)
+from stalwart.rendezvous.c10d import parse_address
+from stalwart.rendezvous.kv import KV, host_store, read_failures
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _POLL = 0.02
 # A spare may wait for hours: a few store reads a second are plenty.
@@ -56,21 +67,36 @@ class ElasticSettings:
         return self.keep_alive_interval * self.keep_alive_max_attempt
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(msgspec.Struct, frozen=True):
     id: str
     host: str
     addr: str
-    nproc: int
-    hint: int | None  # previous group rank, or the user's --node-rank
+    nproc: Annotated[int, msgspec.Meta(ge=1)]
+    hint: Annotated[int, msgspec.Meta(ge=0)] | None  # previous group rank, or --node-rank
 
     @classmethod
     def decode(cls, raw: bytes) -> Member:
-        d = json.loads(raw)
-        return cls(d["id"], d["host"], d["addr"], int(d["nproc"]), d.get("hint"))
+        return msgspec.json.decode(raw, type=cls)
 
     def encode(self) -> str:
-        return json.dumps(self.__dict__)
+        return msgspec.json.encode(self).decode()
+
+
+class JobEnd(msgspec.Struct, frozen=True):
+    succeeded: bool
+    reason: str = ""
+
+
+def _decode_or_none(raw: bytes, typ: type[T], key: str, warned: set[str]) -> T | None:
+    """A record from the store, or None (logged once per key) when it does not parse:
+    anyone who can reach a c10d store can write to it."""
+    try:
+        return msgspec.json.decode(raw, type=typ)
+    except msgspec.DecodeError as err:
+        if key not in warned:
+            warned.add(key)
+            logger.warning("dropped a malformed record at %s: %s", key, err)
+        return None
 
 
 class Liveness:
@@ -110,6 +136,8 @@ class Liveness:
 class ElasticRendezvous:
     """Node membership for one job, on a ``KV`` engine shared by all its launchers."""
 
+    elastic = True
+
     def __init__(
         self,
         kv: KV,
@@ -136,11 +164,14 @@ class ElasticRendezvous:
         self._last_check = 0.0
         self._beat_ok = time.monotonic()
         self._stop = threading.Event()
-        ended = kv.get("job/ended")
+        self._warned: set[str] = set()
+        self._excluded = False  # a rank asked to take this node out of the job
+        self._interrupted = threading.Event()
+        ended = self._ended()
         if ended is not None:
             raise RendezvousError(
                 f"rendezvous id {run_id!r} at {backend} {kv} belongs to a job that already "
-                f"ended ({json.loads(ended).get('reason', '?')}); use a new --rdzv-id"
+                f"ended ({ended.reason or '?'}); use a new --rdzv-id"
             )
         self._beat()
         self._thread = threading.Thread(
@@ -176,21 +207,38 @@ class ElasticRendezvous:
             r += 1
         return r
 
+    def _closed(self, r: int, raw: bytes) -> list[int]:
+        """The admitted slots of round *r*: every node acts on the same list, so one that
+        does not parse stops the job (one line) rather than being guessed at."""
+        try:
+            return msgspec.json.decode(raw, type=list[Annotated[int, msgspec.Meta(ge=0)]])
+        except msgspec.DecodeError as err:
+            raise RendezvousError(
+                f"rendezvous {self.run_id}: store key r{r}/closed holds "
+                f"{raw[:80].decode(errors='replace')!r}: {err}"
+            ) from None
+
+    def _member(self, key: str, raw: bytes | None) -> Member | None:
+        return None if raw is None else _decode_or_none(raw, Member, key, self._warned)
+
     def _members_of(self, r: int) -> list[Member]:
         if r not in self._members:
             raw = self.kv.get(f"r{r}/closed")
             if raw is None:
                 return []
-            slots = json.loads(raw)
-            recs = self.kv.get_many([f"r{r}/node/{s}" for s in slots])
-            self._members[r] = [Member.decode(x) for x in recs if x is not None]
+            keys = [f"r{r}/node/{s}" for s in self._closed(r, raw)]
+            recs = [self._member(k, x) for k, x in zip(keys, self.kv.get_many(keys), strict=True)]
+            self._members[r] = [m for m in recs if m is not None]
         return self._members[r]
 
-    def _check_ended(self) -> None:
+    def _ended(self) -> JobEnd | None:
         raw = self.kv.get("job/ended")
-        if raw is not None:
-            d = json.loads(raw)
-            raise JobEnded(bool(d.get("succeeded")), str(d.get("reason", "")))
+        return None if raw is None else _decode_or_none(raw, JobEnd, "job/ended", self._warned)
+
+    def _check_ended(self) -> None:
+        ended = self._ended()
+        if ended is not None:
+            raise JobEnded(ended.succeeded, ended.reason)
 
     def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
         t0 = time.monotonic()
@@ -221,7 +269,7 @@ class ElasticRendezvous:
             if master is not None:
                 break
             r += 1  # node 0 died before it published the workers' store: next round
-        addr, _, port = master.decode().rpartition(":")
+        addr, port = parse_address(master, f"r{r}/master")
         sizes = [m.nproc for m in members]
         now_ids = {m.id for m in members}
         left = tuple(
@@ -236,7 +284,7 @@ class ElasticRendezvous:
             base_rank=sum(sizes[:group_rank]),
             world_size=sum(sizes),
             master_addr=addr,
-            master_port=int(port),
+            master_port=port,
             duration=time.monotonic() - t0,
             left=left,
         )
@@ -266,23 +314,29 @@ class ElasticRendezvous:
         logger.warning("node %d (%s) lost: no keep-alive for %.1fs", rank, m.host, silent)
         self.report_failure(
             r,
-            {
-                "kind": "node_lost",
-                "local_rank": -1,
-                "node_rank": rank,
-                "host": m.host,
-                "reason": f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
-            },
+            FailureRecord(
+                kind="node_lost",
+                local_rank=-1,
+                node_rank=rank,
+                host=m.host,
+                reason=f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
+            ),
         )
         return True
 
     def _expected(self, r: int) -> set[str] | None:
-        """Ids of the previous round's members that are still alive (None for round 0)."""
+        """Ids of the previous round's members that are still alive and have not left
+        (an excluded node leaves at once) (None for round 0)."""
         if r == 0:
             return None
         prev = self._members_of(r - 1)
         self._live.observe([m.id for m in prev])
-        return {m.id for m in prev if self._live.lost(m.id) is None}
+        gone = self.kv.get_many([f"left/{m.id}" for m in prev])
+        return {
+            m.id
+            for m, g in zip(prev, gone, strict=True)
+            if g is None and self._live.lost(m.id) is None
+        }
 
     def _await_close(self, r: int, slot: int) -> list[int]:
         s = self.settings
@@ -294,8 +348,7 @@ class ElasticRendezvous:
         while True:
             raw = self.kv.get(f"{p}closed")
             if raw is not None:
-                order: list[int] = json.loads(raw)
-                return order
+                return self._closed(r, raw)
             self._check_cut_off()
             self._check_ended()
             now = time.monotonic()
@@ -327,8 +380,8 @@ class ElasticRendezvous:
                 for i, rec in zip(
                     missing, self.kv.get_many([f"{p}node/{i}" for i in missing]), strict=True
                 ):
-                    if rec is not None:
-                        records[i] = Member.decode(rec)
+                    if (new := self._member(f"{p}node/{i}", rec)) is not None:
+                        records[i] = new
                 self._live.observe([m.id for m in records.values()])
                 gone = self.kv.get_many([f"left/{m.id}" for m in records.values()])
                 left = {m.id for m, g in zip(records.values(), gone, strict=True) if g is not None}
@@ -355,30 +408,25 @@ class ElasticRendezvous:
             time.sleep(_SPARE_POLL if running else _POLL)
 
     def _open_worker_store(self, r: int) -> None:
-        from datetime import timedelta
-
-        from torch._C._distributed_c10d import TCPStore
-
         self._worker_stores.clear()  # a straggler of a dead round cannot reach the new one
-        store = TCPStore(
-            "0.0.0.0",
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=self.settings.join_timeout),
-        )
+        # Listens on the address this node advertises, not on every interface.
+        store = host_store(self.local_addr, 0, self.settings.join_timeout)
         self._worker_stores[r] = store
         self.kv.set(f"r{r}/master", f"{self.local_addr}:{store.port}")
 
     # -- the running round -------------------------------------------------------------
-    def report_failure(self, round_: int, failure: dict[str, Any]) -> None:
-        rank = failure.get("node_rank", self.node_rank)
-        self.kv.set(f"r{round_}/failure/{rank}", json.dumps(failure, default=str))
+    def report_failure(self, round_: int, failure: FailureRecord) -> None:
+        rank = failure.node_rank
+        if failure.kind == "exclude_node" and rank == self.node_rank:
+            self._excluded = True
+        self.kv.set(f"r{round_}/failure/{rank}", failure.encode().decode())
         self.kv.create(f"r{round_}/failed", str(rank))
 
     def failed(self, round_: int) -> bool:
         self._check_cut_off()
-        if self.kv.get(f"r{round_}/failed") is not None:
+        # A node writes its record before the flag: a flag without a valid record fails
+        # nothing (it is garbage, or a stranger's).
+        if self.kv.get(f"r{round_}/failed") is not None and self.failures(round_):
             return True
         now = time.monotonic()
         if now - self._last_check < self.settings.keep_alive_interval / 4:
@@ -390,8 +438,8 @@ class ElasticRendezvous:
             m.id != self.id and self._lost_member(round_, rank, m) for rank, m in enumerate(members)
         )
 
-    def failures(self, round_: int) -> list[dict[str, Any]]:
-        return read_failures(self.kv, round_, len(self._members_of(round_)))
+    def failures(self, round_: int) -> list[FailureRecord]:
+        return read_failures(self.kv, round_, len(self._members_of(round_)), self._warned)
 
     def report_done(self, round_: int) -> None:
         # One key per node, not a counter: a retried etcd transaction could count twice.
@@ -412,9 +460,11 @@ class ElasticRendezvous:
     def leave(self) -> None:
         """Stops the keep-alive; the c10d store's host waits (``close_timeout``) until every
         registered node has left or is lost, since its exit takes the store with it."""
-        self._stop.set()
         try:
             self.kv.set(f"left/{self.id}", "1")
+            if self._hosts_store and self._excluded:
+                self._serve_until_the_end()
+            self._stop.set()
             if self._hosts_store:
                 deadline = time.monotonic() + self.settings.close_timeout
                 while time.monotonic() < deadline:
@@ -426,13 +476,39 @@ class ElasticRendezvous:
                         for i, g in zip(ids, gone, strict=True)
                     ):
                         break
-                    time.sleep(0.05)
+                    if self._interrupted.wait(0.05):
+                        logger.warning("interrupted while waiting for the other nodes to leave")
+                        break
                 else:
                     logger.warning("not every node left within %ss", self.settings.close_timeout)
         except RendezvousError as err:  # the store may already be gone
             logger.debug("leave(): %s", err)
+        self._stop.set()
         self.kv.close()
         self._worker_stores.clear()
+
+    def _serve_until_the_end(self) -> None:
+        """An excluded node that hosts the c10d store: its workers are gone, but the
+        others' rendezvous runs on its store, so it keeps serving (and beating) until
+        the job ends or every other node has left or is lost."""
+        logger.warning(
+            "this node is out of job %s but hosts its c10d store: serving it until the job ends",
+            self.run_id,
+        )
+        while self._ended() is None and not self._interrupted.is_set():
+            ids = [i for i in self._registered() if i != self.id]
+            self._live.observe(ids)
+            gone = self.kv.get_many([f"left/{i}" for i in ids])
+            if all(
+                g is not None or self._live.lost(i) is not None
+                for i, g in zip(ids, gone, strict=True)
+            ):
+                return
+            self._interrupted.wait(_SPARE_POLL)
+
+    def interrupt(self) -> None:
+        """A signal reached the exiting launcher: stop serving the store for the others."""
+        self._interrupted.set()
 
     def _registered(self) -> list[str]:
         # Every node that ever joined a round, spares included.
@@ -442,8 +518,9 @@ class ElasticRendezvous:
             n = self.kv.add(f"r{r}/joined", 0)
             if n == 0:
                 break
-            for raw in self.kv.get_many([f"r{r}/node/{i}" for i in range(n)]):
-                if raw is not None:
-                    ids.add(Member.decode(raw).id)
+            keys = [f"r{r}/node/{i}" for i in range(n)]
+            for key, raw in zip(keys, self.kv.get_many(keys), strict=True):
+                if (m := self._member(key, raw)) is not None:
+                    ids.add(m.id)
             r += 1
         return sorted(ids)

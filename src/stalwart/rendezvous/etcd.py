@@ -9,6 +9,12 @@ stops refreshing it, which is how the other nodes learn that it died.
 Several comma-separated endpoints may be given (the members of an etcd cluster); a
 request that cannot reach one tries the next, so the loss of one etcd member or of any
 launcher loses no rendezvous state.
+
+Access control is etcd's own: ``username``/``password`` (or ``password_file``) through
+``--rdzv-conf`` take a token from ``/v3/auth/authenticate`` and send it with every
+request (a new one is taken when etcd says it expired); ``protocol=https`` (or
+``https://`` endpoints) with ``cacert`` and, for client-certificate auth, ``cert`` and
+``key`` — the key names torch's etcd rendezvous uses.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import json
 import logging
 import math
 import random
+import ssl
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from stalwart.rendezvous.api import RendezvousError, StoreLost
@@ -36,6 +45,55 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
+# --rdzv-conf keys that configure access to etcd.
+ACCESS_KEYS = ("protocol", "cacert", "cert", "key", "username", "password", "password_file")
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach etcd: plain or TLS, anonymous or as a user."""
+
+    tls: ssl.SSLContext | None = None
+    username: str = ""
+    password: str = ""
+
+
+def access_from_conf(conf: dict[str, str], endpoint: str) -> EtcdAccess:
+    """The access ``--rdzv-conf`` asks for; a one-line ``ValueError`` for a bad one."""
+    protocol = conf.get("protocol", "https" if "https://" in endpoint else "http").lower()
+    if protocol not in ("http", "https"):
+        raise ValueError(f"--rdzv-conf protocol={protocol!r}: expected http or https")
+    if protocol == "http" and "https://" in endpoint:
+        raise ValueError(f"--rdzv-endpoint {endpoint!r}: https endpoints with protocol=http")
+    cert, key = conf.get("cert", ""), conf.get("key", "")
+    if bool(cert) != bool(key):
+        raise ValueError("--rdzv-conf cert and key: expected both (a client certificate)")
+    tls: ssl.SSLContext | None = None
+    if protocol == "https":
+        try:
+            tls = ssl.create_default_context(cafile=conf.get("cacert") or None)
+            if cert:
+                tls.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as err:
+            raise ValueError(f"--rdzv-conf TLS files: {err}") from None
+    elif any(conf.get(k) for k in ("cacert", "cert", "key")):
+        raise ValueError("--rdzv-conf cacert/cert/key: expected protocol=https")
+    username = conf.get("username", "")
+    password = conf.get("password", "")
+    if conf.get("password_file"):
+        if password:
+            raise ValueError("--rdzv-conf: expected password or password_file, not both")
+        try:
+            password = Path(conf["password_file"]).read_text().rstrip("\n")
+        except OSError as err:
+            raise ValueError(
+                f"--rdzv-conf password_file={conf['password_file']!r}: {err.strerror}"
+            ) from None
+    if password and not username:
+        raise ValueError("--rdzv-conf password: expected a username too")
+    return EtcdAccess(tls, username, password)
+
+
 class EtcdKV:
     """Key-value view of one job's namespace in an etcd cluster."""
 
@@ -46,10 +104,15 @@ class EtcdKV:
         *,
         lease_ttl: float,
         request_timeout: float = 5.0,
+        access: EtcdAccess | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd: at least one endpoint is needed")
         self.endpoints = endpoints
+        self._access = access or EtcdAccess()
+        self._token: str | None = None
+        # Its own lock: _ensure_lease posts while holding self._lock.
+        self._token_lock = threading.Lock()
         self.prefix = f"/stalwart/{run_id}/"
         self.request_timeout = request_timeout
         self._ttl = max(2, math.ceil(lease_ttl))
@@ -63,10 +126,52 @@ class EtcdKV:
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
     # -- transport ---------------------------------------------------------------------
+    def _connection(self, host: str, port: int, timeout: float) -> http.client.HTTPConnection:
+        if self._access.tls is not None:
+            return http.client.HTTPSConnection(
+                host, port, timeout=timeout, context=self._access.tls
+            )
+        return http.client.HTTPConnection(host, port, timeout=timeout)
+
+    def _authenticate(self) -> str:
+        """A token for the configured user (etcd's simple tokens expire: taken anew then)."""
+        a = self._access
+        resp = self._send(
+            "/v3/auth/authenticate", {"name": a.username, "password": a.password}, None, None
+        )
+        token = resp.get("token")
+        if not isinstance(token, str) or not token:
+            raise RendezvousError(f"etcd at {self} gave no token for user {a.username!r}")
+        return token
+
     def _post(
         self, path: str, body: dict[str, Any], timeout: float | None = None
     ) -> dict[str, Any]:
+        if not self._access.username:
+            return self._send(path, body, timeout, None)
+        for fresh in (False, True):
+            with self._token_lock:
+                token = self._token
+            if token is None or fresh:
+                token = self._authenticate()
+                with self._token_lock:
+                    self._token = token
+            try:
+                return self._send(path, body, timeout, token)
+            except _TokenRejected:
+                if fresh:
+                    break
+        raise RendezvousError(
+            f"etcd at {self} keeps refusing the token of {self._access.username!r}"
+        )
+
+    def _send(
+        self, path: str, body: dict[str, Any], timeout: float | None, token: str | None
+    ) -> dict[str, Any]:
         payload = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = token
         errors: list[str] = []
         # Unreachable members are skipped; "unavailable" answers (HTTP 503: no leader
         # yet, leader changed) come while the cluster elects a new leader and are
@@ -80,9 +185,9 @@ class EtcdKV:
             for i in range(len(self.endpoints)):
                 idx = (self._current + i) % len(self.endpoints)
                 host, port = self.endpoints[idx]
-                conn = http.client.HTTPConnection(host, port, timeout=per_try)
+                conn = self._connection(host, port, per_try)
                 try:
-                    conn.request("POST", path, payload, {"Content-Type": "application/json"})
+                    conn.request("POST", path, payload, headers)
                     resp = conn.getresponse()
                     data = resp.read()
                 except (OSError, http.client.HTTPException) as err:
@@ -95,15 +200,26 @@ class EtcdKV:
                     errors.append(f"{host}:{port}: {text}")
                     continue
                 self._current = idx
+                if token is not None and "invalid auth token" in text:
+                    raise _TokenRejected(text)
                 if resp.status != 200:
-                    raise RendezvousError(
-                        f"etcd at {host}:{port} refused {path}: HTTP {resp.status} {text}"
-                    )
+                    raise RendezvousError(self._refusal(f"{host}:{port}", path, resp.status, data))
                 out: dict[str, Any] = json.loads(data or b"{}")
                 return out
             if time.monotonic() > deadline:
                 raise StoreLost(f"cannot reach etcd at {self}: {'; '.join(errors[-3:])}")
             time.sleep(0.1)
+
+    def _refusal(self, where: str, path: str, status: int, data: bytes) -> str:
+        try:
+            why = str(json.loads(data).get("message", ""))
+        except (ValueError, AttributeError):
+            why = ""
+        why = why or data[:200].decode(errors="replace").strip()
+        line = f"etcd at {where} refused {path}: HTTP {status} {why}"
+        if "user name is empty" in why:
+            line += " (etcd has authentication on: --rdzv-conf username=...,password_file=...)"
+        return line
 
     def ping(self, timeout: float | None = None) -> None:
         """Raises ``StoreLost`` if no endpoint answers within *timeout*."""
@@ -227,13 +343,16 @@ class EtcdKV:
                 logger.debug("lease revoke: %s", err)
 
 
+class _TokenRejected(RendezvousError):
+    """etcd no longer accepts the token (expired, or the server restarted)."""
+
+
 def parse_endpoints(value: str, default_port: int = 2379) -> list[tuple[str, int]]:
-    """``"h1:2379,h2"`` (or with ``http://``) -> ``[("h1", 2379), ("h2", 2379)]``."""
+    """``"h1:2379,h2"`` (or with ``http://``/``https://``) -> ``[("h1", 2379), ("h2", 2379)]``
+    (TLS is ``access_from_conf``'s business)."""
     out = []
     for item in filter(None, (p.strip() for p in value.split(","))):
-        item = item.removeprefix("http://")
-        if item.startswith("https://"):
-            raise ValueError(f"--rdzv-endpoint {value!r}: https etcd endpoints are not supported")
+        item = item.removeprefix("http://").removeprefix("https://")
         host, sep, port = item.rpartition(":")
         if not sep:
             host, port = item, str(default_port)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 
 from stalwart.config import ConfigError, LaunchConfig
-from stalwart.rendezvous.api import RendezvousError
+from stalwart.rendezvous.api import RendezvousError, StoreLost
 from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
-from stalwart.rendezvous.etcd import EtcdKV, parse_endpoints
+from stalwart.rendezvous.etcd import EtcdKV, access_from_conf, parse_endpoints
 from stalwart.rendezvous.kv import (
     KV,
     C10dKV,
@@ -74,6 +74,7 @@ def elastic_from_config(cfg: LaunchConfig) -> ElasticRendezvous:
     if cfg.rdzv_backend == "etcd":
         try:
             endpoints = parse_endpoints(cfg.rdzv_endpoint)
+            access = access_from_conf(cfg.rdzv_conf, cfg.rdzv_endpoint)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         etcd = EtcdKV(
@@ -81,6 +82,7 @@ def elastic_from_config(cfg: LaunchConfig) -> ElasticRendezvous:
             cfg.run_id,
             lease_ttl=settings.lost_after,
             request_timeout=max(2.0, settings.lost_after),
+            access=access,
         )
         _wait_for_etcd(etcd, cfg.join_timeout)
         kv = etcd
@@ -146,7 +148,7 @@ def _wait_for_etcd(etcd: EtcdKV, timeout: float) -> None:
         try:
             etcd.ping(timeout=max(0.5, min(2.0, deadline - time.monotonic())))
             return
-        except RendezvousError as err:
+        except StoreLost as err:  # unreachable; a refusal (say, bad credentials) is final
             if time.monotonic() > deadline:
                 raise RendezvousError(f"{err} (gave up after {limit:g}s)") from None
         time.sleep(0.2)

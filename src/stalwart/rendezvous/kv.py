@@ -7,7 +7,8 @@ connection into ``StoreLost`` so the supervisor can stop its workers and say why
 
 from __future__ import annotations
 
-import json
+import errno
+import ipaddress
 import logging
 import queue
 import socket
@@ -18,7 +19,9 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from stalwart.rendezvous.api import RendezvousError, StoreLost
+import msgspec
+
+from stalwart.rendezvous.api import FailureRecord, RendezvousError, StoreLost
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -66,13 +69,16 @@ class C10dKV:
 
         self.is_host = is_host
         try:
-            self.store: TCPStore = TCPStore(
-                host,
-                port,
-                is_master=is_host,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=connect_timeout),
-            )
+            if is_host:
+                self.store: TCPStore = host_store(host, port, connect_timeout)
+            else:
+                self.store = TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=connect_timeout),
+                )
         except (RuntimeError, OSError) as err:
             what = "host" if is_host else "reach"
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -154,6 +160,83 @@ class C10dKV:
         """The store object goes with this launcher; nothing to release early."""
 
 
+def bind_address(host: str, resolved: list[str]) -> str:
+    """Where a store hosted for peers that reach it as *host* listens ("" = every interface).
+
+    *resolved* are the addresses *host* names here.  A loopback name binds loopback: its
+    peers are on this machine.  A name that only maps to loopback locally (Debian puts the
+    machine's own name on 127.0.1.1) says nothing about the address peers use, so the
+    store then listens everywhere, as torch's would."""
+    if not resolved:
+        return ""
+    first = resolved[0]
+    try:
+        loopback = ipaddress.ip_address(first.split("%")[0]).is_loopback
+    except ValueError:
+        return ""
+    if loopback and host not in ("localhost", first):
+        return ""
+    return first
+
+
+def _resolve(host: str) -> list[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return []
+    # IPv4 first: torch's own clients try it first for a dual name such as localhost.
+    addrs = [str(i[4][0]) for i in infos]
+    return sorted(dict.fromkeys(addrs), key=lambda a: ":" in a)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket for a store peers reach as *host*: bound to the address *host*
+    names on this machine, not to every interface (``bind_address``)."""
+    addr = bind_address(host, _resolve(host))
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((addr or "0.0.0.0", port))
+        except OSError as err:
+            if err.errno != errno.EADDRNOTAVAIL:
+                raise
+            # The name is not an address of this machine (a NAT or floating address).
+            logger.warning("%s is not an address of this machine: listening on all", host)
+            sock.bind(("0.0.0.0", port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def host_store(host: str, port: int, timeout: float) -> TCPStore:
+    """A ``TCPStore`` server that accepts connections only where *host* points.
+
+    torch's server binds every interface whatever *host* says; handed an already bound
+    socket (``master_listen_fd``, libuv and legacy backends alike) it listens there."""
+    from torch._C._distributed_c10d import TCPStore
+
+    sock = listen_socket(host, port)
+    bound = str(sock.getsockname()[0])
+    try:
+        store = TCPStore(
+            host if bound in ("0.0.0.0", "::") else bound,
+            int(sock.getsockname()[1]),
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout),
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it goes
+    return store
+
+
 def local_address_towards(host: str, port: int) -> str:
     """The address of the interface this machine uses to reach *host* (for peers)."""
     try:
@@ -200,21 +283,35 @@ def check_run_id(
                 f"to publish the job's rendezvous id at {where}"
             )
         time.sleep(0.01)
-    if got.decode() != run_id:
+    owner = got.decode(errors="replace")
+    if owner != run_id:
         raise RendezvousError(
             f"rendezvous id mismatch at {where}: this node has --rdzv-id {run_id!r} but "
-            f"the store belongs to job {got.decode()!r}"
+            f"the store belongs to job {owner[:80]!r}"
         )
 
 
-def read_failures(kv: KV, round_: int, nodes: int) -> list[dict[str, Any]]:
-    """The failure records that nodes ``0..nodes-1`` wrote for *round_* (both backends)."""
+def read_failures(
+    kv: KV, round_: int, nodes: int, warned: set[str] | None = None
+) -> list[FailureRecord]:
+    """The failure records that nodes ``0..nodes-1`` wrote for *round_* (both backends).
+
+    Anyone who can reach a c10d store can write to it: a record that does not parse, or
+    names a node outside the round, is dropped and logged (once per key in *warned*)."""
     out = []
     keys = [f"r{round_}/failure/{i}" for i in range(nodes)]
     for key, raw in zip(keys, kv.get_many(keys), strict=True):
-        if raw is not None:
-            try:
-                out.append(json.loads(raw))
-            except ValueError:
-                logger.warning("unreadable failure record %s", key)
+        if raw is None:
+            continue
+        try:
+            rec = msgspec.json.decode(raw, type=FailureRecord)
+            if not 0 <= rec.node_rank < nodes:
+                raise ValueError(f"node_rank {rec.node_rank} outside 0..{nodes - 1}")
+        except (msgspec.DecodeError, ValueError) as err:
+            if warned is None or key not in warned:
+                logger.warning("dropped a malformed failure record at %s: %s", key, err)
+                if warned is not None:
+                    warned.add(key)
+            continue
+        out.append(rec)
     return out

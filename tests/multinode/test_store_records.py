@@ -1,0 +1,109 @@
+"""Decisions about stores as tables: where a store listens, which records are dropped,
+what a rank's control request does to the round."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from stalwart.launch.supervisor import RoundOutcome, control_outcome
+from stalwart.monitor import ControlAction
+from stalwart.rendezvous.kv import C10dKV, bind_address, host_store, read_failures
+
+
+@pytest.mark.parametrize(
+    ("host", "resolved", "want"),
+    [
+        ("127.0.0.1", ["127.0.0.1"], "127.0.0.1"),
+        ("localhost", ["127.0.0.1", "::1"], "127.0.0.1"),
+        ("10.1.2.3", ["10.1.2.3"], "10.1.2.3"),
+        ("node7", ["10.1.2.7"], "10.1.2.7"),
+        # Debian maps the machine's own name to 127.0.1.1: peers use another address.
+        ("node7", ["127.0.1.1"], ""),
+        ("fe80::1", ["fe80::1"], "fe80::1"),
+        ("unresolvable", [], ""),
+    ],
+)
+def test_bind_address(host: str, resolved: list[str], want: str) -> None:
+    assert bind_address(host, resolved) == want
+
+
+@pytest.mark.parametrize(
+    ("action", "elastic", "want"),
+    [
+        (ControlAction.SHUTDOWN_WORKLOAD, False, RoundOutcome.SHUTDOWN_REQUESTED),
+        (ControlAction.SHUTDOWN_WORKLOAD, True, RoundOutcome.SHUTDOWN_REQUESTED),
+        (ControlAction.EXCLUDE_NODE, False, RoundOutcome.SHUTDOWN_REQUESTED),
+        (ControlAction.EXCLUDE_NODE, True, RoundOutcome.NODE_EXCLUDED),
+        (ControlAction.CONTINUE, True, None),
+    ],
+)
+def test_control_outcome(action: ControlAction, elastic: bool, want: RoundOutcome | None) -> None:
+    assert control_outcome(action, elastic) is want
+
+
+def test_host_store_listens_on_loopback_only() -> None:
+    store = host_store("127.0.0.1", 0, 10)
+    client = TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+GOOD = '{"kind": "worker", "local_rank": 0, "node_rank": 1, "pid": 7, "exitcode": 1}'
+
+
+@pytest.mark.parametrize(
+    ("raw", "kept"),
+    [
+        (GOOD, True),
+        ('{"kind": "node_lost", "local_rank": -1, "node_rank": 1, "reason": "gone"}', True),
+        ("{not json", False),
+        ("[1, 2]", False),
+        ('{"kind": "worker", "message": "no ranks"}', False),
+        ('{"kind": "reboot", "local_rank": 0, "node_rank": 1}', False),
+        ('{"local_rank": "0", "node_rank": 1}', False),
+        ('{"local_rank": -5, "node_rank": 1}', False),
+        ('{"local_rank": 0, "node_rank": 9}', False),  # not a node of this round
+    ],
+)
+def test_read_failures_drops_malformed_records_once(
+    raw: str, kept: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    kv = C10dKV("127.0.0.1", 0, is_host=True, connect_timeout=10, op_timeout=10)
+    kv.set("r0/failure/1", raw)
+    warned: set[str] = set()
+    with caplog.at_level(logging.WARNING, logger="stalwart.rendezvous.kv"):
+        for _ in range(3):
+            got = read_failures(kv, 0, 2, warned)
+            assert len(got) == (1 if kept else 0)
+    drops = [r for r in caplog.records if "malformed failure record" in r.getMessage()]
+    assert len(drops) == (0 if kept else 1)
+
+
+def test_host_store_for_peers_listens_on_the_advertised_address_only() -> None:
+    """A multi-node store: reachable at the address peers use, not on loopback (nor on
+    any other interface)."""
+    import ipaddress
+    import socket
+
+    import psutil
+
+    outside = next(
+        (
+            a.address
+            for addrs in psutil.net_if_addrs().values()
+            for a in addrs
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback
+        ),
+        None,
+    )
+    if outside is None:
+        pytest.skip("this machine has no non-loopback address")
+    store = host_store(outside, 0, 10)
+    client = TCPStore(outside, store.port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("k", "v")
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", store.port))
