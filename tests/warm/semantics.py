@@ -24,6 +24,7 @@ info = {
     "pgid_is_pid": os.getpgid(0) == os.getpid(),
     "stdout_tty": sys.stdout.isatty(),
     "main_file": os.path.basename(sys.modules["__main__"].__file__),
+    "orig_argv": sys.orig_argv,
 }
 mode = "warm" if preloaded else "cold"
 tmp = os.path.join(out, f"sem_{info['rank']}_{mode}.tmp")
