@@ -1,9 +1,11 @@
 """Records what a worker sees of its own start, for comparing warm and cold workers."""
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 
 preloaded = "torch" in sys.modules  # before this script imported anything heavy
@@ -25,6 +27,9 @@ info = {
     "stdout_tty": sys.stdout.isatty(),
     "main_file": os.path.basename(sys.modules["__main__"].__file__),
     "orig_argv": sys.orig_argv,
+    "mp": [multiprocessing.current_process().name, multiprocessing.parent_process() is None],
+    "main_thread": threading.current_thread() is threading.main_thread(),
+    "threads": threading.active_count(),
 }
 mode = "warm" if preloaded else "cold"
 tmp = os.path.join(out, f"sem_{info['rank']}_{mode}.tmp")

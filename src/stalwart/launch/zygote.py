@@ -27,8 +27,8 @@ than one thread or has initialised CUDA: forking after either is unsafe.
 
 from __future__ import annotations
 
+import _thread
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -116,29 +116,38 @@ def learned_modules(
 
 
 class _Reporter:
-    """Writes the program's new modules to the launcher's pipe from a ``gc`` callback: no
-    thread and no signal handler in the user's process, and it removes itself when done."""
+    """Writes the program's new modules to the launcher's pipe, from a thread made with
+    ``_thread`` rather than ``threading``: the program's ``threading.enumerate()`` and
+    ``active_count()`` stay those of a cold process.  (A ``gc`` callback was tried first: a
+    torch training loop frees its tensors by reference counting and can go half a minute
+    without a collection.)  It ends after LISTEN_S or when the pipe is gone."""
 
     def __init__(self, fd: int, known: set[str], own_dirs: list[str]) -> None:
         self.fd = fd
         self.known = known
         self.own_dirs = own_dirs
-        self.t0 = self.changed = self.checked = time.monotonic()
+        self.t0 = self.changed = time.monotonic()
         self.count = len(sys.modules)
         self.reported = len(sys.modules)
 
     def install(self) -> None:
-        gc.callbacks.append(self)
+        _thread.start_new_thread(self._run, ())
 
-    def __call__(self, phase: str, _info: dict[str, int]) -> None:
-        now = time.monotonic()
-        if phase != "stop" or now - self.checked < _CHECK_EVERY_S:
-            return  # collections can come thousands a second: stay cheap
-        self.checked = now
+    def _run(self) -> None:
+        try:
+            while self.check(time.monotonic()):
+                time.sleep(_CHECK_EVERY_S)
+        finally:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+
+    def check(self, now: float) -> bool:
+        """Reports if due; whether to keep watching."""
         count = len(sys.modules)
         if count != self.count:
             self.count, self.changed = count, now
-        done = now - self.t0 >= LISTEN_S
         if report_due(now - self.t0, now - self.changed, count, self.reported):
             pairs = [(n, getattr(m, "__file__", None)) for n, m in list(sys.modules.items())]
             names = learned_modules(pairs, self.known, self.own_dirs)
@@ -146,17 +155,8 @@ class _Reporter:
             try:
                 os.write(self.fd, (json.dumps(names) + "\n").encode())
             except OSError:
-                done = True  # the launcher stopped listening, or the program closed the fd
-        if done:
-            self.close()
-
-    def close(self) -> None:
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+                return False  # the launcher stopped listening, or the program closed the fd
+        return now - self.t0 < LISTEN_S
 
 
 def rss_bytes() -> int:
