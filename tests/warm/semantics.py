@@ -1,9 +1,11 @@
 """Records what a worker sees of its own start, for comparing warm and cold workers."""
 
 import json
+import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 
 preloaded = "torch" in sys.modules  # before this script imported anything heavy
@@ -24,6 +26,10 @@ info = {
     "pgid_is_pid": os.getpgid(0) == os.getpid(),
     "stdout_tty": sys.stdout.isatty(),
     "main_file": os.path.basename(sys.modules["__main__"].__file__),
+    "orig_argv": sys.orig_argv,
+    "mp": [multiprocessing.current_process().name, multiprocessing.parent_process() is None],
+    "main_thread": threading.current_thread() is threading.main_thread(),
+    "threads": threading.active_count(),
 }
 mode = "warm" if preloaded else "cold"
 tmp = os.path.join(out, f"sem_{info['rank']}_{mode}.tmp")

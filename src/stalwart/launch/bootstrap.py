@@ -1,7 +1,9 @@
 """What a Python worker runs first: ``python -u -m stalwart.launch.bootstrap [-m] TARGET ARGS``.
 
 It makes the worker observable, then runs the user's script or module exactly as
-``python -u TARGET ARGS`` would (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``):
+``python -u TARGET ARGS`` would (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``,
+``sys.orig_argv``, the process title ``ps`` and ``pgrep -f`` see, and an uncaught
+exception's traceback starting at the user's code):
 
 * the parent-death signal, so a worker never outlives a SIGKILLed launcher;
 * ``faulthandler`` on SIGUSR1, so the hang monitor can ask for every thread's stack;
@@ -9,11 +11,12 @@ It makes the worker observable, then runs the user's script or module exactly as
   even when the script has no ``@record``.
 
 Warm workers forked from the template (``zygote.py``) run the same ``run_target``.
-It imports only the standard library and ``stalwart.launch.errors``.
+It imports only the standard library, ``setproctitle`` and ``stalwart.launch.errors``.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import runpy
@@ -26,8 +29,25 @@ def observe() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
 
 
+def set_title(argv: list[str]) -> None:
+    """Sets what ``ps`` shows as this process's command line."""
+    # SPT_NOENV: the title must fit where the command line was and leave the environment
+    # block alone (the guardian finds our processes by a variable in it).  A cold worker's
+    # bootstrap command line is longer than its title; the launcher gives the template a
+    # command line long enough for any worker's title.
+    os.environ["SPT_NOENV"] = "1"
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join(argv))
+    finally:
+        del os.environ["SPT_NOENV"]
+
+
 def run_target(args: list[str]) -> None:
-    """Runs ``[-m] TARGET ARGS`` as ``python -u`` would; raises what the target raises."""
+    """Runs ``[-m] TARGET ARGS`` as ``python -u`` would; raises what the target raises,
+    except an uncaught exception, which it reports and exits with as the interpreter would."""
+    command = list(args)
     as_module = bool(args) and args[0] == "-m"
     if as_module:
         args = args[1:]
@@ -38,6 +58,11 @@ def run_target(args: list[str]) -> None:
 
     target = args[0]
     sys.argv = [target, *args[1:]]
+    # What torchrun's worker would have: ``python -u [-m] TARGET ARGS``.
+    sys.orig_argv = [sys.executable, "-u", *command]
+    set_title(sys.orig_argv)
+    # Registered before the program's own handlers, so it runs after them (LIFO).
+    atexit.register(_die_by_sigint_if_interrupted)
     try:
         if as_module:
             # -m semantics: sys.path[0] is the working directory.
@@ -53,7 +78,41 @@ def run_target(args: list[str]) -> None:
     except BaseException as exc:
         _drop_own_frames(exc)
         write_error_file(exc)
-        raise
+        _exit_uncaught(exc)
+
+
+_interrupted = False
+
+
+def _exit_uncaught(exc: BaseException) -> None:
+    """What the interpreter does with an uncaught exception, done here because letting it
+    propagate would prepend our frames (and runpy's) to the traceback it prints."""
+    global _interrupted
+    tb = exc.__traceback__
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    try:
+        sys.excepthook(type(exc), exc, tb)
+    except BaseException as hook_exc:
+        print("Error in sys.excepthook:", file=sys.stderr)
+        sys.__excepthook__(type(hook_exc), hook_exc, hook_exc.__traceback__)
+        print("\nOriginal exception was:", file=sys.stderr)
+        sys.__excepthook__(type(exc), exc, tb)
+    # An uncaught KeyboardInterrupt ends the process by SIGINT once it has shut down.
+    _interrupted = isinstance(exc, KeyboardInterrupt)
+    raise SystemExit(1) from None
+
+
+def _die_by_sigint_if_interrupted() -> None:
+    if _interrupted:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
 
 
 def _drop_own_frames(exc: BaseException) -> None:

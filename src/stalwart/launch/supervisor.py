@@ -242,7 +242,9 @@ class Supervisor:
         env.setdefault("OMP_NUM_THREADS", "1")
 
         log = str(self.run_dir / "template.log") if self.run_dir is not None else os.devnull
-        pool = WarmPool(list(cfg.preload), env, self.events.emit, log_path=log)
+        # Room in the template's command line for a worker's title (bootstrap.set_title).
+        room = len(" ".join([sys.executable, "-u", *program_argv(cfg)[1][3:]])) + 1
+        pool = WarmPool(list(cfg.preload), env, self.events.emit, log_path=log, title_room=room)
         pool.start()
         return pool
 
@@ -520,12 +522,10 @@ class Supervisor:
 
     def _reap_orphans(self, ctx: ProcessContext) -> None:
         keep = set(ctx.pids().values())
-        for helper in (
-            self._guardian.proc.pid if self._guardian else None,
-            self._warm.owned_pid() if self._warm else None,
-        ):
-            if helper is not None:
-                keep.add(helper)
+        if self._guardian is not None:
+            keep.add(self._guardian.proc.pid)
+        if self._warm is not None:
+            keep |= self._warm.owned_pids()
         posix.reap_orphans(keep)
 
     def _completed_without(self, result: RunResult, info: RendezvousInfo) -> bool:

@@ -5,6 +5,12 @@ overlap the rendezvous; a worker start waits for it only as long as it is still
 importing.  If the template cannot be used (a preload fails, it is unsafe to fork, it
 died and cannot be restarted) ``spawn`` returns None and the caller starts the worker
 cold; the reason is logged once.
+
+Learned preload: the first worker of each start (local rank 0) reports on a pipe the
+modules its program imported.  When they are not all in the template, a second template
+that also imports them is prepared in the background at low priority and replaces the
+first once ready, so later restarts skip the program's framework import.  If it cannot
+be used, the first one stays and learning stops for the run (one warning).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -26,6 +33,10 @@ from stalwart.launch.runfiles import APPEND_FLAGS
 logger = logging.getLogger(__name__)
 
 EventSink = Callable[..., Any]
+
+# Each learned template imports torch and the framework again (seconds of one core, at low
+# priority); a program that keeps importing new modules gets no more than this many.
+MAX_REBUILDS = 3
 
 
 class ForkedProcess:
@@ -72,8 +83,11 @@ class WarmPool:
         emit: EventSink,
         ready_timeout: float = 120.0,
         log_path: str = os.devnull,
+        title_room: int = 0,
     ) -> None:
         self.preload = preload
+        # Workers take their title in the template's command line (see bootstrap.set_title).
+        self.title_room = title_room
         self.log_path = log_path
         self.env = env
         self.emit = emit
@@ -83,28 +97,48 @@ class WarmPool:
         self._sock: socket.socket | None = None
         self._ready = False
         self._lock = threading.Lock()
+        self._modules: set[str] = set()  # what the serving template imported
+        self._learned: list[str] = []  # learned modules, in import order
+        self._next: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+        self._learning_off = False
+        self._rebuilds = 0
+        # Templates with learned modules are started from one thread that lives as long as
+        # this pool: a child's parent-death signal fires when the thread that forked it
+        # ends, and the reader threads end with each worker.
+        self._learn_queue: queue.SimpleQueue[list[str] | None] = queue.SimpleQueue()
+        self._learner: threading.Thread | None = None
 
     # -- the template's life -----------------------------------------------------------
     def start(self) -> None:
         """Starts the template without waiting for its imports."""
         if self.disabled_reason is not None:
             return
+        self._proc, self._sock = self._launch(self._learned)
+        self._ready = False
+        self.emit("template_start", template_pid=self._proc.pid, preload=self.preload)
+
+    def _launch(self, learned: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         parent = os.getpid()
         # Import-time chatter of the template goes to its own log, not the job's console;
         # why it is unusable reaches the launcher as one message on the socket.
         log = os.open(self.log_path, APPEND_FLAGS, 0o644)
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-u",
-                "-m",
-                "stalwart.launch.zygote",
-                "--sock",
-                str(theirs.fileno()),
-                "--preload",
-                ",".join(self.preload),
-            ],
+        argv = [
+            sys.executable,
+            "-u",
+            "-m",
+            "stalwart.launch.zygote",
+            "--sock",
+            str(theirs.fileno()),
+            "--preload",
+            ",".join(self.preload),
+        ]
+        if learned:
+            argv.append("--learned")
+        if self.title_room:
+            argv.append("--title-room=" + "." * self.title_room)
+        proc = subprocess.Popen(
+            argv,
             pass_fds=[theirs.fileno()],
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -115,9 +149,10 @@ class WarmPool:
         )
         os.close(log)
         theirs.close()
-        self._sock = ours
-        self._ready = False
-        self.emit("template_start", template_pid=self._proc.pid, preload=self.preload)
+        if learned:
+            # A list, not an argument: thousands of names can exceed one argument's limit.
+            ours.send(json.dumps(learned).encode())
+        return proc, ours
 
     def _await_ready(self) -> bool:
         if self._ready:
@@ -140,6 +175,7 @@ class WarmPool:
         if not info.get("ready"):
             return self._give_up(str(info.get("error", "the template is not usable")))
         self._ready = True
+        self._modules = set(info.get("modules") or []) | set(info.get("learned") or [])
         self.emit(
             "template_ready",
             template_pid=self._proc.pid,
@@ -174,13 +210,113 @@ class WarmPool:
                 self.start()
             return self._await_ready()
 
+    # -- learned preload ---------------------------------------------------------------
+    def _listen(self, fd: int) -> None:
+        """Reads a worker's reports of its program's modules until it exits."""
+        with os.fdopen(fd, "rb") as pipe:
+            for line in pipe:
+                try:
+                    names = [str(n) for n in json.loads(line)]
+                except (ValueError, TypeError):
+                    continue
+                self._learn(names)
+
+    def _learn(self, names: list[str]) -> None:
+        with self._lock:
+            if self._learning_off:
+                return
+            if self._learner is None:
+                self._learner = threading.Thread(
+                    target=self._learn_loop, name="stalwart-learn", daemon=True
+                )
+                self._learner.start()
+        self._learn_queue.put(names)
+
+    def _learn_loop(self) -> None:
+        while (names := self._learn_queue.get()) is not None:
+            with self._lock:
+                if self._learning_off or self.disabled_reason or self._rebuilds >= MAX_REBUILDS:
+                    continue
+                known = self._modules | set(self._learned)
+                new = [n for n in names if n not in known]
+                if not new:
+                    continue
+                learned = self._learned + new
+                try:
+                    proc, sock = self._launch(learned)
+                except OSError as err:
+                    self._learning_off = True
+                    logger.warning("could not start a template with learned modules: %s", err)
+                    continue
+                self._next = (proc, sock)
+                self._rebuilds += 1
+            self.emit("template_learn", template_pid=proc.pid, learned=len(learned), new=new[:20])
+            self._adopt(proc, sock)
+
+    def _adopt(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        """Waits for the learned template; it replaces the serving one once ready."""
+        sock.settimeout(self.ready_timeout)
+        try:
+            msg = sock.recv(1 << 20)
+        except OSError as err:
+            msg = json.dumps({"ready": False, "error": f"unreachable ({err})"}).encode()
+        sock.settimeout(None)
+        info: dict[str, Any] = json.loads(msg) if msg else {"ready": False, "error": "it exited"}
+        dropped = info.get("dropped") or []
+        if dropped:
+            logger.warning(
+                "learned preload: %d module(s) the program imported do not import on their "
+                "own and stay out of the template: %s",
+                len(dropped),
+                "; ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
+            )
+        old: tuple[subprocess.Popen[bytes] | None, socket.socket | None] = (None, None)
+        with self._lock:
+            self._next = None
+            closed = self._learning_off and self._sock is None
+            if info.get("ready") and self.disabled_reason is None and self._sock is not None:
+                old = (self._proc, self._sock)
+                self._proc, self._sock, self._ready = proc, sock, True
+                self._learned = list(info.get("learned") or [])
+                self._modules = set(info.get("modules") or []) | set(self._learned)
+            else:
+                self._learning_off = True
+        if old[0] is None:
+            _stop(proc, sock)
+            if closed:  # the launcher is shutting down
+                return
+            logger.warning(
+                "learned preload off for this run: the template with the modules the "
+                "program imported is not usable (%s)",
+                info.get("error", "closed"),
+            )
+            self.emit("template_learn_failed", reason=str(info.get("error", "closed")))
+            return
+        self.emit(
+            "template_ready",
+            template_pid=proc.pid,
+            rss_bytes=info.get("rss"),
+            import_s=info.get("import_s"),
+            modules=info.get("modules"),
+            learned=info.get("learned"),
+            dropped=info.get("dropped"),
+        )
+        _stop(old[0], old[1])
+
     # -- workers -----------------------------------------------------------------------
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int]) -> int | None:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: str, fds: list[int], learn: bool = False
+    ) -> int | None:
         """Forks a worker that runs ``argv`` (``[-m] TARGET ARGS``); its pid, or None if
-        the caller must start it cold."""
+        the caller must start it cold.  With *learn*, the worker reports the modules its
+        program imports, for the template that serves the next start."""
         if not self.ensure():
             return None
         assert self._sock is not None
+        pipe: tuple[int, int] | None = None
+        if learn and not self._learning_off:
+            pipe = os.pipe2(os.O_CLOEXEC)
+            fds = [*fds, pipe[1]]
         req = {
             "argv": argv,
             "env": env,
@@ -190,10 +326,20 @@ class WarmPool:
         }
         with self._lock:
             try:
+                assert self._sock is not None
                 socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
                 reply = self._sock.recv(1 << 16)
             except OSError as err:
                 reply = json.dumps({"ok": False, "error": f"template unreachable: {err}"}).encode()
+        if pipe is not None:
+            os.close(pipe[1])
+            ok = bool(reply) and bool(json.loads(reply).get("ok"))
+            if ok:
+                threading.Thread(
+                    target=self._listen, args=(pipe[0],), name="stalwart-learn", daemon=True
+                ).start()
+            else:
+                os.close(pipe[0])
         if not reply:
             logger.warning("warm template vanished during a spawn; starting this worker cold")
             return None
@@ -204,27 +350,38 @@ class WarmPool:
             return None
         return int(ans["pid"])
 
-    def owned_pid(self) -> int | None:
-        """The template's pid while our ``Popen`` still owns it (alive or not yet reaped)."""
-        return self._proc.pid if self._proc is not None else None
-
     def template_pid(self) -> int | None:
         return self._proc.pid if self._alive() and self._proc is not None else None
 
+    def owned_pids(self) -> set[int]:
+        """Every template process our ``Popen``s own: the serving one and one being
+        prepared with learned modules."""
+        nxt = self._next
+        return {p.pid for p in (self._proc, nxt[0] if nxt else None) if p is not None}
+
     def _shutdown(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
-            self._proc = None
+        _stop(self._proc, self._sock)
+        self._sock = None
+        self._proc = None
         self._ready = False
 
     def close(self) -> None:
         with self._lock:
             self._shutdown()
+            self._learning_off = True
+            if self._next is not None:
+                _stop(*self._next)
+                self._next = None
+        self._learn_queue.put(None)
+
+
+def _stop(proc: subprocess.Popen[bytes] | None, sock: socket.socket | None) -> None:
+    if sock is not None:
+        sock.close()
+    if proc is not None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def _default_threads() -> int:

@@ -220,7 +220,9 @@ class ProcessContext:
                 stream(spec.logs.stdout, 1, spec.logs.console),
                 stream(spec.logs.stderr, 2, spec.logs.console),
             ]
-            pid = self.warm.spawn(self.warm_argv, self._env(spec), os.getcwd(), fds)
+            pid = self.warm.spawn(
+                self.warm_argv, self._env(spec), os.getcwd(), fds, learn=spec.local_rank == 0
+            )
         finally:
             for fd in opened:
                 os.close(fd)
@@ -423,11 +425,11 @@ class ProcessContext:
             children = psutil.Process().children(recursive=True)
         except psutil.Error:
             return
-        # The warm template carries the token too (so the guardian can find workers forked
-        # from it), but it serves the next attempt and must survive this one.
-        spare = self.warm.template_pid() if self.warm is not None else None
+        # The warm templates carry the token too (so the guardian can find workers forked
+        # from them), but they serve the next attempt and must survive this one.
+        spare = self.warm.owned_pids() if self.warm is not None else set()
         for child in children:
-            if child.pid == spare:
+            if child.pid in spare:
                 continue
             try:
                 env = child.environ()

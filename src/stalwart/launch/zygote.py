@@ -4,7 +4,14 @@ Started by the supervisor as ``python -u -m stalwart.launch.zygote --sock FD --p
 a,b``.  After importing (torch, torch.distributed, torch._dynamo and the user's list) it
 reports ``{"ready": true, "rss": ...}`` and serves spawn requests on a ``SOCK_SEQPACKET``
 socket: one JSON message with the worker's argv, environment and working directory, and
-its stdin/stdout/stderr as file descriptors (``SCM_RIGHTS``).  Nothing is unpickled.
+its stdin/stdout/stderr as file descriptors (``SCM_RIGHTS``), plus optionally a fourth:
+the write end of a pipe on which the worker reports the modules the program imported
+(learned preload, see ``learned_modules``).  Nothing is unpickled.
+
+With ``--learned`` the first message on the socket is a JSON list of modules a worker of
+this job imported; the template imports them too (at low priority: it is prepared in the
+background while the job trains), dropping any that fail.  A module that starts a thread
+or initialises CUDA makes that template unusable (it says which), never a worker.
 
 Each worker is made by a double fork: the intermediate child forks the worker and exits,
 so the worker is re-parented to the launcher (a child subreaper) and the launcher can
@@ -20,15 +27,16 @@ than one thread or has initialised CUDA: forking after either is unsafe.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
 import json
 import os
-import random
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel")
@@ -61,6 +69,96 @@ def fork_blocker() -> str | None:
     return None
 
 
+def fresh_random_state() -> None:
+    """Seeds the global generators from OS entropy, as a new interpreter does: otherwise
+    every worker forked from one template draws the same "random" numbers.  Python's
+    ``random`` reseeds itself after a fork; torch's CPU generator and numpy's legacy global
+    ``RandomState`` do not.  CUDA generators need nothing: the template never creates them
+    (it refuses to fork once CUDA is initialised)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        np_random.seed()
+
+
+# Learned preload: a worker reports the modules its program imported once they have
+# settled (no new module for SETTLE_S, by then the framework's lazy imports of the first
+# steps are in), and again if more come, for LISTEN_S after its start.
+SETTLE_S = 1.0
+LISTEN_S = 60.0
+_CHECK_EVERY_S = 0.25
+
+
+def report_due(elapsed: float, quiet: float, count: int, reported: int) -> bool:
+    """Whether a worker *elapsed* seconds into its program, whose ``sys.modules`` has held
+    *count* entries for *quiet* seconds, reports them (it last did at *reported*)."""
+    return elapsed >= SETTLE_S and quiet >= SETTLE_S and count > reported
+
+
+def learned_modules(
+    modules: Iterable[tuple[str, str | None]], known: set[str], own_dirs: Iterable[str]
+) -> list[str]:
+    """Of (name, file) pairs in import order, those a template may import for the next
+    workers: new since the fork, loaded from a file, and not the program's own code (its
+    script's folder, or the working directory for ``-m``), which a restart must read
+    afresh as a cold start would."""
+    own = tuple(os.path.join(os.path.abspath(d), "") for d in own_dirs)
+    out: list[str] = []
+    for name, file in modules:
+        if name in known or name in ("__main__", "__mp_main__") or not file:
+            continue
+        if own and os.path.abspath(file).startswith(own):
+            continue
+        out.append(name)
+    return out
+
+
+class _Reporter:
+    """Writes the program's new modules to the launcher's pipe, from a thread made with
+    ``_thread`` rather than ``threading``: the program's ``threading.enumerate()`` and
+    ``active_count()`` stay those of a cold process.  (A ``gc`` callback was tried first: a
+    torch training loop frees its tensors by reference counting and can go half a minute
+    without a collection.)  It ends after LISTEN_S or when the pipe is gone."""
+
+    def __init__(self, fd: int, known: set[str], own_dirs: list[str]) -> None:
+        self.fd = fd
+        self.known = known
+        self.own_dirs = own_dirs
+        self.t0 = self.changed = time.monotonic()
+        self.count = len(sys.modules)
+        self.reported = len(sys.modules)
+
+    def install(self) -> None:
+        _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        try:
+            while self.check(time.monotonic()):
+                time.sleep(_CHECK_EVERY_S)
+        finally:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+
+    def check(self, now: float) -> bool:
+        """Reports if due; whether to keep watching."""
+        count = len(sys.modules)
+        if count != self.count:
+            self.count, self.changed = count, now
+        if report_due(now - self.t0, now - self.changed, count, self.reported):
+            pairs = [(n, getattr(m, "__file__", None)) for n, m in list(sys.modules.items())]
+            names = learned_modules(pairs, self.known, self.own_dirs)
+            self.reported = count
+            try:
+                os.write(self.fd, (json.dumps(names) + "\n").encode())
+            except OSError:
+                return False  # the launcher stopped listening, or the program closed the fd
+        return now - self.t0 < LISTEN_S
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -74,9 +172,10 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
     """In the forked worker: take the state of a fresh interpreter; returns the argv."""
     sock.close()
     os.setpgid(0, 0)
-    for target, fd in zip((0, 1, 2), fds, strict=True):
+    learn_fd = fds[3] if len(fds) > 3 else None
+    for target, fd in zip((0, 1, 2), fds[:3], strict=True):
         os.dup2(fd, target)
-    for fd in fds:
+    for fd in fds[:3]:
         if fd > 2:
             os.close(fd)
     os.environ.clear()
@@ -95,14 +194,21 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
     from stalwart.launch.posix import pdeathsig_then_check
 
     pdeathsig_then_check(launcher)
-    random.seed()
+    fresh_random_state()
     # The template imported torch with one OpenMP thread (any more and it could not fork);
     # the worker gets the count it asked for, or the one a cold start would have had.
     threads = os.environ.get("OMP_NUM_THREADS") or str(req.get("threads") or "")
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit():
         torch.set_num_threads(int(threads))
-    return list(req["argv"])
+    argv = list(req["argv"])
+    if learn_fd is not None:
+        os.set_inheritable(learn_fd, False)  # never into the program's own children
+        own = (
+            req["cwd"] if argv[:1] == ["-m"] else os.path.dirname(os.path.join(req["cwd"], argv[0]))
+        )
+        _Reporter(learn_fd, set(sys.modules), [own]).install()
+    return argv
 
 
 def serve(sock: socket.socket) -> list[str] | None:
@@ -110,7 +216,7 @@ def serve(sock: socket.socket) -> list[str] | None:
     the target in a forked worker (which then runs it); None in the template at EOF."""
     while True:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 3)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
         except (ConnectionResetError, OSError):
             return None
         if not msg:
@@ -123,8 +229,8 @@ def serve(sock: socket.socket) -> list[str] | None:
                 os.close(fd)
             continue
         blocker = fork_blocker()
-        if blocker is not None or len(fds) != 3:
-            _send(sock, {"ok": False, "error": blocker or "expected 3 file descriptors"})
+        if blocker is not None or len(fds) not in (3, 4):
+            _send(sock, {"ok": False, "error": blocker or "expected 3 or 4 file descriptors"})
             for fd in fds:
                 os.close(fd)
             continue
@@ -153,12 +259,73 @@ def serve(sock: socket.socket) -> list[str] | None:
             _send(sock, {"ok": False, "error": "fork failed"})
 
 
+def _lower_priority() -> Callable[[], None]:
+    """Lowers this process's CPU priority for a background import; returns what restores
+    it before forking (workers inherit it).  ``nice 19`` when this process may raise its
+    priority back (root, or RLIMIT_NICE allows it; probed in a throwaway child, as
+    lowering cannot be undone otherwise), else SCHED_BATCH, which anyone may leave."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    probe = os.fork()
+    if probe == 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except OSError:
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(probe, 0)
+    if os.waitstatus_to_exitcode(status) == 0:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        return lambda: os.setpriority(os.PRIO_PROCESS, 0, before)
+    policy = os.sched_getscheduler(0)
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except OSError:
+        return lambda: None
+    return lambda: os.sched_setscheduler(0, policy, os.sched_param(0))
+
+
+def _import_learned(names: list[str]) -> tuple[list[str], list[str], str | None]:
+    """Imports what a worker of this job imported: (imported, dropped with the reason,
+    why this template must not fork or None).  Checked after every module, so the
+    message names the one that started a thread or initialised CUDA."""
+    done: list[str] = []
+    dropped: list[str] = []
+    for name in names:
+        if name in sys.modules:
+            done.append(name)
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # a learned module must never break a restart
+            dropped.append(f"{name} ({type(exc).__name__}: {exc})")
+            continue
+        blocker = fork_blocker()
+        if blocker is not None:
+            return done, dropped, f"learned module {name}: {blocker}"
+        done.append(name)
+    return done, dropped, None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m stalwart.launch.zygote")
     ap.add_argument("--sock", type=int, required=True)
     ap.add_argument("--preload", default="")
+    ap.add_argument("--learned", action="store_true")
+    ap.add_argument("--title-room", default="")
     ns = ap.parse_args()
+    # Imported here rather than after the fork: what workers report as their program's
+    # modules is what they have beyond the template's.
+    import stalwart.launch.errors
+    import stalwart.launch.posix  # noqa: F401
+    from stalwart.launch.bootstrap import set_title
+
+    set_title([sys.executable, *(a for a in sys.orig_argv[1:] if not a.startswith("--title-room"))])
     sock = socket.socket(fileno=ns.sock)
+    learned: list[str] = []
+    if ns.learned:
+        learned = [str(m) for m in json.loads(sock.recv(_MAX_MSG) or b"[]")]
+    restore = _lower_priority() if ns.learned else (lambda: None)
     t0 = time.monotonic()
     modules = list(DEFAULT_PRELOAD) + [m for m in ns.preload.split(",") if m]
     for name in modules:
@@ -168,12 +335,22 @@ def main() -> None:
             _send(sock, {"ready": False, "error": f"--preload {name}: {type(exc).__name__}: {exc}"})
             return
     blocker = fork_blocker()
+    done, dropped, learn_blocker = _import_learned(learned)
+    restore()
+    blocker = blocker or learn_blocker
     if blocker is not None:
-        _send(sock, {"ready": False, "error": blocker})
+        _send(sock, {"ready": False, "error": blocker, "dropped": dropped})
         return
     _send(
         sock,
-        {"ready": True, "rss": rss_bytes(), "modules": modules, "import_s": time.monotonic() - t0},
+        {
+            "ready": True,
+            "rss": rss_bytes(),
+            "modules": modules,
+            "learned": done,
+            "dropped": dropped,
+            "import_s": time.monotonic() - t0,
+        },
     )
     argv = serve(sock)
     if argv is None:
