@@ -104,11 +104,20 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+TORCH_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
 def _merge(ns: argparse.Namespace) -> dict[str, Any]:
-    """defaults < cluster (SLURM, Kubernetes) < YAML < STALWART_* environment < flags."""
+    """defaults < cluster (SLURM, Kubernetes) < YAML < torchrun's environment <
+    STALWART_* environment < flags."""
     merged: dict[str, Any] = dict(cluster.detect(os.environ)[1])
     if ns.config is not None:
         merged.update(load_yaml(ns.config))
+    # torchrun (2.13) reads its prefix template only from this variable; an empty value
+    # is unset there too.  Our own STALWART_ variable and the flag are more specific.
+    torch_prefix = os.environ.get(TORCH_PREFIX_ENV)
+    if torch_prefix:
+        merged["log_line_prefix_template"] = torch_prefix
     merged.update(env_overrides())
     flags = {
         "nnodes": ns.nnodes,

@@ -110,3 +110,45 @@ def test_hang_detection_precedence_and_checks(
     assert m.section_timeouts == {"bwd": 9.0}  # a flag replaces the YAML mapping
     with pytest.raises(ConfigError, match="hb_initial_timeout"):
         build_config(["--hb-timeout", "5", "--hb-initial-timeout", "2", "x.py"])
+
+
+def test_torchelastic_prefix_template_env_as_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun 2.13 reads TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE; an empty value is unset."""
+    for k in ("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "STALWART_LOG_LINE_PREFIX_TEMPLATE"):
+        monkeypatch.delenv(k, raising=False)
+    conf = tmp_path / "c.yaml"
+    conf.write_text("log_line_prefix_template: 'yaml-${rank}:'\n")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "te-${local_rank}:")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "te-${local_rank}:"
+    cfg, _ = build_config(["--config", str(conf), "x.py"])
+    assert cfg.log_line_prefix_template == "te-${local_rank}:"  # env over YAML
+    monkeypatch.setenv("STALWART_LOG_LINE_PREFIX_TEMPLATE", "st-${rank}:")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "st-${rank}:"
+    cfg, _ = build_config(["--log-line-prefix-template", "flag:", "x.py"])
+    assert cfg.log_line_prefix_template == "flag:"  # the flag over both
+
+
+def test_torchelastic_prefix_template_reaches_the_console(tmp_path: Path) -> None:
+    from .helpers import clean_env
+
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}|${local_rank}>")
+    proc = stalwart(
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",
+        "--log-dir",
+        tmp_path,
+        "--no-python",
+        "sh",
+        "-c",
+        "echo hello",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "<default|0>hello" in proc.stdout and "<default|1>hello" in proc.stdout
