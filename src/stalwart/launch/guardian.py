@@ -6,9 +6,11 @@ stdin and tells it the process groups it creates (``+pgid`` / ``-pgid`` lines). 
 the pipe reaches end-of-file, which the kernel guarantees even after SIGKILL of the
 launcher, the guardian SIGKILLs the groups still registered and every process that
 carries the run's token in its environment (which catches descendants that left the
-group with setsid), and removes the launcher's private run-time folders (``@path``
-lines), which a SIGKILLed launcher could not; then it exits.  It imports nothing heavy
-so it starts in milliseconds.
+group with setsid), kills the job's cgroup (``!path``: the processes that also cleared
+their environment; see ``cgroup.py``) and removes it, and removes the launcher's private
+run-time folders (``@path`` lines), which a SIGKILLed launcher could not; then it exits.
+The launcher tells it to exit only after it removed all of these itself.  It imports
+nothing heavy so it starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from stalwart.launch.cgroup import JobCgroup
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,21 @@ def processes_with_token(token: str) -> list[int]:
         if needle in env.split(b"\0"):
             found.append(int(entry.name))
     return found
+
+
+def kill_tracked(tracked: dict[int, float]) -> None:
+    """SIGKILLs each tracked pid that is still the process that was reported."""
+    if not tracked:
+        return
+    import psutil  # only now: the guardian must start fast
+
+    for pid, started in tracked.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started:
+                proc.kill()
+        except psutil.Error:
+            pass
 
 
 def kill_everything(token: str, groups: set[int]) -> None:
@@ -90,6 +109,15 @@ class Guardian:
         """*path* is removed if the launcher dies without cleaning up."""
         self._send(f"@{path}")
 
+    def track(self, pid: int, start_time: float) -> None:
+        """*pid* (started at *start_time*, which guards against pid reuse) left the
+        workers' groups and is killed if the launcher dies: where no cgroup is usable."""
+        self._send(f"%{pid}:{start_time!r}")
+
+    def kill_cgroup_on_death(self, path: Path) -> None:
+        """The job cgroup at *path* is killed and removed if the launcher dies."""
+        self._send(f"!{path}")
+
     def close(self) -> None:
         self._send("exit")
         if self.proc.stdin is not None:
@@ -114,18 +142,33 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()
     paths: set[str] = set()
+    cgroups: set[str] = set()
+    tracked: dict[int, float] = {}
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
             return 0  # the launcher cleaned up itself
         if line[:1] == b"@" and len(line) > 1:
             paths.add(os.fsdecode(line[1:]))
+        elif line[:1] == b"!" and len(line) > 1:
+            cgroups.add(os.fsdecode(line[1:]))
+        elif line[:1] == b"%":
+            pid, _, started = line[1:].partition(b":")
+            try:
+                tracked[int(pid)] = float(started)
+            except ValueError:
+                pass
         elif len(line) > 1 and line[1:].isdigit():
             if line[:1] == b"+":
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+    for cg in cgroups:  # first: this also stops the job from forking any further
+        JobCgroup(Path(cg)).kill_all()
     kill_everything(token, groups)
+    kill_tracked(tracked)
+    for cg in cgroups:
+        JobCgroup(Path(cg)).remove()
     for path in paths:  # the launcher's private run-time folders
         shutil.rmtree(path, ignore_errors=True)
     return 0
