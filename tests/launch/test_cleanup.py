@@ -103,7 +103,7 @@ def test_daemon_dies_when_launcher_is_sigkilled(tmp_path: Path, mode: str) -> No
         SCRIPTS / "daemon.py", tmp_path, "wait", env=_env(mode),
     )  # fmt: skip
     try:
-        wait_for(lambda: all((tmp_path / f"ready_{r}").exists() for r in (0, 1)), 60, "workers")
+        wait_for(lambda: all((tmp_path / f"ready_0_{r}").exists() for r in (0, 1)), 60, "workers")
         daemons = _daemons(tmp_path)
         assert len(daemons) == 2 and all(alive(p) for p in daemons)
         # Without a cgroup the launcher hands strays to the guardian as it sees them.

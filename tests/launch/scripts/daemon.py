@@ -1,7 +1,9 @@
 """Starts a daemon the hard way (setsid, double fork, cleared environment), records its
-pid, then exits 0 ("exit"), fails on the first attempt ("fail") or sleeps ("wait")."""
+pid, then exits 0 ("exit"), fails on the first attempt ("fail"; "failwait": then sleeps), or
+sleeps ("wait"; "ignore": and ignores SIGTERM).  Sleeping, it writes ``ready_<attempt>_<rank>``."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,13 +23,15 @@ body = (
 subprocess.run(["setsid", "-f", "env", "-i", sys.executable, "-c", body, pid_file], check=True)
 while not os.path.exists(pid_file):
     time.sleep(0.01)
-if mode == "fail" and attempt == "0":
+if mode in ("fail", "failwait") and attempt == "0":
     # Only once every rank's daemon runs, so that the restart has them all to clean up.
     peers = [os.path.join(out_dir, f"daemon_0_{r}") for r in range(int(os.environ["WORLD_SIZE"]))]
     while not all(os.path.exists(p) for p in peers):
         time.sleep(0.01)
     sys.exit(1)
-if mode == "wait":
-    open(os.path.join(out_dir, f"ready_{rank}"), "w").close()
+if mode == "ignore":
+    signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out_dir, f"term_{rank}"), "w"))
+if mode in ("wait", "ignore", "failwait"):
+    open(os.path.join(out_dir, f"ready_{attempt}_{rank}"), "w").close()
     while True:
         time.sleep(0.1)
