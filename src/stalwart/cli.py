@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from stalwart import cluster
 from stalwart.config import (
@@ -35,9 +35,17 @@ def _flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, 
     parser.add_argument(*names, **kw)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the flag and value (not the whole
+    usage, which buries it), with a pointer to --help; exit status 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see '{self.prog} --help')")
+
+
 def run_parser() -> argparse.ArgumentParser:
     # No abbreviations: the script's own flags (``--out``) must never be taken for ours.
-    p = argparse.ArgumentParser(
+    p = _Parser(
         allow_abbrev=False,
         prog="stalwart run",
         description="Launch and supervise a distributed PyTorch job (a drop-in torchrun).",
@@ -301,7 +309,11 @@ def cmd_run(argv: list[str]) -> int:
     from stalwart.launch.supervisor import Supervisor
     from stalwart.rendezvous import RendezvousError
 
-    sup = Supervisor(cfg)
+    try:
+        sup = Supervisor(cfg)
+    except OSError as err:  # the run folder: checked already, but the disk may be full
+        print(f"stalwart run: error: --log-dir {cfg.log_dir}: {err.strerror}", file=sys.stderr)
+        return 2
     sup.prestart()  # the warm template imports while this process imports torch
     _quiet_torch_import(verbose)
     try:

@@ -157,8 +157,13 @@ def test_sigkill_when_guardian_exits(tmp_path: Path) -> None:
         except psutil.NoSuchProcess:
             return True
 
-    wait_for(guardian_gone, 60, "the guardian to exit", interval=0.0005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    assert not list(Path(tempfile.gettempdir()).glob(f"stalwart-{run_id}-*"))
-    assert not any(_alive(p) for p in daemons)
+    try:
+        wait_for(guardian_gone, 60, "the guardian to exit", interval=0.0005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert not list(Path(tempfile.gettempdir()).glob(f"stalwart-{run_id}-*"))
+        assert not any(_alive(p) for p in daemons)
+    finally:
+        for pid in daemons | _ours(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

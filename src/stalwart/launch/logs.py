@@ -44,6 +44,11 @@ def parse_std(value: str, flag: str = "--redirects") -> Std | dict[int, Std]:
         out: dict[int, Std] = {}
         for item in value.split(","):
             rank, std = item.split(":")
+            if int(rank) in out:
+                raise ValueError(
+                    f"{flag} {value!r}: local rank {int(rank)} is given twice "
+                    "(expected each rank at most once)"
+                )
             out[int(rank)] = Std(int(std))
         return out
     raise ValueError(

@@ -30,7 +30,8 @@ if mode in ("fail", "failwait") and attempt == "0":
         time.sleep(0.01)
     sys.exit(1)
 if mode == "ignore":
-    signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out_dir, f"term_{rank}"), "w"))
+    term = os.path.join(out_dir, f"term_{rank}")
+    signal.signal(signal.SIGTERM, lambda *_: os.close(os.open(term, os.O_CREAT | os.O_WRONLY)))
 if mode in ("wait", "ignore", "failwait"):
     open(os.path.join(out_dir, f"ready_{attempt}_{rank}"), "w").close()
     while True:
