@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 from stalwart.config import LaunchConfig
-from stalwart.launch import posix
+from stalwart.launch import posix, signals
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
@@ -46,7 +46,7 @@ from stalwart.rendezvous import (
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_FORWARDED = signals.FORWARDED
 # Seconds between scans for orphans to reap and strays to hand to the guardian.
 _STRAY_SCAN = 0.5
 
@@ -142,7 +142,6 @@ class Supervisor:
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> JobResult:
         cfg = self.cfg
-        self._install_signals()
         self.events.emit(
             "launcher_start",
             nnodes=cfg.nnodes,
@@ -155,6 +154,11 @@ class Supervisor:
         result: JobResult | None = None
         rdzv_failed = False
         try:
+            self._install_signals()
+            early = signals.pending()
+            if early is not None:  # arrived while the launcher was still starting
+                signals.clear()
+                raise SignalReceived(early)
             self.prestart()
             # The guardian learns the monitor folder the moment it exists, before the
             # monitor starts, so a SIGKILL at any later point leaves no folder behind.
