@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.launch.cgroup import _parent_dir
+
 from .helpers import SCRIPTS, alive, events, kinds, start_stalwart, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,6 +108,8 @@ FREEZER = Path("/sys/fs/cgroup/freezer")
 def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path) -> None:
     group = FREEZER / f"stalwart_test_{os.getpid()}_{tmp_path.name}"
     group.mkdir(exist_ok=True)
+    job_cgroups = _parent_dir()
+    before = set(job_cgroups.glob("stalwart-*")) if job_cgroups else set()
     # The abandoned worker outlives the launcher; as our orphan (not PID 1's, which may
     # leave it a zombie for a long time) we can reap it, and only an empty cgroup can go.
     _set_subreaper(True)
@@ -152,6 +156,10 @@ def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path)
         wait_for(empty, 10, "the thawed worker to die and be reaped")
         _set_subreaper(False)
         group.rmdir()
+    if job_cgroups is not None:
+        # The job cgroup could not go while the worker was stuck: the guardian stayed
+        # behind and removes it now that the worker is gone.
+        wait_for(lambda: set(job_cgroups.glob("stalwart-*")) <= before, 10, "the job cgroup to go")
 
 
 def _set_subreaper(on: bool) -> None:

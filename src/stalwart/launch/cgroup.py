@@ -171,4 +171,4 @@ class JobCgroup:
                 if time.monotonic() > deadline:
                     logger.warning("job cgroup %s still busy; left in place", self.path)
                     return False
-                time.sleep(0.01)
+                time.sleep(0.01 if timeout <= 5.0 else 0.1)

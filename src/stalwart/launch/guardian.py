@@ -15,6 +15,7 @@ nothing heavy so it starts in milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -29,6 +30,7 @@ from stalwart.launch.cgroup import JobCgroup
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "STALWART_RUN_TOKEN"
+_CGROUP_LINGER = 3600.0
 
 
 def processes_with_token(token: str) -> list[int]:
@@ -85,6 +87,10 @@ class Guardian:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stalwart.launch.guardian", token],
             stdin=subprocess.PIPE,
+            # Not the launcher's streams: a guardian that outlives the launcher (see
+            # close) must not keep its console pipes open for whoever reads them.
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
             env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
         )
@@ -118,7 +124,15 @@ class Guardian:
         """The job cgroup at *path* is killed and removed if the launcher dies."""
         self._send(f"!{path}")
 
-    def close(self) -> None:
+    def close(self, linger: bool = False) -> None:
+        """Tells the guardian the launcher cleaned up.  *linger*: something could not be
+        removed yet (a job cgroup whose last process is stuck in uninterruptible sleep);
+        the guardian then acts as on the launcher's death and stays until it can."""
+        if linger:
+            if self.proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    self.proc.stdin.close()
+            return
         self._send("exit")
         if self.proc.stdin is not None:
             try:
@@ -168,7 +182,8 @@ def main(argv: list[str]) -> int:
     kill_everything(token, groups)
     kill_tracked(tracked)
     for cg in cgroups:
-        JobCgroup(Path(cg)).remove()
+        # As long as it takes for a process in uninterruptible sleep to die (bounded).
+        JobCgroup(Path(cg)).remove(timeout=_CGROUP_LINGER)
     for path in paths:  # the launcher's private run-time folders
         shutil.rmtree(path, ignore_errors=True)
     return 0

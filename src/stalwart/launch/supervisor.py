@@ -193,12 +193,14 @@ class Supervisor:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
-            if self._cgroup is not None:
-                self._cgroup.remove()
+            # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
+            # then stays behind and removes it once the process is gone.
+            # (Workers were given their KILL_WAIT already: no second long wait here.)
+            linger = self._cgroup is not None and not self._cgroup.remove(timeout=1.0)
             # Last: until the guardian is told to exit it still removes what is left
             # (the monitor folder, stray processes) should this process be SIGKILLed now.
             if self._guardian is not None:
-                self._guardian.close()
+                self._guardian.close(linger=linger)
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
