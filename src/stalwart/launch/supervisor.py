@@ -47,8 +47,13 @@ from stalwart.rendezvous import (
 logger = logging.getLogger(__name__)
 
 _FORWARDED = signals.FORWARDED
-# Seconds between scans for orphans to reap and strays to hand to the guardian.
+# Seconds between reaping orphans, and between scans for strays to hand to the guardian:
+# often without a job cgroup (the guardian's only way to find them after a SIGKILL),
+# rarely with one (the cgroup holds them all; the scan only reports them).  A scan reads
+# the whole process table.
+_REAP_EVERY = 1.0
 _STRAY_SCAN = 0.5
+_STRAY_SCAN_WITH_CGROUP = 5.0
 
 
 class State(Enum):
@@ -421,15 +426,18 @@ class Supervisor:
         self._ctx = ctx = self._start(info)
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
-        last_reap = time.monotonic()
+        last_reap = last_scan = time.monotonic()
+        scan_every = _STRAY_SCAN if self._cgroup is None else _STRAY_SCAN_WITH_CGROUP
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
             if self._hangs is not None:
                 self._hangs.collect()
-            if time.monotonic() - last_reap > _STRAY_SCAN:
+            if time.monotonic() - last_reap > _REAP_EVERY:
                 self._reap_orphans(ctx)
-                self._track_strays(ctx, info.round)
                 last_reap = time.monotonic()
+            if time.monotonic() - last_scan > scan_every:
+                self._track_strays(ctx, info.round)
+                last_scan = time.monotonic()
             if result is not None:
                 if result.is_failed() and self._completed_without(result, info):
                     outcome = self._await_peers(rdzv, info.round)

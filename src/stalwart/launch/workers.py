@@ -452,13 +452,16 @@ class ProcessContext:
         """Descendants of the workers, and orphans re-parented to us, that left every
         worker's process group (pid -> start time): what a group kill would miss."""
         groups = {w.pid for w in self._workers.values()}
-        found = {p for w in self._workers.values() for p in _children(w.pid, recursive=True)}
+        # One pass over the process table per call (this runs every half second), not
+        # one per worker as psutil's recursive children() would.
+        tree = _process_tree()
+        found = {p for w in groups for p in _below(tree, w)}
         if self.adopt_orphans:
             spare = self._spare()
-            for pid in _children(os.getpid(), recursive=False):
+            for pid in tree.get(os.getpid(), ()):
                 if pid not in spare and pid not in groups and pid not in self._preexisting:
                     found.add(pid)
-                    found.update(_children(pid, recursive=True))
+                    found.update(_below(tree, pid))
         out: dict[int, float] = {}
         for pid in found:
             try:
@@ -519,6 +522,28 @@ class ProcessContext:
             if env.get(TOKEN_ENV) == self.run_token:
                 found.append(child)
         return found
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """parent pid -> child pids, from one pass over the process table."""
+    tree: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        ppid = proc.info["ppid"]
+        if ppid is not None:
+            tree.setdefault(ppid, []).append(proc.pid)
+    return tree
+
+
+def _below(tree: dict[int, list[int]], pid: int) -> set[int]:
+    """All descendants of *pid* in *tree*."""
+    out: set[int] = set()
+    todo = list(tree.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(tree.get(p, ()))
+    return out
 
 
 def _children(pid: int, recursive: bool) -> list[int]:
