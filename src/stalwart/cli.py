@@ -6,25 +6,20 @@ adds stalwart's own flags.  Bad values end the program with one line naming them
 
 from __future__ import annotations
 
+# Only the standard library at module level: ``main`` holds termination signals first
+# thing, and everything imported before that is a window where a Ctrl-C prints a
+# traceback.  The rest is imported where it is used.
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from stalwart import cluster
-from stalwart.config import (
-    ConfigError,
-    LaunchConfig,
-    env_overrides,
-    load_yaml,
-    parse_kv,
-    parse_nnodes,
-    parse_nproc,
-)
-from stalwart.launch.logs import DEFAULT_PREFIX, MULTI_NODE_PREFIX, parse_ranks_filter, parse_std
-from stalwart.monitor.config import MonitorConfig
+from stalwart.launch import signals
+
+if TYPE_CHECKING:
+    from stalwart.config import LaunchConfig
+    from stalwart.monitor.config import MonitorConfig
 
 
 def _flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, **kw: Any) -> None:
@@ -35,9 +30,21 @@ def _flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, 
     parser.add_argument(*names, **kw)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the flag and value (not the whole
+    usage, which buries it), with a pointer to --help; exit status 2 as argparse's."""
+
+    def error(self, message: str) -> NoReturn:
+        from stalwart.config import ConfigError
+
+        raise ConfigError(f"{message} (see '{self.prog} --help')")
+
+
 def run_parser() -> argparse.ArgumentParser:
+    from stalwart.launch.logs import DEFAULT_PREFIX, MULTI_NODE_PREFIX
+
     # No abbreviations: the script's own flags (``--out``) must never be taken for ours.
-    p = argparse.ArgumentParser(
+    p = _Parser(
         allow_abbrev=False,
         prog="stalwart run",
         description="Launch and supervise a distributed PyTorch job (a drop-in torchrun).",
@@ -104,11 +111,23 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
+TORCH_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+
 def _merge(ns: argparse.Namespace) -> dict[str, Any]:
-    """defaults < cluster (SLURM, Kubernetes) < YAML < STALWART_* environment < flags."""
+    """defaults < cluster (SLURM, Kubernetes) < YAML < torchrun's environment <
+    STALWART_* environment < flags."""
+    from stalwart import cluster
+    from stalwart.config import env_overrides, load_yaml
+
     merged: dict[str, Any] = dict(cluster.detect(os.environ)[1])
     if ns.config is not None:
         merged.update(load_yaml(ns.config))
+    # torchrun (2.13) reads its prefix template only from this variable; an empty value
+    # is unset there too.  Our own STALWART_ variable and the flag are more specific.
+    torch_prefix = os.environ.get(TORCH_PREFIX_ENV)
+    if torch_prefix:
+        merged["log_line_prefix_template"] = torch_prefix
     merged.update(env_overrides())
     flags = {
         "nnodes": ns.nnodes,
@@ -151,6 +170,9 @@ _MONITOR_FLAGS = {
 
 def _monitor_config(ns: argparse.Namespace, merged: dict[str, Any]) -> MonitorConfig:
     """defaults < YAML ``monitor:`` mapping < ``STALWART_HB_TIMEOUT``-style env < flags."""
+    from stalwart.config import ConfigError
+    from stalwart.monitor.config import MonitorConfig
+
     data: dict[str, Any] = {}
     yaml_part = merged.get("monitor") or {}
     if not isinstance(yaml_part, dict):
@@ -173,6 +195,8 @@ def _monitor_config(ns: argparse.Namespace, merged: dict[str, Any]) -> MonitorCo
 
 
 def _typed(name: str, value: Any, conv: type) -> Any:
+    from stalwart.config import ConfigError
+
     try:
         return conv(value)
     except (TypeError, ValueError):
@@ -180,6 +204,9 @@ def _typed(name: str, value: Any, conv: type) -> Any:
 
 
 def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
+    from stalwart.config import ConfigError, LaunchConfig, parse_kv, parse_nnodes, parse_nproc
+    from stalwart.launch.logs import parse_ranks_filter, parse_std
+
     ns = run_parser().parse_args(argv)
     m = _merge(ns)
     min_nodes, max_nodes = parse_nnodes(str(m.get("nnodes", "1")))
@@ -279,6 +306,10 @@ def _quiet_torch_import(verbose: bool) -> None:
 
 
 def cmd_run(argv: list[str]) -> int:
+    import logging
+
+    from stalwart.config import ConfigError
+
     try:
         cfg, verbose = build_config(argv)
     except ConfigError as err:
@@ -298,8 +329,12 @@ def cmd_run(argv: list[str]) -> int:
     except RunFolderError as err:
         print(f"stalwart run: error: {err}", file=sys.stderr)
         return 2
-    sup.prestart()  # the warm template imports while this process imports torch
-    _quiet_torch_import(verbose)
+    except OSError as err:  # the run folder: checked already, but the disk may be full
+        print(f"stalwart run: error: --log-dir {cfg.log_dir}: {err.strerror}", file=sys.stderr)
+        return 2
+    if signals.pending() is None:  # else run() goes straight to its shutdown
+        sup.prestart()  # the warm template imports while this process imports torch
+        _quiet_torch_import(verbose)
     try:
         result = sup.run()
     except RendezvousError as err:
@@ -316,6 +351,7 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signals.hold()
     argv = sys.argv[1:] if argv is None else argv
     commands = {"run": cmd_run, "report": cmd_report}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
@@ -327,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] != "run":
+        # Only ``run`` shuts down through the supervisor; elsewhere a signal acts as usual.
+        import signal
+
+        for sig in signals.FORWARDED:
+            signal.signal(
+                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            )
+        held = signals.pending()
+        if held is not None:
+            return 128 + held
     return commands[argv[0]](argv[1:])
 
 

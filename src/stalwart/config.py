@@ -8,6 +8,8 @@ downstream parses strings again.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,21 +149,54 @@ class LaunchConfig:
 
             try:
                 if self.rdzv_backend == "etcd":
-                    parse_endpoints(self.rdzv_endpoint)
+                    ports = [port for _, port in parse_endpoints(self.rdzv_endpoint)]
+                    lowest = 1
                     access_from_conf(self.rdzv_conf, self.rdzv_endpoint)
                 else:
-                    StoreEndpoint.parse(self.rdzv_endpoint)
+                    ports = [StoreEndpoint.parse(self.rdzv_endpoint).port]
+                    lowest = 0  # 0: the host picks a free port (--standalone)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+            for port in ports:
+                if not lowest <= port <= 65535:
+                    raise ConfigError(
+                        f"--rdzv-endpoint {self.rdzv_endpoint!r}: port {port} is not a TCP "
+                        f"port (expected {lowest}..65535)"
+                    )
         is_host = self.rdzv_conf.get("is_host")
         if is_host is not None and is_host.lower() not in ("0", "1", "true", "false", "yes", "no"):
             raise ConfigError(f"--rdzv-conf is_host={is_host!r}: expected 1 or 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
-        if self.monitor_interval <= 0:
-            raise ConfigError(f"--monitor-interval {self.monitor_interval}: expected > 0 seconds")
-        if self.shutdown_timeout < 0:
-            raise ConfigError(f"--shutdown-timeout {self.shutdown_timeout}: expected >= 0 seconds")
+        # Bounded: waits longer than the platform's timer maximum raise OverflowError deep
+        # in a thread, and nan compares false with everything (a grace that never ends).
+        if not 0 < self.monitor_interval <= MAX_MONITOR_INTERVAL:
+            raise ConfigError(
+                f"--monitor-interval {self.monitor_interval}: expected seconds > 0 and "
+                f"<= {MAX_MONITOR_INTERVAL:g}"
+            )
+        if not 0 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT:
+            raise ConfigError(
+                f"--shutdown-timeout {self.shutdown_timeout}: expected seconds >= 0 and "
+                f"<= {MAX_SHUTDOWN_TIMEOUT:g}"
+            )
+        if not _RUN_ID.fullmatch(self.run_id):
+            raise ConfigError(
+                f"--rdzv-id {self.run_id!r}: expected letters, digits and . _ - @ + : "
+                "(up to 128, not starting with . or -; it names the run's folder)"
+            )
+        limit, why = max_local_workers()
+        if self.nproc_per_node > limit:
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node}: more workers than this machine "
+                f"can run (at most {limit}: {why})"
+            )
+        if self.log_dir is not None:
+            check_log_dir(self.log_dir)
+        if self.no_python:
+            problem = _program_problem(self.entrypoint)
+            if problem:
+                raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
         if self.start_method not in ("spawn", "fork", "forkserver"):
             raise ConfigError(
                 f"--start-method {self.start_method!r}: expected spawn, fork or forkserver"
@@ -213,6 +248,58 @@ class LaunchConfig:
         return value
 
 
+MAX_MONITOR_INTERVAL = 3600.0
+MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
+_RUN_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9._@+:-]{0,127}")
+# A bare interpreter with the launcher's environment needs tens of MiB; a torch worker
+# hundreds.  The floor keeps a typo (99999) from making 99,999 folders and processes.
+_WORKER_MEMORY = 64 << 20
+
+
+def max_local_workers() -> tuple[int, str]:
+    """How many workers this machine could start at all, and why that many."""
+    import resource
+
+    import psutil
+
+    mem = psutil.virtual_memory().total
+    limit = max(1, mem // _WORKER_MEMORY)
+    why = f"{mem / (1 << 30):.0f} GiB of memory at {_WORKER_MEMORY >> 20} MiB per worker"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and soft < limit:
+        limit, why = max(1, soft), f"the process limit RLIMIT_NPROC is {soft}"
+    return int(limit), why
+
+
+def _program_problem(program: str) -> str:
+    """Why *program* cannot be executed ("" when it can), as ``execvp`` would find it."""
+    if os.sep not in program:
+        return "" if shutil.which(program) else "no such program on PATH"
+    path = Path(program)
+    if not path.exists():
+        return "no such file"
+    if path.is_dir():
+        return "is a folder, expected an executable program"
+    if not os.access(path, os.X_OK):
+        return "not executable (chmod +x, or run it through its interpreter)"
+    return ""
+
+
+def check_log_dir(path: Path) -> None:
+    """A one-line error now rather than a traceback when the run folder is made."""
+    if str(path) == os.devnull:
+        return
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not writable")
+
+
 # any-failed: torchrun's rule, any worker failure restarts every worker.
 # all-failed: for jobs under stalwart.inprocess.Wrapper, whose survivors carry on without
 # a rank that left; processes restart only when every worker ended and none completed.
@@ -253,7 +340,10 @@ def load_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"--config {path}: cannot read YAML ({err})") from None
+        # YAML's messages span lines (with a caret under the problem): one line here.
+        raise ConfigError(
+            f"--config {path}: cannot read YAML ({' '.join(str(err).split())})"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -10,7 +10,7 @@ from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.launch.logs import Std
 
-from .helpers import SCRIPTS, stalwart
+from .helpers import SCRIPTS, clean_env, stalwart
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +110,112 @@ def test_hang_detection_precedence_and_checks(
     assert m.section_timeouts == {"bwd": 9.0}  # a flag replaces the YAML mapping
     with pytest.raises(ConfigError, match="hb_initial_timeout"):
         build_config(["--hb-timeout", "5", "--hb-initial-timeout", "2", "x.py"])
+
+
+def test_torchelastic_prefix_template_env_as_torchrun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchrun 2.13 reads TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE; an empty value is unset."""
+    for k in ("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "STALWART_LOG_LINE_PREFIX_TEMPLATE"):
+        monkeypatch.delenv(k, raising=False)
+    conf = tmp_path / "c.yaml"
+    conf.write_text("log_line_prefix_template: 'yaml-${rank}:'\n")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "te-${local_rank}:")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "te-${local_rank}:"
+    cfg, _ = build_config(["--config", str(conf), "x.py"])
+    assert cfg.log_line_prefix_template == "te-${local_rank}:"  # env over YAML
+    monkeypatch.setenv("STALWART_LOG_LINE_PREFIX_TEMPLATE", "st-${rank}:")
+    assert build_config(["x.py"])[0].log_line_prefix_template == "st-${rank}:"
+    cfg, _ = build_config(["--log-line-prefix-template", "flag:", "x.py"])
+    assert cfg.log_line_prefix_template == "flag:"  # the flag over both
+
+
+def test_torchelastic_prefix_template_reaches_the_console(tmp_path: Path) -> None:
+    env = clean_env(TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="<${role_name}|${local_rank}>")
+    proc = stalwart(
+        "--nproc-per-node",
+        "2",
+        "--tee",
+        "3",
+        "--log-dir",
+        tmp_path,
+        "--no-python",
+        "sh",
+        "-c",
+        "echo hello",
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "<default|0>hello" in proc.stdout and "<default|1>hello" in proc.stdout
+
+
+def _argv_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    afile = tmp / "afile"
+    afile.write_text("")
+    script = tmp / "noexec.sh"
+    script.write_text("#!/bin/sh\n")
+    return [
+        (["--shutdown-timeout", "nan"], "--shutdown-timeout nan"),
+        (["--shutdown-timeout", "inf"], "--shutdown-timeout inf"),
+        (["--monitor-interval", "inf"], "--monitor-interval inf"),
+        (["--monitor-interval", "1e12"], "--monitor-interval 1000000000000.0"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:99999"], "port 99999"),
+        (["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:-1"], "port -1"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "a:2379,b:70000"], "port 70000"),
+        (["--rdzv-id", "a/b"], "--rdzv-id 'a/b'"),
+        (["--rdzv-id", ".."], "--rdzv-id '..'"),
+        (["--redirects", "0:3,0:1"], "local rank 0 is given twice"),
+        (["--tee", "1:1,1:2"], "local rank 1 is given twice"),
+        (["--nproc-per-node", "99999"], "more workers than this machine can run"),
+        (["--log-dir", str(afile)], "is not a folder"),
+        (["--log-dir", str(afile / "sub")], "is not a folder"),
+        (["--no-python", "no-such-program-xyz"], "no such program on PATH"),
+        (["--no-python", str(tmp / "missing")], "no such file"),
+        (["--no-python", str(script)], "not executable"),
+        (["--master-port", "x"], "--master_port: invalid int value: 'x'"),
+        (["--start-method", "thread"], "argument --start-method"),
+        (["--no-such-flag", "1"], "unrecognized arguments"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_bad_input_is_one_line_error_table(tmp_path: Path, case: int) -> None:
+    """Each bad input: exit 2 (argparse's usage status), one line naming the value, no
+    traceback, and nothing made on disk (no run folder, no monitor folder)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    argv, needle = _argv_cases(work)[case]
+    if "--log-dir" not in argv:
+        argv += ["--log-dir", str(tmp_path / "logs")]
+    if "--no-python" not in argv:
+        argv.append(str(SCRIPTS / "envdump.py"))
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    proc = stalwart(*argv, tmp_path, env=clean_env(TMPDIR=str(private_tmp)))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert needle in lines[0] and lines[0].startswith("stalwart run: error: "), lines[0]
+    assert not (tmp_path / "logs").exists()
+    assert set(work.iterdir()) <= {work / "afile", work / "noexec.sh"}
+    assert not any(private_tmp.iterdir())
+
+
+def test_usage_error_points_to_help(tmp_path: Path) -> None:
+    proc = stalwart("--max-restarts", "many", SCRIPTS / "envdump.py")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "stalwart run: error: argument --max-restarts/--max_restarts: invalid int value: "
+        "'many' (see 'stalwart run --help')"
+    )
+
+
+def test_yaml_error_is_one_line(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("max_restarts: [1,\nrole: x\n")
+    with pytest.raises(ConfigError) as info:
+        build_config(["--config", str(conf), "x.py"])
+    assert "\n" not in str(info.value) and str(conf) in str(info.value)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
+
+from stalwart.launch.logs import MAX_BACKLOG, Tee
 
 from .helpers import SCRIPTS, events, run_dir, stalwart
 
@@ -75,3 +80,90 @@ def test_attempt_folders_per_restart(tmp_path: Path) -> None:
     for attempt in (0, 1):
         for lr in (0, 1):
             assert (rd / f"attempt_{attempt}" / str(lr) / "stdout.log").is_file()
+
+
+class _CountingConsole:
+    """A console that keeps counts, not text (so that only the tee's memory is measured);
+    with *gate* it blocks each write until the gate opens (a stalled terminal)."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.entered = threading.Event()
+        self.lines = 0
+        self.chars = 0
+        self.notices: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(30)
+        for line in text.splitlines():
+            if "[stalwart:" in line:
+                self.notices.append(line)
+            else:
+                self.lines += 1
+        self.chars += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _write_lines(path: Path, n: int, start: int = 0) -> None:
+    with open(path, "ab") as fh:  # in pieces: the test's own memory is measured too
+        for lo in range(start, start + n, 10_000):
+            hi = min(lo + 10_000, start + n)
+            fh.write(b"".join(b"line %09d %s\n" % (i, b"x" * 80) for i in range(lo, hi)))
+
+
+def _dropped(notices: list[str]) -> int:
+    return sum(int(re.search(r"(\d+) line\(s\) not shown", n).group(1)) for n in notices)  # type: ignore[union-attr]
+
+
+def test_tee_memory_is_bounded_and_drops_are_counted(tmp_path: Path) -> None:
+    """40 MB of backlog: the tee holds a few MiB, never the backlog (it used to read it
+    whole), and every line is either shown or counted as not shown."""
+    log = tmp_path / "stdout.log"
+    total = 400_000
+    _write_lines(log, total)
+    console = _CountingConsole()
+    tee = Tee()
+    tee.add(log, console, "[0]:")  # type: ignore[arg-type]
+    tracemalloc.start()
+    try:
+        tee.stop()  # the final drain
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"tee peak {peak / (1 << 20):.1f} MiB"
+    assert len(console.notices) == 1 and str(log) in console.notices[0]
+    assert console.lines + _dropped(console.notices) == total
+    assert console.chars < MAX_BACKLOG + (1 << 20)
+    assert log.stat().st_size == total * 96  # the file copy is whole
+
+
+def test_tee_with_a_stalled_console_keeps_memory_and_the_file(tmp_path: Path) -> None:
+    log = tmp_path / "stdout.log"
+    gate = threading.Event()
+    console = _CountingConsole(gate)
+    tee = Tee(interval=0.01)
+    tee.add(log, console, "[0]:")  # type: ignore[arg-type]
+    _write_lines(log, 10)
+    tee.start()
+    tracemalloc.start()
+    try:
+        # The tee is stuck writing the first lines to the console while the worker goes on.
+        assert console.entered.wait(10)
+        for k in range(4):
+            _write_lines(log, 100_000, 10 + k * 100_000)
+        gate.set()
+        tee.stop()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        gate.set()
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"tee peak {peak / (1 << 20):.1f} MiB"
+    assert console.lines + _dropped(console.notices) == 400_010
+    assert console.notices, "a console that fell behind is told how many lines it missed"
+    with open(log, "rb") as fh:
+        assert sum(1 for _ in fh) == 400_010

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.launch.cgroup import _parent_dir
+
 from .helpers import SCRIPTS, alive, events, kinds, start_stalwart, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,6 +108,8 @@ FREEZER = Path("/sys/fs/cgroup/freezer")
 def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path) -> None:
     group = FREEZER / f"stalwart_test_{os.getpid()}_{tmp_path.name}"
     group.mkdir(exist_ok=True)
+    job_cgroups = _parent_dir()
+    before = set(job_cgroups.glob("stalwart-*")) if job_cgroups else set()
     # The abandoned worker outlives the launcher; as our orphan (not PID 1's, which may
     # leave it a zombie for a long time) we can reap it, and only an empty cgroup can go.
     _set_subreaper(True)
@@ -152,9 +156,57 @@ def test_worker_in_uninterruptible_sleep_does_not_wedge_launcher(tmp_path: Path)
         wait_for(empty, 10, "the thawed worker to die and be reaped")
         _set_subreaper(False)
         group.rmdir()
+    if job_cgroups is not None:
+        # The job cgroup could not go while the worker was stuck: the guardian stayed
+        # behind and removes it now that the worker is gone.
+        wait_for(lambda: set(job_cgroups.glob("stalwart-*")) <= before, 10, "the job cgroup to go")
 
 
 def _set_subreaper(on: bool) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(36, int(on), 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def _importing_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("phase", ["handlers", "importing"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_in_the_first_instants_is_a_clean_shutdown(
+    tmp_path: Path, sig: signal.Signals, phase: str
+) -> None:
+    """A signal as soon as the launcher handles SIGTERM (the first thing it does), or
+    while it is still importing torch: no KeyboardInterrupt traceback, exit 128+sig, no
+    worker started, and the event log still says shutdown and launcher_exit."""
+    proc = start_stalwart(
+        "--nproc-per-node", "1", "--log-dir", tmp_path / "logs",
+        SCRIPTS / "sleeper.py", tmp_path, "log",
+    )  # fmt: skip
+    try:
+        if phase == "handlers":
+            ready = lambda: _catches(proc.pid, signal.SIGTERM)  # noqa: E731
+        else:
+            ready = lambda: _importing_torch(proc.pid)  # noqa: E731
+        wait_for(ready, 30, f"the launcher's {phase} phase", 0.001)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 128 + sig
+    evs = events(tmp_path / "logs")
+    assert "shutdown" in kinds(evs) and kinds(evs)[-1] == "launcher_exit"
+    assert not list(tmp_path.glob("pids_*")), "no worker may start after the signal"

@@ -6,13 +6,16 @@ stdin and tells it the process groups it creates (``+pgid`` / ``-pgid`` lines). 
 the pipe reaches end-of-file, which the kernel guarantees even after SIGKILL of the
 launcher, the guardian SIGKILLs the groups still registered and every process that
 carries the run's token in its environment (which catches descendants that left the
-group with setsid), and removes the launcher's private run-time folders (``@path``
-lines), which a SIGKILLed launcher could not; then it exits.  It imports nothing heavy
-so it starts in milliseconds.
+group with setsid), kills the job's cgroup (``!path``: the processes that also cleared
+their environment; see ``cgroup.py``) and removes it, and removes the launcher's private
+run-time folders (``@path`` lines), which a SIGKILLed launcher could not; then it exits.
+The launcher tells it to exit only after it removed all of these itself.  It imports
+nothing heavy so it starts in milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -22,9 +25,12 @@ import sys
 import threading
 from pathlib import Path
 
+from stalwart.launch.cgroup import JobCgroup
+
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "STALWART_RUN_TOKEN"
+_CGROUP_LINGER = 3600.0
 
 
 def processes_with_token(token: str) -> list[int]:
@@ -42,6 +48,21 @@ def processes_with_token(token: str) -> list[int]:
         if needle in env.split(b"\0"):
             found.append(int(entry.name))
     return found
+
+
+def kill_tracked(tracked: dict[int, float]) -> None:
+    """SIGKILLs each tracked pid that is still the process that was reported."""
+    if not tracked:
+        return
+    import psutil  # only now: the guardian must start fast
+
+    for pid, started in tracked.items():
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started:
+                proc.kill()
+        except psutil.Error:
+            pass
 
 
 def kill_everything(token: str, groups: set[int]) -> None:
@@ -66,6 +87,10 @@ class Guardian:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stalwart.launch.guardian", token],
             stdin=subprocess.PIPE,
+            # Not the launcher's streams: a guardian that outlives the launcher (see
+            # close) must not keep its console pipes open for whoever reads them.
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             start_new_session=True,
             env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
         )
@@ -90,7 +115,24 @@ class Guardian:
         """*path* is removed if the launcher dies without cleaning up."""
         self._send(f"@{path}")
 
-    def close(self) -> None:
+    def track(self, pid: int, start_time: float) -> None:
+        """*pid* (started at *start_time*, which guards against pid reuse) left the
+        workers' groups and is killed if the launcher dies: where no cgroup is usable."""
+        self._send(f"%{pid}:{start_time!r}")
+
+    def kill_cgroup_on_death(self, path: Path) -> None:
+        """The job cgroup at *path* is killed and removed if the launcher dies."""
+        self._send(f"!{path}")
+
+    def close(self, linger: bool = False) -> None:
+        """Tells the guardian the launcher cleaned up.  *linger*: something could not be
+        removed yet (a job cgroup whose last process is stuck in uninterruptible sleep);
+        the guardian then acts as on the launcher's death and stays until it can."""
+        if linger:
+            if self.proc.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    self.proc.stdin.close()
+            return
         self._send("exit")
         if self.proc.stdin is not None:
             try:
@@ -114,18 +156,34 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     groups: set[int] = set()
     paths: set[str] = set()
+    cgroups: set[str] = set()
+    tracked: dict[int, float] = {}
     for raw in sys.stdin.buffer:
         line = raw.strip()
         if line == b"exit":
             return 0  # the launcher cleaned up itself
         if line[:1] == b"@" and len(line) > 1:
             paths.add(os.fsdecode(line[1:]))
+        elif line[:1] == b"!" and len(line) > 1:
+            cgroups.add(os.fsdecode(line[1:]))
+        elif line[:1] == b"%":
+            pid, _, started = line[1:].partition(b":")
+            try:
+                tracked[int(pid)] = float(started)
+            except ValueError:
+                pass
         elif len(line) > 1 and line[1:].isdigit():
             if line[:1] == b"+":
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+    for cg in cgroups:  # first: this also stops the job from forking any further
+        JobCgroup(Path(cg)).kill_all()
     kill_everything(token, groups)
+    kill_tracked(tracked)
+    for cg in cgroups:
+        # As long as it takes for a process in uninterruptible sleep to die (bounded).
+        JobCgroup(Path(cg)).remove(timeout=_CGROUP_LINGER)
     for path in paths:  # the launcher's private run-time folders
         shutil.rmtree(path, ignore_errors=True)
     return 0

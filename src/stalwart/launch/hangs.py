@@ -39,6 +39,7 @@ class HangWatch:
         config: MonitorConfig,
         nproc: int,
         emit: Callable[..., Any],
+        on_folder: Callable[[Path], Any] | None = None,
     ) -> None:
         self.config = config
         self._emit = emit
@@ -46,6 +47,8 @@ class HangWatch:
         # folder, which may be a shared filesystem where named pipes do not work.
         self.ipc = Path(tempfile.mkdtemp(prefix=f"stalwart-{run_id}-"))
         ipc = self.ipc
+        if on_folder is not None:
+            on_folder(ipc)
 
         def log_event(event: str, fields: dict[str, Any]) -> None:
             emit(event, **fields)

@@ -13,6 +13,7 @@ wrote is lost.  The local-ranks filter limits only what reaches the console.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -44,6 +45,11 @@ def parse_std(value: str, flag: str = "--redirects") -> Std | dict[int, Std]:
         out: dict[int, Std] = {}
         for item in value.split(","):
             rank, std = item.split(":")
+            if int(rank) in out:
+                raise ValueError(
+                    f"{flag} {value!r}: local rank {int(rank)} is given twice "
+                    "(expected each rank at most once)"
+                )
             out[int(rank)] = Std(int(std))
         return out
     raise ValueError(
@@ -149,6 +155,15 @@ class LogSpec:
         return out
 
 
+# How much of a file the tee reads at once, how far the console may fall behind the file
+# before lines are skipped on the console (the file keeps them all), and the longest line
+# it holds while waiting for its end.  Together they bound its memory to a few MiB
+# whatever the workers print and however slowly the console drains.
+_CHUNK = 1 << 20
+MAX_BACKLOG = 16 << 20
+_MAX_LINE = 64 << 10
+
+
 @dataclass
 class _Tailed:
     path: Path
@@ -159,11 +174,16 @@ class _Tailed:
 
 
 class Tee:
-    """One thread that copies new lines of several log files to the console, prefixed."""
+    """One thread that copies new lines of several log files to the console, prefixed.
 
-    def __init__(self, interval: float = 0.05) -> None:
+    The copy is bounded: when the console falls more than ``max_backlog`` bytes behind a
+    file, the lines in between are skipped on the console with one line saying how many
+    and where they are (the file has every line, since the worker writes to it)."""
+
+    def __init__(self, interval: float = 0.05, max_backlog: int = MAX_BACKLOG) -> None:
         self._files: list[_Tailed] = []
         self._interval = interval
+        self._max_backlog = max_backlog
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -186,23 +206,79 @@ class Tee:
             for t in self._files:
                 try:
                     with open(t.path, "rb") as fh:
-                        fh.seek(t.offset)
-                        chunk = fh.read()
+                        self._copy(t, fh, final)
                 except FileNotFoundError:
                     continue
-                if not chunk and not (final and t.partial):
-                    continue
-                t.offset += len(chunk)
-                data = t.partial + chunk
-                lines = data.split(b"\n")
-                t.partial = lines.pop()
-                if final and t.partial:
-                    lines.append(t.partial)  # a crash mid-line: keep what was written
-                    t.partial = b""
-                if lines:
-                    text = "".join(f"{t.prefix}{ln.decode('utf-8', 'replace')}\n" for ln in lines)
-                    t.sink.write(text)
-                    t.sink.flush()
+
+    def _copy(self, t: _Tailed, fh: IO[bytes], final: bool) -> None:
+        # A few chunks per file per round while running, so that one chatty rank does not
+        # starve the others; everything (up to the backlog bound) at the end.
+        rounds = None if final else 4
+        while rounds is None or rounds > 0:
+            size = os.fstat(fh.fileno()).st_size
+            if size - t.offset > self._max_backlog:
+                self._skip(t, fh, size - self._max_backlog // 2)
+            fh.seek(t.offset)
+            chunk = fh.read(_CHUNK)
+            if not chunk:
+                break
+            t.offset += len(chunk)
+            lines = (t.partial + chunk).split(b"\n")
+            t.partial = lines.pop()
+            if len(t.partial) > _MAX_LINE:  # a line without end: show it in pieces
+                lines.append(t.partial)
+                t.partial = b""
+            self._write(t, lines)
+            if rounds is not None:
+                rounds -= 1
+        if final and t.partial:
+            self._write(t, [t.partial])  # a crash mid-line: keep what was written
+            t.partial = b""
+
+    def _skip(self, t: _Tailed, fh: IO[bytes], target: int) -> None:
+        """Moves *t* to the first line start at or after *target*, counting the lines
+        passed over (reading in chunks: nothing is held)."""
+        fh.seek(t.offset)
+        dropped = 0  # a line begun in t.partial is counted at its end below
+        t.partial = b""
+        pos = t.offset
+        while True:
+            chunk = fh.read(_CHUNK)
+            if not chunk:
+                break
+            if pos + len(chunk) < target:
+                dropped += chunk.count(b"\n")
+                pos += len(chunk)
+                continue
+            cut = max(0, target - pos)
+            dropped += chunk.count(b"\n", 0, cut)
+            nl = chunk.find(b"\n", cut)
+            if nl >= 0:
+                dropped += 1
+                pos += nl + 1
+                break
+            pos += len(chunk)  # no line end yet: keep looking
+        t.offset = pos
+        if dropped:
+            self._write_text(
+                t,
+                f"{t.prefix}[stalwart: {dropped} line(s) not shown, the console fell behind; "
+                f"all are in {t.path}]\n",
+            )
+
+    def _write(self, t: _Tailed, lines: list[bytes]) -> None:
+        if lines:
+            self._write_text(
+                t, "".join(f"{t.prefix}{ln.decode('utf-8', 'replace')}\n" for ln in lines)
+            )
+
+    @staticmethod
+    def _write_text(t: _Tailed, text: str) -> None:
+        try:
+            t.sink.write(text)
+            t.sink.flush()
+        except (OSError, ValueError):
+            pass  # a closed console must not stop the job (the files have everything)
 
     def stop(self) -> None:
         """Stops the thread and copies whatever is left in the files."""

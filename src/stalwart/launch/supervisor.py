@@ -26,7 +26,8 @@ from types import FrameType
 from typing import Any
 
 from stalwart.config import LaunchConfig
-from stalwart.launch import posix
+from stalwart.launch import posix, signals
+from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog
@@ -49,7 +50,14 @@ from stalwart.rendezvous import (
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_FORWARDED = signals.FORWARDED
+# Seconds between reaping orphans, and between scans for strays to hand to the guardian:
+# often without a job cgroup (the guardian's only way to find them after a SIGKILL),
+# rarely with one (the cgroup holds them all; the scan only reports them).  A scan reads
+# the whole process table.
+_REAP_EVERY = 1.0
+_STRAY_SCAN = 0.5
+_STRAY_SCAN_WITH_CGROUP = 5.0
 
 
 class State(Enum):
@@ -146,6 +154,8 @@ class Supervisor:
         self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
         self._reason = ""  # why a rank's control request ended the round
+        self._cgroup: JobCgroup | None = None
+        self._tracked: dict[int, float] = {}  # strays handed to the guardian
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -170,7 +180,6 @@ class Supervisor:
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> JobResult:
         cfg = self.cfg
-        self._install_signals()
         self.events.emit(
             "launcher_start",
             nnodes=cfg.nnodes,
@@ -183,10 +192,21 @@ class Supervisor:
         result: JobResult | None = None
         rdzv_failed = False
         try:
+            self._install_signals()
+            early = signals.pending()
+            if early is not None:  # arrived while the launcher was still starting
+                signals.clear()
+                raise SignalReceived(early)
             self.prestart()
-            self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
-            if self._guardian is not None:
-                self._guardian.remove_on_death(self._hangs.ipc)
+            # The guardian learns the monitor folder the moment it exists, before the
+            # monitor starts, so a SIGKILL at any later point leaves no folder behind.
+            self._hangs = HangWatch(
+                cfg.run_id,
+                cfg.monitor,
+                cfg.nproc_per_node,
+                self.events.emit,
+                on_folder=self._guardian.remove_on_death if self._guardian else None,
+            )
             if self._rdzv is None:
                 self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
@@ -207,12 +227,18 @@ class Supervisor:
                 self._ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
             if self._rdzv is not None:
                 self._rdzv.leave()
-            if self._guardian is not None:
-                self._guardian.close()
             if self._hangs is not None:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
+            # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
+            # then stays behind and removes it once the process is gone.
+            # (Workers were given their KILL_WAIT already: no second long wait here.)
+            linger = self._cgroup is not None and not self._cgroup.remove(timeout=1.0)
+            # Last: until the guardian is told to exit it still removes what is left
+            # (the monitor folder, stray processes) should this process be SIGKILLed now.
+            if self._guardian is not None:
+                self._guardian.close(linger=linger)
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
@@ -226,8 +252,15 @@ class Supervisor:
         posix.set_child_subreaper()
         if self._guardian is None:
             self._guardian = Guardian(self._token)
+            self._cgroup = JobCgroup.create(self._token, self._guardian.kill_cgroup_on_death)
+            if self._cgroup is not None:
+                logger.debug("job cgroup %s", self._cgroup.path)
         if self._warm is None:
             self._warm = self._start_warm()
+            template = self._warm.template_pid() if self._warm is not None else None
+            if self._cgroup is not None and template is not None:
+                # Workers it forks are born in the job's cgroup.
+                self._cgroup.join(template)
 
     def _start_warm(self) -> WarmPool | None:
         """The warm template starts now, so its imports overlap the rendezvous."""
@@ -424,6 +457,8 @@ class Supervisor:
             warm=self._warm,
             warm_argv=argv[3:] if self._warm is not None else None,
             wait_all=cfg.restart_policy == "all-failed",
+            cgroup=self._cgroup,
+            adopt_orphans=True,
         )
         ctx.start()
         if self._hangs is not None:
@@ -443,14 +478,18 @@ class Supervisor:
         self._ctx = ctx = self._start(info)
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
-        last_reap = time.monotonic()
+        last_reap = last_scan = time.monotonic()
+        scan_every = _STRAY_SCAN if self._cgroup is None else _STRAY_SCAN_WITH_CGROUP
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
             if self._hangs is not None:
                 self._hangs.collect()
-            if time.monotonic() - last_reap > 1.0:
+            if time.monotonic() - last_reap > _REAP_EVERY:
                 self._reap_orphans(ctx)
                 last_reap = time.monotonic()
+            if time.monotonic() - last_scan > scan_every:
+                self._track_strays(ctx, info.round)
+                last_scan = time.monotonic()
             if result is not None:
                 if result.is_failed() and self._completed_without(result, info):
                     outcome = self._await_peers(rdzv, info.round)
@@ -527,6 +566,19 @@ class Supervisor:
         if self._warm is not None:
             keep |= self._warm.owned_pids()
         posix.reap_orphans(keep)
+
+    def _track_strays(self, ctx: ProcessContext, attempt: int) -> None:
+        """Processes that left the workers' groups are reported once and handed to the
+        guardian, which kills them should this process be SIGKILLed.  With a job cgroup
+        the guardian kills them anyway; without one, this is the only net for a daemon
+        that also cleared its environment."""
+        for pid, started in ctx.strays().items():
+            if self._tracked.get(pid) == started:
+                continue
+            self._tracked[pid] = started
+            if self._guardian is not None:
+                self._guardian.track(pid, started)
+            self.events.emit("stray_process", attempt=attempt, pid=pid)
 
     def _completed_without(self, result: RunResult, info: RendezvousInfo) -> bool:
         """Under the all-failed policy, workers that completed finished the job without

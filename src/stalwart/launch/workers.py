@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 
 from stalwart.launch import posix
+from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.errors import ProcessFailure, record
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
@@ -151,6 +152,8 @@ class ProcessContext:
         warm: WarmPool | None = None,
         warm_argv: list[str] | None = None,
         wait_all: bool = False,
+        cgroup: JobCgroup | None = None,
+        adopt_orphans: bool = False,
     ) -> None:
         self.entrypoint = entrypoint
         self.specs = list(workers)
@@ -167,6 +170,14 @@ class ProcessContext:
         # True: a failed worker does not end the group; poll() reports once every worker
         # has exited (the in-process restart policy, where survivors carry on without it).
         self.wait_all = wait_all
+        # Workers join the job's cgroup before they run anything, so all they start is
+        # born in it; teardown kills its members (all but the warm template).
+        self.cgroup = cgroup
+        # True (the supervisor, a child subreaper whose children are all the job's):
+        # children re-parented to us that we did not start are the workers' orphans
+        # (a daemon that left with setsid and a cleared environment) and die with them.
+        self.adopt_orphans = adopt_orphans
+        self._preexisting: set[int] = set()
         self._workers: dict[int, _Worker] = {}
         self._watcher = posix.ExitWatcher()
         self._tee = Tee()
@@ -187,6 +198,8 @@ class ProcessContext:
     def start(self) -> None:
         if self._workers:
             raise RuntimeError("ProcessContext.start() called twice")
+        if self.adopt_orphans:
+            self._preexisting = set(_children(os.getpid(), recursive=False))
         for spec in self.specs:
             if callable(self.entrypoint):
                 w = self._start_function(spec)
@@ -228,6 +241,9 @@ class ProcessContext:
                 os.close(fd)
         if pid is None:
             return None
+        if self.cgroup is not None:
+            # Already a member when the template is one; a restarted template is not.
+            self.cgroup.join(pid)
         return _Worker(spec.local_rank, pid, ForkedProcess(pid), spec.logs, spec.rank)
 
     def _start_program(self, spec: WorkerSpecEntry) -> _Worker:
@@ -239,6 +255,13 @@ class ProcessContext:
         out = _open_stream(spec.logs.stdout, spec.logs.console)
         err = _open_stream(spec.logs.stderr, spec.logs.console)
         parent = os.getpid()
+        cgroup = self.cgroup
+
+        def prepare() -> None:
+            if cgroup is not None:
+                cgroup.join()
+            posix.pdeathsig_then_check(parent)
+
         try:
             proc = subprocess.Popen(
                 [self.entrypoint, *map(str, spec.args)],
@@ -246,7 +269,7 @@ class ProcessContext:
                 stdout=out,
                 stderr=err,
                 process_group=0,
-                preexec_fn=lambda: posix.pdeathsig_then_check(parent),
+                preexec_fn=prepare,
             )
         finally:
             for fd in (out, err):
@@ -278,6 +301,9 @@ class ProcessContext:
         proc.start()
         send.close()
         assert proc.pid is not None
+        if self.cgroup is not None:
+            # The child is still starting its interpreter: it joins before the target runs.
+            self.cgroup.join(proc.pid)
         return _Worker(spec.local_rank, proc.pid, proc, spec.logs, spec.rank, conn=recv)
 
     # -- watching ---------------------------------------------------------------------
@@ -373,6 +399,11 @@ class ProcessContext:
         self._closed = True
         sig = signal.SIGTERM if death_sig is None else death_sig
         workers = list(self._workers.values())
+        # Taken before any signal: once a worker dies its descendants are re-parented and
+        # no longer appear under it.
+        descendants = {
+            p for w in workers if w.exitcode() is None for p in _children(w.pid, recursive=True)
+        }
         for w in workers:
             if w.exitcode() is None:
                 logger.debug("sending %s to worker %d (pid %d)", sig, w.local_rank, w.pid)
@@ -386,7 +417,7 @@ class ProcessContext:
         self._wait_exit(workers, deadline)
         for w in workers:
             posix.killpg_quiet(w.pid, signal.SIGKILL)
-        self._kill_strays()
+        self._kill_strays(descendants)
         if not self._wait_exit(workers, time.monotonic() + KILL_WAIT):
             for w in workers:
                 if w.exitcode() is None:
@@ -416,34 +447,109 @@ class ProcessContext:
             self._watcher.changed.clear()
             self._watcher.changed.wait(min(left, 0.05))
 
-    def _kill_strays(self) -> None:
-        """Descendants that left their worker's group (setsid) but carry our token."""
-        if not self.run_token:
-            return
-        needle = f"{TOKEN_ENV}={self.run_token}"
-        try:
-            children = psutil.Process().children(recursive=True)
-        except psutil.Error:
-            return
-        # The warm templates carry the token too (so the guardian can find workers forked
-        # from them), but they serve the next attempt and must survive this one.
-        spare = self.warm.owned_pids() if self.warm is not None else set()
-        for child in children:
-            if child.pid in spare:
-                continue
+    def strays(self) -> dict[int, float]:
+        """Descendants of the workers, and orphans re-parented to us, that left every
+        worker's process group (pid -> start time): what a group kill would miss."""
+        groups = {w.pid for w in self._workers.values()}
+        # One pass over the process table per call (this runs every half second), not
+        # one per worker as psutil's recursive children() would.
+        tree = _process_tree()
+        found = {p for w in groups for p in _below(tree, w)}
+        if self.adopt_orphans:
+            spare = self._spare()
+            for pid in tree.get(os.getpid(), ()):
+                if pid not in spare and pid not in groups and pid not in self._preexisting:
+                    found.add(pid)
+                    found.update(_below(tree, pid))
+        out: dict[int, float] = {}
+        for pid in found:
             try:
-                env = child.environ()
+                if os.getpgid(pid) in groups:
+                    continue
+                out[pid] = psutil.Process(pid).create_time()
+            except (OSError, psutil.Error):
+                continue
+        return out
+
+    def _spare(self) -> set[int]:
+        """Helpers that serve the next attempt or guard the job: never killed here."""
+        spare = {os.getpid()}
+        if self.warm is not None:
+            spare.update(self.warm.owned_pids())
+        if self.guardian is not None:
+            spare.add(self.guardian.proc.pid)
+        return spare
+
+    def _kill_strays(self, descendants: set[int]) -> None:
+        """Whatever the workers started that outlives them.  Three nets, because each
+        misses something the others catch: the job's cgroup (everything, where cgroup v2
+        is usable), what we see as a child subreaper (descendants of the workers, and
+        orphans re-parented to us), and the run token in the environment (processes of
+        ours the kernel re-parented elsewhere, e.g. to a restarted template)."""
+        spare = self._spare()
+        worker_pids = {w.pid for w in self._workers.values()}
+        if self.cgroup is not None:
+            self.cgroup.kill_except(spare)
+        victims = set(descendants)
+        if self.adopt_orphans:
+            for pid in _children(os.getpid(), recursive=False):
+                if pid in spare or pid in worker_pids or pid in self._preexisting:
+                    continue
+                victims.add(pid)
+                victims.update(_children(pid, recursive=True))
+        if self.run_token:
+            victims.update(self._with_token())
+        victims -= spare
+        for pid in victims:
+            try:
+                child = psutil.Process(pid)
+                child.kill()
+                if child.ppid() == os.getpid() and pid not in worker_pids:
+                    child.wait(1)  # reap re-parented grandchildren (we are subreaper)
+            except psutil.Error:
+                pass
+
+    def _with_token(self) -> list[int]:
+        """Our descendants that carry the run token (the warm template too: the caller
+        spares it)."""
+        found = []
+        for child in _children(os.getpid(), recursive=True):
+            try:
+                env = psutil.Process(child).environ()
             except psutil.Error:
                 continue
-            if f"{TOKEN_ENV}={env.get(TOKEN_ENV, '')}" == needle:
-                try:
-                    child.kill()
-                    if child.ppid() == os.getpid() and child.pid not in {
-                        w.pid for w in self._workers.values()
-                    }:
-                        child.wait(1)  # reap re-parented grandchildren (we are subreaper)
-                except psutil.Error:
-                    pass
+            if env.get(TOKEN_ENV) == self.run_token:
+                found.append(child)
+        return found
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """parent pid -> child pids, from one pass over the process table."""
+    tree: dict[int, list[int]] = {}
+    for proc in psutil.process_iter(["ppid"]):
+        ppid = proc.info["ppid"]
+        if ppid is not None:
+            tree.setdefault(ppid, []).append(proc.pid)
+    return tree
+
+
+def _below(tree: dict[int, list[int]], pid: int) -> set[int]:
+    """All descendants of *pid* in *tree*."""
+    out: set[int] = set()
+    todo = list(tree.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(tree.get(p, ()))
+    return out
+
+
+def _children(pid: int, recursive: bool) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=recursive)]
+    except psutil.Error:
+        return []
 
 
 def start_processes(

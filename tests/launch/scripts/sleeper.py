@@ -8,9 +8,6 @@ import time
 
 out_dir, mode = sys.argv[1], sys.argv[2]
 rank = os.environ["RANK"]
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-with open(os.path.join(out_dir, f"pids_{rank}"), "w") as fh:
-    fh.write(f"{os.getpid()} {child.pid}\n")
 
 
 def on_term(signum, frame):
@@ -22,5 +19,9 @@ def on_term(signum, frame):
 
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
     signal.signal(sig, on_term)
+# The pids are the test's cue to signal us: only once the handlers are in place.
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(os.path.join(out_dir, f"pids_{rank}"), "w") as fh:
+    fh.write(f"{os.getpid()} {child.pid}\n")
 while True:
     time.sleep(0.1)
