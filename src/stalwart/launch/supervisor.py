@@ -32,6 +32,7 @@ from stalwart.launch.events import EventLog
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.rendezvous import (
@@ -115,6 +116,7 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
+        self._snapshots: SnapshotMemory | None = None
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -154,6 +156,10 @@ class Supervisor:
             self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
             if self._guardian is not None:
                 self._guardian.remove_on_death(self._hangs.ipc)
+            if cfg.ckpt_ram:
+                self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
+                if self._guardian is not None:
+                    self._guardian.remove_on_death(self._snapshots.folder)
             if self._rdzv is None:
                 self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
@@ -180,6 +186,8 @@ class Supervisor:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
+            if self._snapshots is not None:
+                self._snapshots.close()
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
@@ -361,6 +369,8 @@ class Supervisor:
             env = worker_env(cfg, info, lr, logs[lr])
             if self._hangs is not None:
                 env.update(self._hangs.worker_env(lr, ranks[lr]))
+            if self._snapshots is not None:
+                env.update(self._snapshots.worker_env())
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,
