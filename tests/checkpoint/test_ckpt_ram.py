@@ -194,8 +194,10 @@ def test_a_copy_torn_by_sigkill_is_never_used(tmp_path: Path) -> None:
                         newest = seg.records()
                     finally:
                         seg.close()
-                    if newest and newest[0][1].step >= 3 and any(
-                        _prefix_empty(path, s) for s in range(rl.GENERATIONS)
+                    if (
+                        newest
+                        and newest[0][1].step >= 3
+                        and any(_prefix_empty(path, s) for s in range(rl.GENERATIONS))
                     ):
                         break
                     assert child.poll() is None, "writer child died"
