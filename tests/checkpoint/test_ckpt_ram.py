@@ -27,6 +27,7 @@ from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
 from stalwart.checkpoint.resume import choose_step
 from stalwart.checkpoint.staging import plan
+from stalwart.config import ConfigError, parse_size
 from stalwart.launch.snapshots import SnapshotMemory, SnapshotMemoryError, is_stale, sweep_stale
 
 pytestmark = pytest.mark.timeout(120)
@@ -346,3 +347,26 @@ def test_the_next_launcher_removes_folders_of_a_dead_one(tmp_path: Path) -> None
 )
 def test_choose_step(per_rank: list[list[int]], step: int | None) -> None:
     assert choose_step(per_rank) == step
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("0", 0),
+        ("4096", 4096),
+        (4096, 4096),
+        ("512MiB", 512 << 20),
+        ("2G", 2 << 30),
+        ("1.5GiB", 3 << 29),
+        ("2 gb", 2 * 1000**3),
+        ("10k", 10 << 10),
+    ],
+)
+def test_parse_size(text: str | int, size: int) -> None:
+    assert parse_size(text, "--ckpt-ram") == size
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "2XB", "", "nan", "GiB"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"^--ckpt-ram .*expected a size"):
+        parse_size(text, "--ckpt-ram")

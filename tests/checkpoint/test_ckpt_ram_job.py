@@ -73,17 +73,15 @@ def test_a_restarted_job_resumes_from_ram_without_the_disk(tmp_path: Path, warm:
         assert r == {"step": 5, "source": "ram", "ok": True, "pid": r["pid"]}
     # Nothing was ever persisted: the state came from the launcher's memory alone.
     assert not list(ckpt.glob("step_*"))
-    # And the launcher freed that memory when the job ended.
-    assert not list(Path("/dev/shm").glob(f"stalwart-ckpt-{res_pid(res)}-*"))
-
-
-def res_pid(res: subprocess.CompletedProcess[str]) -> str:
-    # The launcher names its snapshot folder after its pid and logs it once.
-    for line in res.stderr.splitlines():
-        if "checkpoint snapshot memory:" in line:
-            folder = line.rsplit(" in ", 1)[1].strip()
-            return Path(folder).name.split("-")[2]
-    raise AssertionError("the launcher did not log its snapshot memory:\n" + res.stderr[-2000:])
+    # The launcher said where it reserved the memory, and freed it when the job ended.
+    (events,) = (tmp_path / "logs").glob("*/events.jsonl")
+    reserved = [
+        e
+        for e in map(json.loads, events.read_text().splitlines())
+        if e["event"] == "ckpt_ram_reserved"
+    ]
+    assert len(reserved) == 1 and reserved[0]["bytes_per_rank"] == 4 << 20
+    assert not Path(reserved[0]["folder"]).exists()
 
 
 @pytest.mark.parametrize("pg", [False, True], ids=["store", "gloo"])

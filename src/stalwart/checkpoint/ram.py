@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _SPLIT_BYTES = 32 << 20
 # Linux >= 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 class SnapshotTooLargeError(CheckpointError):
@@ -70,10 +71,8 @@ class RamSegment:
         if writable:
             self._map = mmap.mmap(fd, length, access=mmap.ACCESS_WRITE)
         else:
-            # A reader about to copy a snapshot out fills the page tables in one call:
-            # faulting page by page while hashing measured 4-7x slower.
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self._map = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        self._populate_reads = populate
         self._writable = writable
         # A uint8 view of the whole segment: tensors are copied to and from slices of it.
         self._bytes: torch.Tensor | None = None
@@ -192,6 +191,13 @@ class RamSegment:
         if xxhash.xxh3_64_intdigest(skeleton) != record.skeleton_hash:
             raise CheckpointCorruptError(f"{self.path} slot {slot}: skeleton checksum differs")
         start = base + record.tensor_offset
+        if self._populate_reads and record.tensor_bytes:
+            # Fill the page tables of this slot in one call: faulting page by page
+            # while copying and hashing measured several times slower.
+            try:
+                self._map.madvise(_MADV_POPULATE_READ, start, record.tensor_bytes)
+            except (OSError, ValueError) as exc:
+                logger.debug("could not pre-fault the snapshot: %s", exc)
         with warnings.catch_warnings():
             # Only read from: torch warns about any buffer that is not writable.
             warnings.simplefilter("ignore", UserWarning)

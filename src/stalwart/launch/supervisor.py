@@ -160,6 +160,12 @@ class Supervisor:
                 self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
                 if self._guardian is not None:
                     self._guardian.remove_on_death(self._snapshots.folder)
+                self.events.emit(
+                    "ckpt_ram_reserved",
+                    folder=str(self._snapshots.folder),
+                    bytes_per_rank=cfg.ckpt_ram,
+                    segment_bytes=self._snapshots.segment_bytes,
+                )
             if self._rdzv is None:
                 self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
