@@ -370,3 +370,19 @@ def test_parse_size(text: str | int, size: int) -> None:
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(ConfigError, match=r"^--ckpt-ram .*expected a size"):
         parse_size(text, "--ckpt-ram")
+
+
+def test_when_the_snapshot_memory_is_gone_restore_reads_the_disk(
+    memory: SnapshotMemory, tmp_path: Path
+) -> None:
+    with AsyncCheckpointer(
+        tmp_path / "ck", rank=0, world_size=1, config=CheckpointerConfig(persist_every=2)
+    ) as ck:
+        results = [ck.save(_state(s), s).result(timeout=60) for s in (1, 2, 3)]
+    assert [r.persisted for r in results] == [False, True, False]
+    found = restore(tmp_path / "ck", rank=0, world_size=1)
+    assert found is not None and (found.step, found.source) == (3, "ram")
+    memory.close()  # what the guardian does after a launcher SIGKILL
+    found = restore(tmp_path / "ck", rank=0, world_size=1)
+    assert found is not None and (found.step, found.source) == (2, "disk")
+    _check(found.state_dict, 2)
