@@ -16,6 +16,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -386,3 +387,29 @@ def test_when_the_snapshot_memory_is_gone_restore_reads_the_disk(
     found = restore(tmp_path / "ck", rank=0, world_size=1)
     assert found is not None and (found.step, found.source) == (2, "disk")
     _check(found.state_dict, 2)
+
+
+def test_back_to_back_ram_saves_commit_in_order(
+    memory: SnapshotMemory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The checksum and commit of one snapshot run on a thread while the caller goes on;
+    # the next snapshot must not pick its slot before that commit. A slow commit (as on
+    # a busy host) makes the race certain.
+    real_commit = RamSegment.commit
+
+    def slow_commit(self: RamSegment, staged: Any) -> Any:
+        time.sleep(0.1)
+        return real_commit(self, staged)
+
+    monkeypatch.setattr(RamSegment, "commit", slow_commit)
+    with AsyncCheckpointer(
+        tmp_path / "ck", rank=0, world_size=1, config=CheckpointerConfig(persist_every=100)
+    ) as ck:
+        futures = [ck.save(_state(s), s) for s in range(1, 8)]
+        ck.wait()
+        assert [f.result().step for f in futures] == list(range(1, 8))
+        assert all(f.result().ram_only for f in futures)
+    snaps = find_snapshots(memory.folder, 0, 1)
+    assert [s.step for s in snaps] == [7, 6]
+    for snap in snaps:
+        _check(load_snapshot(snap), snap.step)

@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,10 @@ class AsyncCheckpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._ram: RamSegment | None = None
         self._saves = 0
+        # Hashing and committing a RAM snapshot runs here, off the training thread; the
+        # next snapshot waits for the previous commit (see RamSegment.stage).
+        self._ram_committer: ThreadPoolExecutor | None = None
+        self._ram_commit: Future[SaveResult] | None = None
         if self.config.ram:
             self._ram, why = open_local()
         else:
@@ -237,11 +241,16 @@ class AsyncCheckpointer:
         return fut
 
     def _save_ram(self, planned: StagingPlan, step: int) -> Future[SaveResult] | None:
-        """Snapshot into the launcher's memory; None when it does not fit (then disk)."""
+        """Snapshot into the launcher's memory; None when it does not fit (then disk).
+
+        The copy happens now; the checksum and the commit record follow on a thread, and
+        the returned Future resolves once the snapshot is committed.
+        """
         assert self._ram is not None
         t0 = time.perf_counter()
+        self._wait_ram_commit()
         try:
-            record = self._ram.write(
+            staged = self._ram.stage(
                 planned,
                 step,
                 self.rank,
@@ -251,12 +260,16 @@ class AsyncCheckpointer:
         except SnapshotTooLargeError as exc:
             logger.error("rank %d: step %d goes to disk: %s", self.rank, step, exc)
             return None
-        done: Future[SaveResult] = Future()
-        done.set_result(
-            SaveResult(
+        if self._ram_committer is None:
+            self._ram_committer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-ram-commit")
+        segment = self._ram
+
+        def commit() -> SaveResult:
+            record = segment.commit(staged)
+            return SaveResult(
                 step=step,
                 rank=self.rank,
-                path=self._ram.path,
+                path=segment.path,
                 nbytes=record.tensor_offset + record.tensor_bytes,
                 checksum=f"xxh3_64:{record.tensor_hash:016x}",
                 write_s=time.perf_counter() - t0,
@@ -264,8 +277,20 @@ class AsyncCheckpointer:
                 ram_only=True,
                 persisted=False,
             )
-        )
-        return done
+
+        fut = self._ram_committer.submit(commit)
+        self._ram_commit = fut
+        with self._lock:
+            self._track(fut)
+        return fut
+
+    def _wait_ram_commit(self) -> None:
+        pending, self._ram_commit = self._ram_commit, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as exc:  # reported through that save's Future
+                logger.debug("previous RAM snapshot failed to commit: %s", exc)
 
     def restore(
         self,
@@ -281,6 +306,7 @@ class AsyncCheckpointer:
         """
         from .resume import restore
 
+        self._wait_ram_commit()
         return restore(
             self.directory,
             self.rank,
@@ -345,6 +371,10 @@ class AsyncCheckpointer:
             hook.remove()
         self._hooks = []
         self._process.close()
+        self._wait_ram_commit()
+        if self._ram_committer is not None:
+            self._ram_committer.shutdown(wait=True)
+            self._ram_committer = None
         if self._ram is not None:
             self._ram.close()
             self._ram = None

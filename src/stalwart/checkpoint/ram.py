@@ -131,6 +131,17 @@ class RamSegment:
         self, staging: StagingPlan, step: int, rank: int, world_size: int, threads: int = 1
     ) -> rl.CommitRecord:
         """Copy a planned snapshot into the older slot and commit it (record last)."""
+        return self.commit(self.stage(staging, step, rank, world_size, threads))
+
+    def stage(
+        self, staging: StagingPlan, step: int, rank: int, world_size: int, threads: int = 1
+    ) -> StagedSnapshot:
+        """Copy a planned snapshot into the older slot, uncommitted.
+
+        Once this returns the caller's tensors are no longer read; :meth:`commit` (which
+        may run on another thread) hashes the slot and writes the record. Stage the next
+        snapshot only after that commit: the slot choice reads the committed records.
+        """
         assert self._writable and self._bytes is not None
         skeleton = staging.skeleton
         tensor_offset = rl.round_up(len(skeleton), rl.PAGE)
@@ -143,35 +154,49 @@ class RamSegment:
         held = self.records()
         # Never the slot of the newest committed snapshot: it must survive a torn copy.
         slot = 0 if not held else 1 - held[0][0] if rl.GENERATIONS == 2 else held[-1][0]
-        seq = held[0][1].seq + 1 if held else 1
         self._invalidate(slot)
         base = rl.data_offset(slot, self.slot_bytes)
         self._map[base : base + len(skeleton)] = skeleton
         start = base + tensor_offset
-        end = start + staging.used_bytes
-        copy_planned(self._bytes[start:end], staging, threads)
-        with memoryview(self._map) as mv:
-            skeleton_hash = xxhash.xxh3_64_intdigest(mv[base : base + len(skeleton)])
-            tensor_hash = xxhash.xxh3_64_intdigest(mv[start:end])
-        record = rl.CommitRecord(
-            format=rl.FORMAT,
+        copy_planned(self._bytes[start : start + staging.used_bytes], staging, threads)
+        return StagedSnapshot(
+            slot=slot,
             step=step,
             rank=rank,
             world_size=world_size,
-            seq=seq,
+            seq=held[0][1].seq + 1 if held else 1,
             skeleton_bytes=len(skeleton),
-            skeleton_hash=skeleton_hash,
             tensor_offset=tensor_offset,
             tensor_bytes=staging.used_bytes,
+            older=tuple((other, rec.step) for other, rec in held if other != slot),
+        )
+
+    def commit(self, staged: StagedSnapshot) -> rl.CommitRecord:
+        """Hash a staged slot and write its commit record last."""
+        base = rl.data_offset(staged.slot, self.slot_bytes)
+        start = base + staged.tensor_offset
+        with memoryview(self._map) as mv:
+            skeleton_hash = xxhash.xxh3_64_intdigest(mv[base : base + staged.skeleton_bytes])
+            tensor_hash = xxhash.xxh3_64_intdigest(mv[start : start + staged.tensor_bytes])
+        record = rl.CommitRecord(
+            format=rl.FORMAT,
+            step=staged.step,
+            rank=staged.rank,
+            world_size=staged.world_size,
+            seq=staged.seq,
+            skeleton_bytes=staged.skeleton_bytes,
+            skeleton_hash=skeleton_hash,
+            tensor_offset=staged.tensor_offset,
+            tensor_bytes=staged.tensor_bytes,
             tensor_hash=tensor_hash,
             created_unix=time.time(),
         )
         prefix, body = rl.split_header(record)
-        at = rl.header_offset(slot, self.slot_bytes)
+        at = rl.header_offset(staged.slot, self.slot_bytes)
         self._map[at + rl.PREFIX_BYTES : at + rl.PREFIX_BYTES + len(body)] = body
         self._map[at : at + rl.PREFIX_BYTES] = prefix  # the commit
-        for other, rec in held:
-            if other != slot and rec.step > step:
+        for other, step in staged.older:
+            if step > staged.step:
                 # The job went back to an older step: a newer snapshot left from before
                 # is not what it resumes from now.
                 self._invalidate(other)
@@ -245,6 +270,21 @@ class RamSegment:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+@dataclass(frozen=True)
+class StagedSnapshot:
+    """A snapshot copied into a slot and not yet committed."""
+
+    slot: int
+    step: int
+    rank: int
+    world_size: int
+    seq: int
+    skeleton_bytes: int
+    tensor_offset: int
+    tensor_bytes: int
+    older: tuple[tuple[int, int], ...]  # (slot, step) of the other committed slots
 
 
 _SAFE_GLOBALS = {
