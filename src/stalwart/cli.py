@@ -85,6 +85,13 @@ def run_parser() -> argparse.ArgumentParser:
         help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
     )
     _flag(p, "--no-warm", action="store_true", help="start every worker cold (no template)")
+    _flag(
+        p,
+        "--ckpt-ram",
+        default=None,
+        help="memory per local rank for checkpoint snapshots that survive a worker restart "
+        "(e.g. 2GiB; two snapshots are kept; default 0: off)",
+    )
     p.add_argument(
         "--preload", default=None, help="modules the warm template imports, e.g. numpy,mylib"
     )
@@ -151,6 +158,7 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "role": ns.role,
         "shutdown_timeout": ns.shutdown_timeout,
         "restart_policy": ns.restart_policy,
+        "ckpt_ram": ns.ckpt_ram,
         "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
@@ -204,7 +212,14 @@ def _typed(name: str, value: Any, conv: type) -> Any:
 
 
 def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
-    from stalwart.config import ConfigError, LaunchConfig, parse_kv, parse_nnodes, parse_nproc
+    from stalwart.config import (
+        ConfigError,
+        LaunchConfig,
+        parse_kv,
+        parse_nnodes,
+        parse_nproc,
+        parse_size,
+    )
     from stalwart.launch.logs import parse_ranks_filter, parse_std
 
     ns = run_parser().parse_args(argv)
@@ -257,6 +272,8 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         )
     if "log_dir" in m:
         kw["log_dir"] = Path(str(m["log_dir"]))
+    if "ckpt_ram" in m:
+        kw["ckpt_ram"] = parse_size(m["ckpt_ram"], "--ckpt-ram")
     try:
         for name in ("redirects", "tee"):
             if name in m:
@@ -340,6 +357,9 @@ def cmd_run(argv: list[str]) -> int:
     except RendezvousError as err:
         print(f"stalwart run: error: {err}", file=sys.stderr)
         return 3
+    except ConfigError as err:  # found at setup, e.g. no room for --ckpt-ram
+        print(f"stalwart run: error: {err}", file=sys.stderr)
+        return 2
     return result.exit_code
 
 

@@ -58,6 +58,41 @@ def parse_nproc(value: str) -> int:
     return n
 
 
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(value: str | int, flag: str) -> int:
+    """``"512MiB"``, ``"2G"``, ``"1.5GiB"`` or a byte count -> bytes (K/M/G alone are binary)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        number_text, unit = digits, text[len(digits) :]
+        try:
+            number = float(number_text)
+        except ValueError:
+            number = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= number < float("inf"):
+        raise ConfigError(f"{flag} {value!r}: expected a size such as 512MiB, 2GiB or 0 (off)")
+    return int(number * _SIZE_UNITS[unit])
+
+
 def parse_kv(value: str, flag: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in filter(None, (p.strip() for p in value.split(","))):
@@ -104,6 +139,8 @@ class LaunchConfig:
     warm: bool = True
     restart_policy: str = "any-failed"
     preload: list[str] = field(default_factory=list)
+    # Bytes of launcher-owned memory per local rank and snapshot (two are kept); 0: off.
+    ckpt_ram: int = 0
 
     def __post_init__(self) -> None:
         if self.run_id in ("", "none"):
@@ -166,6 +203,8 @@ class LaunchConfig:
         is_host = self.rdzv_conf.get("is_host")
         if is_host is not None and is_host.lower() not in ("0", "1", "true", "false", "yes", "no"):
             raise ConfigError(f"--rdzv-conf is_host={is_host!r}: expected 1 or 0")
+        if self.ckpt_ram < 0:
+            raise ConfigError(f"--ckpt-ram {self.ckpt_ram}: expected a size >= 0")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
         # Bounded: waits longer than the platform's timer maximum raise OverflowError deep

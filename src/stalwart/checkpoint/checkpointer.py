@@ -13,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,11 @@ from torch.optim.optimizer import (
 
 from . import layout
 from .identity import resolve_rank, resolve_world_size
+from .loader import Loaded
 from .manifest import default_algorithm
 from .process import CheckpointProcess, WriterProcessConfig
-from .staging import TENSOR_ALIGN, plan
+from .ram import RamSegment, SnapshotTooLargeError, open_local
+from .staging import TENSOR_ALIGN, StagingPlan, plan
 from .writer import SaveResult, TorchFileWriter
 
 logger = logging.getLogger(__name__)
@@ -84,6 +86,11 @@ class CheckpointerConfig:
     # Write the file with O_DIRECT through a few reused aligned buffers where the
     # file system allows it (see docs/checkpoint.md); False: through the page cache.
     direct_io: bool = True
+    # Write every N-th save to disk; the others only snapshot (into the launcher's
+    # memory under `stalwart run --ckpt-ram`, else nowhere). 1: every save.
+    persist_every: int = 1
+    # Keep snapshots in the launcher's memory when it offers some (STALWART_CKPT_RAM_DIR).
+    ram: bool = True
 
 
 class AsyncCheckpointer:
@@ -115,7 +122,25 @@ class AsyncCheckpointer:
                 "(or set WORLD_SIZE) so a step is complete only once every rank wrote it"
             )
         self.config = config or CheckpointerConfig()
+        if self.config.persist_every < 1:
+            raise ValueError(
+                f"persist_every={self.config.persist_every}: expected >= 1 (1: every save)"
+            )
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._ram: RamSegment | None = None
+        self._saves = 0
+        # Hashing and committing a RAM snapshot runs here, off the training thread; the
+        # next snapshot waits for the previous commit (see RamSegment.stage).
+        self._ram_committer: ThreadPoolExecutor | None = None
+        self._ram_commit: Future[SaveResult] | None = None
+        if self.config.ram:
+            self._ram, why = open_local()
+        else:
+            why = "CheckpointerConfig(ram=False)"
+        if self._ram is None:
+            # One line, so a job learns why a restart reads the disk.
+            log = logger.warning if self.config.persist_every > 1 else logger.info
+            log("rank %d: checkpoint snapshots go to disk only: %s", self.rank, why)
         self.last_stall_s = 0.0
         self._inflight: list[Future[SaveResult]] = []
         self._lock = threading.Lock()
@@ -178,8 +203,24 @@ class AsyncCheckpointer:
         kwargs: dict[str, Any] = {"step": step, "metadata": metadata}
         t0 = time.perf_counter()
         self._saved_once = True
+        self._saves += 1
+        persist = self._saves % self.config.persist_every == 0
+        planned: StagingPlan | None = None
+        if self._ram is not None and not isinstance(state_dict, Future):
+            planned = plan(state_dict)
+            kept = self._save_ram(planned, step)
+            if kept is not None and not persist:
+                self.last_stall_s = time.perf_counter() - t0
+                return kept
+        elif not persist:
+            done: Future[SaveResult] = Future()
+            done.set_result(
+                SaveResult(step, self.rank, Path(path), 0, "", 0.0, False, persisted=False)
+            )
+            self.last_stall_s = time.perf_counter() - t0
+            return done
         if isinstance(state_dict, Future) or self.config.staging is StagingMode.BACKGROUND:
-            staging = None if isinstance(state_dict, Future) else plan(state_dict)
+            staging = None if isinstance(state_dict, Future) else (planned or plan(state_dict))
             # Submitted and listed under the lock, so the guards' wait_staged
             # can never see "nothing unstaged" while this save is in between.
             with self._lock:
@@ -190,12 +231,92 @@ class AsyncCheckpointer:
                     fut = self._process.write_planned(staging, path, background=True, **kwargs)
                 self._track(fut)
         else:
-            fut = self._process.write_planned(plan(state_dict), path, background=False, **kwargs)
+            fut = self._process.write_planned(
+                planned or plan(state_dict), path, background=False, **kwargs
+            )
             with self._lock:
                 self._track(fut)
         self.last_stall_s = time.perf_counter() - t0
         fut.add_done_callback(self._log_failure)
         return fut
+
+    def _save_ram(self, planned: StagingPlan, step: int) -> Future[SaveResult] | None:
+        """Snapshot into the launcher's memory; None when it does not fit (then disk).
+
+        The copy happens now; the checksum and the commit record follow on a thread, and
+        the returned Future resolves once the snapshot is committed.
+        """
+        assert self._ram is not None
+        t0 = time.perf_counter()
+        self._wait_ram_commit()
+        try:
+            staged = self._ram.stage(
+                planned,
+                step,
+                self.rank,
+                self.world_size,
+                threads=self.config.copy_threads or _default_copy_threads(),
+            )
+        except SnapshotTooLargeError as exc:
+            logger.error("rank %d: step %d goes to disk: %s", self.rank, step, exc)
+            return None
+        if self._ram_committer is None:
+            self._ram_committer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-ram-commit")
+        segment = self._ram
+
+        def commit() -> SaveResult:
+            record = segment.commit(staged)
+            return SaveResult(
+                step=step,
+                rank=self.rank,
+                path=segment.path,
+                nbytes=record.tensor_offset + record.tensor_bytes,
+                checksum=f"xxh3_64:{record.tensor_hash:016x}",
+                write_s=time.perf_counter() - t0,
+                step_complete=False,
+                ram_only=True,
+                persisted=False,
+            )
+
+        fut = self._ram_committer.submit(commit)
+        self._ram_commit = fut
+        with self._lock:
+            self._track(fut)
+        return fut
+
+    def _wait_ram_commit(self) -> None:
+        pending, self._ram_commit = self._ram_commit, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as exc:  # reported through that save's Future
+                logger.debug("previous RAM snapshot failed to commit: %s", exc)
+
+    def restore(
+        self,
+        *,
+        map_location: Any = "cpu",
+        weights_only: bool = True,
+        group: Any = None,
+        timeout_s: float = 300.0,
+    ) -> Loaded | None:
+        """The newest step every rank can load, from RAM where possible (collective).
+
+        See :func:`stalwart.checkpoint.restore`.
+        """
+        from .resume import restore
+
+        self._wait_ram_commit()
+        return restore(
+            self.directory,
+            self.rank,
+            self.world_size,
+            group=group,
+            map_location=map_location,
+            weights_only=weights_only,
+            timeout_s=timeout_s,
+            threads=self.config.copy_threads or _default_copy_threads(),
+        )
 
     def _track(self, fut: Future[SaveResult]) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
@@ -250,6 +371,13 @@ class AsyncCheckpointer:
             hook.remove()
         self._hooks = []
         self._process.close()
+        self._wait_ram_commit()
+        if self._ram_committer is not None:
+            self._ram_committer.shutdown(wait=True)
+            self._ram_committer = None
+        if self._ram is not None:
+            self._ram.close()
+            self._ram = None
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

@@ -40,6 +40,8 @@ class Loaded:
     step: int
     state_dict: Any
     path: Path
+    # "disk", or "ram": from the launcher's snapshot memory (``path`` is its segment).
+    source: str = "disk"
 
 
 def verify_step(directory: str | os.PathLike[str], step: int, rank: int = 0) -> Manifest:

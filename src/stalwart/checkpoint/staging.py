@@ -237,11 +237,6 @@ class SharedBuffer:
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self.capacity = new_cap
 
-    def _dest(self, ref: TensorRef) -> torch.Tensor:
-        assert self._bytes is not None
-        region = self._bytes[ref.offset : ref.offset + ref.nbytes]
-        return region.view(ref.dtype).view(ref.shape)
-
     def copy_in(
         self, staging: StagingPlan, *, check_versions: bool = False, threads: int | None = None
     ) -> StagedState:
@@ -252,23 +247,8 @@ class SharedBuffer:
         threads = self._copy_threads if threads is None else max(1, threads)
         self._trim_to(staging.used_bytes)
         self.ensure(max(staging.used_bytes, 1))
-        jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for src, ref, _ in staging.copies:
-            if ref.nbytes == 0:
-                continue
-            dst = self._dest(ref)
-            s = src.detach()
-            if threads > 1 and ref.nbytes >= _SPLIT_BYTES and s.is_contiguous():
-                # Split big tensors so every copy thread gets a share.
-                for d_part, s_part in zip(
-                    dst.view(-1).chunk(threads),
-                    s.view(-1).chunk(threads),
-                    strict=True,
-                ):
-                    jobs.append((d_part, s_part))
-            else:
-                jobs.append((dst, s))
-        _run_copies(jobs, threads)
+        assert self._bytes is not None
+        copy_planned(self._bytes, staging, threads)
         if check_versions:
             for src, _, version in staging.copies:
                 if version >= 0 and _version_of(src) != version:
@@ -289,6 +269,32 @@ class SharedBuffer:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+
+
+def ref_view(base: torch.Tensor, ref: TensorRef) -> torch.Tensor:
+    """The tensor ``ref`` describes, viewed in the bytes ``base`` (uint8, offset 0)."""
+    return base[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)
+
+
+def copy_planned(base: torch.Tensor, staging: StagingPlan, threads: int) -> None:
+    """Copy the planned tensors to their places in ``base`` (uint8 bytes) with ``threads``."""
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for src, ref, _ in staging.copies:
+        if ref.nbytes == 0:
+            continue
+        dst = ref_view(base, ref)
+        s = src.detach()
+        if threads > 1 and ref.nbytes >= _SPLIT_BYTES and s.is_contiguous():
+            # Split big tensors so every copy thread gets a share.
+            for d_part, s_part in zip(
+                dst.view(-1).chunk(threads),
+                s.view(-1).chunk(threads),
+                strict=True,
+            ):
+                jobs.append((d_part, s_part))
+        else:
+            jobs.append((dst, s))
+    _run_copies(jobs, threads)
 
 
 def _run_copies(jobs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:

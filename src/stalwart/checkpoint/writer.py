@@ -68,6 +68,11 @@ class SaveResult:
     direct_io: bool = False
     # Bytes of it written straight from the shared buffer, without a copy.
     zero_copy_bytes: int = 0
+    # True for a snapshot kept only in the launcher's memory (persist_every skipped the
+    # disk): ``path`` is the segment, ``write_s`` the copy into it.
+    ram_only: bool = False
+    # False for a save persist_every skipped and nothing kept (no launcher memory).
+    persisted: bool = True
 
 
 class TorchFileWriter:

@@ -35,6 +35,7 @@ from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.runfiles import check_component, make_run_dir
+from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.monitor import ControlAction, ControlRequest
@@ -156,6 +157,7 @@ class Supervisor:
         self._reason = ""  # why a rank's control request ended the round
         self._cgroup: JobCgroup | None = None
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
+        self._snapshots: SnapshotMemory | None = None
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -207,6 +209,16 @@ class Supervisor:
                 self.events.emit,
                 on_folder=self._guardian.remove_on_death if self._guardian else None,
             )
+            if cfg.ckpt_ram:
+                self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
+                if self._guardian is not None:
+                    self._guardian.remove_on_death(self._snapshots.folder)
+                self.events.emit(
+                    "ckpt_ram_reserved",
+                    folder=str(self._snapshots.folder),
+                    bytes_per_rank=cfg.ckpt_ram,
+                    segment_bytes=self._snapshots.segment_bytes,
+                )
             if self._rdzv is None:
                 self._rdzv = from_config(cfg)
             result = self._loop(self._rdzv)
@@ -231,6 +243,8 @@ class Supervisor:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
+            if self._snapshots is not None:
+                self._snapshots.close()
             # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
             # then stays behind and removes it once the process is gone.
             # (Workers were given their KILL_WAIT already: no second long wait here.)
@@ -446,6 +460,8 @@ class Supervisor:
             env = worker_env(cfg, info, lr, logs[lr])
             if self._hangs is not None:
                 env.update(self._hangs.worker_env(lr, ranks[lr]))
+            if self._snapshots is not None:
+                env.update(self._snapshots.worker_env())
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,

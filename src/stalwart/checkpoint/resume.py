@@ -1,0 +1,258 @@
+"""One resume step for the whole job: the newest step every rank can load, RAM or disk.
+
+Each rank lists the steps it could load: its snapshots in the launcher's memory (see
+``ram``) and the complete steps on disk. The ranks exchange the lists (through the
+process group when one is initialised, else through the job's store at
+``MASTER_ADDR:MASTER_PORT``), take the newest step in all of them (``choose_step``), and
+each loads it, from RAM when it has it there. If any rank fails to verify that step,
+every rank learns so, the failing rank drops it, and they agree again: so a torn or
+corrupt newest file on one rank makes all ranks resume from the previous step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .errors import CheckpointError
+from .identity import resolve_rank, resolve_world_size
+from .loader import Loaded, complete_steps, load_step
+from .ram import RamSnapshot, find_snapshots, load_snapshot, ram_folder
+
+logger = logging.getLogger(__name__)
+
+#: Prefix of the store keys the ranks exchange their candidate steps under.
+STORE_PREFIX = "stalwart/ckpt/restore"
+#: Candidate steps each rank offers per round (newest first).
+MAX_CANDIDATES = 64
+_calls = itertools.count()
+
+
+def choose_step(per_rank: Sequence[Sequence[int]]) -> int | None:
+    """The newest step every rank offers, or None when they share none."""
+    if not per_rank:
+        return None
+    common = set(per_rank[0]).intersection(*per_rank[1:])
+    return max(common) if common else None
+
+
+class Exchange(Protocol):
+    def all_gather(self, values: list[int]) -> list[list[int]]: ...
+
+
+class _Alone:
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        return [list(values)]
+
+
+class _GroupExchange:
+    """Through an initialised process group: fixed-width int64 tensors, no pickling."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = group
+        backend = dist.get_backend(group)
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self._size = dist.get_world_size(group)
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        width = MAX_CANDIDATES + 1
+        mine = torch.full((width,), -1, dtype=torch.int64)
+        mine[0] = len(values)
+        mine[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+        mine = mine.to(self._device)
+        out = [torch.empty_like(mine) for _ in range(self._size)]
+        self._dist.all_gather(out, mine, group=self._group)
+        rows = [t.cpu().tolist() for t in out]
+        return [row[1 : 1 + int(row[0])] for row in rows]
+
+
+class _StoreExchange:
+    """Through the job's key-value store; keys are unique per restart, call and round."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
+        self._store = store
+        self._rank = rank
+        self._world = world_size
+        self._timeout = timedelta(seconds=timeout_s)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._base = f"{STORE_PREFIX}/{restart}/{next(_calls)}"
+        self._round = itertools.count()
+
+    def all_gather(self, values: list[int]) -> list[list[int]]:
+        prefix = f"{self._base}/{next(self._round)}"
+        self._store.set(f"{prefix}/{self._rank}", json.dumps(values))
+        keys = [f"{prefix}/{r}" for r in range(self._world)]
+        self._store.wait(keys, self._timeout)
+        out = []
+        for key in keys:
+            row = json.loads(self._store.get(key))
+            if not isinstance(row, list) or not all(isinstance(v, int) for v in row):
+                raise CheckpointError(f"store key {key}: expected a list of steps, got {row!r}")
+            out.append(row)
+        return out
+
+
+def _job_store(timeout_s: float) -> Any:
+    addr = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    from torch._C._distributed_c10d import TCPStore
+
+    return TCPStore(
+        addr,
+        int(port),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _exchange_for(rank: int, world_size: int, group: Any, store: Any, timeout_s: float) -> Exchange:
+    if world_size == 1:
+        return _Alone()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _GroupExchange(group)
+    if store is None:
+        store = _job_store(timeout_s)
+    if store is None:
+        raise CheckpointError(
+            f"restore with world size {world_size} needs an initialised process group or "
+            "the job's store (MASTER_ADDR and MASTER_PORT are unset)"
+        )
+    return _StoreExchange(store, rank, world_size, timeout_s)
+
+
+def _to_location(obj: Any, where: Any) -> Any:
+    if where is None or str(where) == "cpu":
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(where)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_location(v, where)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_location(v, where) for v in obj)
+    return obj
+
+
+def _default_threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    group: Any = None,
+    store: Any = None,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    timeout_s: float = 300.0,
+    threads: int | None = None,
+) -> Loaded | None:
+    """Load the newest step every rank can verify, from RAM where it is there, else disk.
+
+    Every rank must call it (it is collective). Returns None on every rank when the
+    ranks share no loadable step. ``map_location`` may be ``"cpu"``, a device or its
+    name for snapshots from RAM (which are rebuilt on the CPU first); on disk it is
+    ``torch.load``'s. ``store``: a ``torch.distributed.Store`` to exchange through when
+    no process group is initialised (default: a client of ``MASTER_ADDR:MASTER_PORT``).
+    """
+    root = Path(directory)
+    rank = resolve_rank(rank)
+    world_size = resolve_world_size(world_size)
+    threads = threads or _default_threads()
+    folder, _ = ram_folder()
+    in_ram: list[RamSnapshot] = find_snapshots(folder, rank, world_size) if folder else []
+    loaded_ram: dict[int, Loaded] = {}
+    # The newest snapshot in RAM is the likely answer: load (and verify) it now, once.
+    while in_ram:
+        snap = in_ram[0]
+        try:
+            state = load_snapshot(snap, weights_only=weights_only, threads=threads)
+        except CheckpointError as exc:
+            logger.warning("skipping step %d in RAM (%s): %s", snap.step, snap.path, exc)
+            in_ram.pop(0)
+            continue
+        loaded_ram[snap.step] = Loaded(snap.step, state, snap.path, source="ram")
+        break
+    try:
+        on_disk = complete_steps(root, world_size)
+    except OSError as exc:
+        logger.warning("cannot list checkpoints in %s: %s", root, exc)
+        on_disk = []
+    candidates = {s.step for s in in_ram} | set(on_disk)
+    exchange = _exchange_for(rank, world_size, group, store, timeout_s)
+    dropped: set[int] = set()
+    for _ in range(2 * MAX_CANDIDATES + 2):
+        mine = sorted(candidates - dropped, reverse=True)[:MAX_CANDIDATES]
+        agreed = choose_step(exchange.all_gather(mine))
+        if agreed is None:
+            logger.info("rank %d: no checkpoint step is loadable on every rank", rank)
+            return None
+        found = _load_agreed(
+            root, agreed, rank, in_ram, loaded_ram, weights_only, map_location, threads
+        )
+        verdicts = exchange.all_gather([0 if found is None else 1])
+        if all(v == [1] for v in verdicts):
+            assert found is not None
+            logger.info(
+                "rank %d resumes from step %d (%s, %s)", rank, agreed, found.source, found.path
+            )
+            if found.source == "ram":
+                return Loaded(
+                    found.step, _to_location(found.state_dict, map_location), found.path, "ram"
+                )
+            return found
+        # Some rank cannot load it, so it can never be agreed: every rank drops it.
+        logger.info("step %d is not loadable on every rank; agreeing again", agreed)
+        dropped.add(agreed)
+    raise CheckpointError(f"rank {rank}: the ranks did not agree on a resume step")
+
+
+def _load_agreed(
+    root: Path,
+    step: int,
+    rank: int,
+    in_ram: list[RamSnapshot],
+    loaded_ram: dict[int, Loaded],
+    weights_only: bool,
+    map_location: Any,
+    threads: int,
+) -> Loaded | None:
+    if step in loaded_ram:
+        return loaded_ram[step]
+    for snap in in_ram:
+        if snap.step != step:
+            continue
+        try:
+            state = load_snapshot(snap, weights_only=weights_only, threads=threads)
+        except CheckpointError as exc:
+            logger.warning("skipping step %d in RAM (%s): %s", step, snap.path, exc)
+            continue
+        return Loaded(step, state, snap.path, source="ram")
+    try:
+        return load_step(root, step, rank, map_location=map_location, weights_only=weights_only)
+    except Exception as exc:
+        # Any failure (also a class weights_only refuses) must reach the other ranks,
+        # which wait for this rank's verdict, rather than end this one alone.
+        logger.warning("rank %d cannot load step %d from disk: %s", rank, step, exc)
+        return None
