@@ -88,3 +88,19 @@ def test_shutdown_request_stops_the_job_without_restart(tmp_path: Path) -> None:
     (req,) = [e for e in events if e["event"] == "control_request"]
     assert req["action"] == "shutdown_workload" and req["rank"] == 1
     assert "job_stopped" in names and "restart" not in names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_rank_waited_on_is_the_root_cause(tmp_path: Path) -> None:
+    # Without sections, both ranks' heartbeats go stale a step apart; the summary and the
+    # restart event must name the sleeping rank 1, not rank 0 blocked in a collective.
+    proc, events = run_job(
+        tmp_path, "peer_sleeps", "--hb-timeout", "1", "--monitor-interval", "0.1"
+    )
+    hang = check(proc, events, "heartbeat")
+    assert hang["waiting_on"] is None and hang["iteration"] == 4
+    for other in (e for e in events if e["event"] == "hang_detected" and e["global_rank"] == 0):
+        assert other["waiting_on"] == 1 and other["iteration"] == 5
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["root_cause"]["rank"] == 1, restart

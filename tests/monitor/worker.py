@@ -18,7 +18,7 @@ from stalwart.monitor import RankMonitorClient, stacks, timer
 def main() -> None:
     mode = sys.argv[1]
     stacks.install()
-    if mode in ("gloo_block", "learn"):
+    if mode in ("gloo_block", "learn", "peer_sleeps"):
         # torch and the process group come up before monitoring starts, as in a real
         # script: slow imports on a loaded machine must not count as a hang.
         gloo(mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
@@ -130,6 +130,19 @@ def gloo(mode: str, rank: int, port: int, rest: list[str]) -> None:
         while True:
             client.send_heartbeat()
             time.sleep(0.05)
+    if mode == "peer_sleeps":
+        # Rank 1 falls asleep at step `at` between its collective and its heartbeat, as a
+        # Lightning callback would; rank 0 reports that step and blocks in the next one.
+        at = int(rest[0])
+        print("READY", flush=True)
+        for step in range(10_000):
+            dist.all_reduce(torch.ones(1))
+            if rank == 1 and step == at:
+                time.sleep(600)
+            client.send_heartbeat()
+            client.report_iteration(step)
+            time.sleep(0.02)
+        return
     # learn: rank 1 is the slower one, so the agreed timeouts must come from it.
     gap = 0.02 * (rank + 1)
     for _ in range(4):

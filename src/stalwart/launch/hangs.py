@@ -94,10 +94,15 @@ class HangWatch:
                 bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
             if hang.iteration is not None:
                 bits.append(f"iteration {hang.iteration}")
+            if hang.waiting_on is not None:
+                bits.append(f"most likely waiting on rank {hang.waiting_on}")
+            if hang.dossier:
+                bits.append(f"dossier {hang.dossier}")
             f.reason = ", ".join(bits)
             f.timestamp = min(f.timestamp, hang.detected_at)
             if hang.stacks and not f.traceback:
                 f.traceback = hang.stacks
+        _blame_first(failures, self._hangs)
 
     def _killed_by_monitor(self, failures: list[ProcessFailure]) -> bool:
         sig = int(self.config.term_signal)
@@ -127,3 +132,16 @@ class HangWatch:
     def stop(self) -> None:
         self.monitor.stop()
         shutil.rmtree(self.ipc, ignore_errors=True)
+
+
+def _blame_first(failures: list[ProcessFailure], hangs: dict[int, HangReport]) -> None:
+    """Makes the rank a hung peer waited on the earliest failure, so that ``root_cause``
+    (the earliest) names it, however the exits happened to be ordered."""
+    by_rank = {f.rank: f for f in failures}
+    for f in failures:
+        hang = hangs.get(f.pid)
+        if hang is None or hang.waiting_on is None:
+            continue
+        root = by_rank.get(hang.waiting_on)
+        if root is not None and root is not f and root.timestamp >= f.timestamp:
+            root.timestamp = f.timestamp - 1e-6

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.layout import SlotSnapshot, SlotState
@@ -36,6 +37,39 @@ class Verdict:
     timeout: float
     last_heartbeat_age: float | None
     iteration: int | None
+    #: Monotonic time the rank last made progress: its last heartbeat, else its attach
+    #: time. Comparable between ranks of one node (one CLOCK_MONOTONIC), not across nodes.
+    stalled_since: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stalled:
+    """A rank found hung, as `blame` compares it with the node's other hung ranks."""
+
+    local_rank: int
+    global_rank: int
+    iteration: int | None
+    stalled_since: float | None
+
+
+def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
+    """Orders hung ranks root cause first: the rank whose progress stopped first.
+
+    When one rank stops, its peers block in the next collective and go stale a moment
+    later; which slot a scan reads first says nothing. The rank behind is the cause:
+    the lowest iteration when every rank reports iterations (all ranks report at the
+    same point of a step, so a rank one step behind is the one the others wait for),
+    then the oldest last progress (heartbeat, else attach), then the lowest global rank.
+    A rank with no known progress time sorts after those with one.
+    """
+    by_iteration = all(s.iteration is not None for s in stalled)
+
+    def key(s: Stalled) -> tuple[int, int, float, int]:
+        it = s.iteration if by_iteration and s.iteration is not None else 0
+        since = s.stalled_since
+        return (it, since is None, since if since is not None else 0.0, s.global_rank)
+
+    return sorted(stalled, key=key)
 
 
 def override_ok(value: float) -> bool:
@@ -104,8 +138,10 @@ def judge(
     iteration = snap.iteration if snap.iteration >= 0 else None
     last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
 
+    stalled_since = last_hb if last_hb is not None else attach
+
     def verdict(kind: HangKind, timeout: float, section: str | None) -> Verdict:
-        return Verdict(kind, section, timeout, hb_age, iteration)
+        return Verdict(kind, section, timeout, hb_age, iteration, stalled_since)
 
     if snap.last_hb == 0.0:
         limit = effective(snap.hb_initial_override, config.effective_initial_timeout)

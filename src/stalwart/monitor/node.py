@@ -26,7 +26,7 @@ from typing import Any
 
 from stalwart.monitor import envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Verdict, judge, problems
+from stalwart.monitor.judge import Stalled, Verdict, blame, judge, problems
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
@@ -78,6 +78,7 @@ class _Hang:
     dump_sent_at: float = 0.0
     last_size: int = -1
     terminated: bool = False
+    waiting_on: int | None = None
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -115,6 +116,8 @@ class NodeMonitor:
         self._ranks: dict[int, _Rank] = {}
         self._global_ranks: dict[int, int] = {}
         self._attempt: int | None = None
+        # Ranks found hung this attempt, so that one found later is compared with them.
+        self._stalled: list[Stalled] = []
         self._hangs: list[HangReport] = []
         self._requests: list[ControlRequest] = []
         self._pending_controls: list[tuple[ControlMessage, float]] = []
@@ -207,6 +210,7 @@ class NodeMonitor:
         with self._lock:
             self._refused_pids.clear()
             self._not_ours.clear()
+            self._stalled = []
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -235,6 +239,7 @@ class NodeMonitor:
                 self._timers.forget_pid(rank.pid)
             self._ranks = {}
             self._attempt = None
+            self._stalled = []
             self._rebuild_segment()
             pending = [item for item in self._schedule if item[2] != "kill"]
             self._schedule = [item for item in self._schedule if item[2] == "kill"]
@@ -341,6 +346,7 @@ class NodeMonitor:
             return
         with self._lock:
             ranks = [r for r in self._ranks.values() if r.judged]
+        found: dict[int, tuple[_Rank, int, Verdict]] = {}
         for rank in ranks:
             verdict, writer = self._judge_rank(mm, rank)
             if verdict is None:
@@ -351,7 +357,26 @@ class NodeMonitor:
                 continue
             if not procs.is_alive(writer):
                 continue  # it exited; the supervisor sees the exit, not a hang
-            self._begin_hang(rank, writer, verdict, int(self.config.term_signal))
+            found[rank.local_rank] = (rank, writer, verdict)
+        if not found:
+            return
+        # Handled root cause first, and every other one named as waiting on it; ranks
+        # found in earlier scans of this attempt take part (their hang is under way).
+        fresh = [
+            Stalled(r.local_rank, r.global_rank, v.iteration, v.stalled_since)
+            for r, _, v in found.values()
+        ]
+        with self._lock:
+            order = blame(self._stalled + fresh)
+        root = order[0]
+        for s in order:
+            if not any(s is f for f in fresh):
+                continue
+            rank, writer, verdict = found[s.local_rank]
+            waiting = None if s is root else root.global_rank
+            self._begin_hang(
+                rank, writer, verdict, int(self.config.term_signal), waiting_on=waiting, stalled=s
+            )
 
     def _judge_rank(self, mm: Any, rank: _Rank) -> tuple[Verdict | None, int]:
         snap = layout.read_slot(mm, rank.local_rank)
@@ -386,20 +411,32 @@ class NodeMonitor:
         )
         self._emit("monitor_bad_slot", {"local_rank": rank.local_rank, "pid": pid, "fields": new})
 
-    def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
+    def _begin_hang(
+        self,
+        rank: _Rank,
+        target: int,
+        verdict: Verdict,
+        term_signal: int,
+        waiting_on: int | None = None,
+        stalled: Stalled | None = None,
+    ) -> None:
         with self._lock:
             if not rank.judged:
                 return
             rank.judged = False
+            if stalled is not None:
+                self._stalled.append(stalled)
         hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
         hang.attempt = self._attempt
+        hang.waiting_on = waiting_on
         log.warning(
-            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)",
+            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s",
             rank.local_rank,
             target,
             verdict.kind.value,
             verdict.timeout,
             verdict.section,
+            "" if waiting_on is None else f"; most likely waiting on rank {waiting_on}",
         )
         step, wait = "terminate", 0.0
         if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
@@ -512,6 +549,7 @@ class NodeMonitor:
             iteration=v.iteration,
             stacks=stacks,
             detected_at=hang.detected_at,
+            waiting_on=hang.waiting_on,
         )
 
     # -- timer server thread ---------------------------------------------------------
