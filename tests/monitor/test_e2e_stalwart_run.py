@@ -104,3 +104,17 @@ def test_rank_waited_on_is_the_root_cause(tmp_path: Path) -> None:
         assert other["waiting_on"] == 1 and other["iteration"] == 5
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["root_cause"]["rank"] == 1, restart
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_auto_timeout_learned_and_kept_in_the_run_folder(tmp_path: Path) -> None:
+    # No number given: the hang of rank 1 at step 5 is caught by a learned timeout far
+    # below the 60 s that applies before warm-up, and the value is kept in the run folder.
+    proc, events = run_job(tmp_path, "sleep", "--hb-timeout", "auto", "--auto-warmup-steps", "3")
+    hang = check(proc, events, "heartbeat")
+    before = events[: events.index(hang)]
+    learned = [e for e in before if e["event"] == "timeouts_learned"]
+    assert learned and hang["timeout"] == learned[-1]["heartbeat"]["subsequent"] < 10
+    kept = json.loads((tmp_path / "logs" / "e2e-sleep" / "learned_timeouts.json").read_text())
+    assert kept["heartbeat"]["subsequent"] >= hang["timeout"]

@@ -29,6 +29,21 @@ def main() -> None:
     def ready() -> None:
         print("READY", flush=True)
 
+    if mode == "rhythm":
+        # steps, step seconds, every how many steps one is `slow`x slower, hang at (-1: never)
+        steps, step_s = int(sys.argv[2]), float(sys.argv[3])
+        slow_every, slow, hang_at = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+        ready()
+        for i in range(steps):
+            if i == hang_at:
+                time.sleep(600)
+            slow_step = slow_every > 0 and i % slow_every == slow_every - 1
+            time.sleep(step_s * (slow if slow_step else 1.0))
+            client.send_heartbeat()
+            client.report_iteration(i)
+        client.shutdown_workload_monitoring()
+        print("DONE", flush=True)
+        return
     if mode == "healthy":
         steps, step_s = int(sys.argv[2]), float(sys.argv[3])
         ready()

@@ -151,7 +151,14 @@ class Supervisor:
         rdzv_failed = False
         try:
             self.prestart()
-            self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
+            self._hangs = HangWatch(
+                cfg.run_id,
+                cfg.monitor,
+                cfg.nproc_per_node,
+                self.events.emit,
+                # Timeouts learned with `auto` outlive the launcher in the run folder.
+                learned_path=self.run_dir / "learned_timeouts.json" if self.run_dir else None,
+            )
             if self._guardian is not None:
                 self._guardian.remove_on_death(self._hangs.ipc)
             if self._rdzv is None:

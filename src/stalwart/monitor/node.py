@@ -24,9 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.monitor import envvars, layout, procs
+from stalwart.monitor import auto, envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Stalled, Verdict, blame, judge, problems
+from stalwart.monitor.judge import Stalled, Verdict, blame, judge, override_ok, problems
+from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
@@ -46,6 +47,8 @@ MAX_REFUSED_LOGGED = 4096
 MAX_PENDING_CONTROLS = 64
 #: Seconds a control request from a live, not yet registered pid waits for its attempt.
 CONTROL_GRACE = 5.0
+#: Largest learned-timeouts file read back from the run folder.
+MAX_LEARNED_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass
@@ -98,7 +101,10 @@ class NodeMonitor:
         config: MonitorConfig,
         local_world_size: int,
         log_event: LogEvent,
+        learned_path: Path | None = None,
     ) -> None:
+        """learned_path: where timeouts learned with ``auto`` are kept (and read back from
+        at start), e.g. in the job's run folder, so that they survive a restart."""
         if local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
         self.run_dir = Path(run_dir)
@@ -130,6 +136,19 @@ class NodeMonitor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._scanner: threading.Thread | None = None
+        self._learned_path = learned_path
+        self._learned = LearnedTimeouts()
+        self._rhythms: dict[int, auto.Rhythm] = {}
+        self._auto = auto.AutoSettings(
+            hb=config.hb_auto,
+            sections=config.section_auto,
+            oos=config.oos_auto,
+            warmup_steps=config.auto_warmup_steps,
+            warmup_seconds=config.auto_warmup_seconds,
+            percentile=config.auto_percentile,
+            factor=config.safety_factor,
+            floor=config.auto_floor,
+        )
         self._timers = TimerServer(
             self.pipe_path,
             on_expired=self._on_timer_expired,
@@ -145,6 +164,8 @@ class NodeMonitor:
             self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
         self._mm = layout.create_segment(self.shm_path, self.local_world_size)
         self._floor = time.monotonic()
+        if self.config.any_auto:
+            self._read_learned()
         self._timers.start()
         self._stop.clear()
         self._scanner = threading.Thread(
@@ -211,6 +232,7 @@ class NodeMonitor:
             self._refused_pids.clear()
             self._not_ours.clear()
             self._stalled = []
+            self._rhythms = {}
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -358,6 +380,8 @@ class NodeMonitor:
             if not procs.is_alive(writer):
                 continue  # it exited; the supervisor sees the exit, not a hang
             found[rank.local_rank] = (rank, writer, verdict)
+        if self.config.any_auto:
+            self._update_learned()
         if not found:
             return
         # Handled root cause first, and every other one named as waiting on it; ranks
@@ -396,7 +420,104 @@ class NodeMonitor:
         bad = problems(snap, self._floor, now)
         if bad:
             self._note_bad_fields(rank, snap.pid, bad)
-        return judge(snap, rank.names, self.config, now, self._floor), snap.pid
+        config = self.config
+        if config.any_auto and not bad:
+            rhythm = self._rhythms.setdefault(rank.local_rank, auto.Rhythm())
+            warm = rhythm.warm(self._auto.warmup_steps, self._auto.warmup_seconds, now)
+            if rhythm.observe(snap, rank.names, now, relearn=warm):
+                log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
+            config = self._config_for(rhythm, now)
+        return judge(snap, rank.names, config, now, self._floor), snap.pid
+
+    # -- learned (auto) timeouts -------------------------------------------------------
+    def _config_for(self, rhythm: auto.Rhythm, now: float) -> MonitorConfig:
+        """The config a rank is judged by: learned values once it warmed up, the initial
+        timeout before; numbers the user gave stay as they are."""
+        c, a = self.config, self._auto
+        warm = rhythm.warm(a.warmup_steps, a.warmup_seconds, now)
+        pre = c.auto_initial_timeout
+        learned = self._learned
+        hb = c.hb_timeout
+        if a.hb:
+            hb = learned.hb if warm and learned.hb is not None else pre
+        oos = c.out_of_section_timeout
+        if a.oos:
+            oos = learned.oos if warm and learned.oos is not None else pre
+        sections = dict(c.section_timeouts)
+        if a.sections:
+            for name in rhythm.names:
+                if name not in sections:
+                    value = learned.sections.get(name)
+                    sections[name] = value if warm and value is not None else pre
+        initial = c.effective_initial_timeout
+        if hb is not None and initial is not None and initial < hb:
+            initial = hb
+        return dataclasses.replace(
+            c,
+            hb_timeout=hb,
+            hb_initial_timeout=initial,
+            out_of_section_timeout=oos,
+            section_timeouts=sections,
+        )
+
+    def _update_learned(self) -> None:
+        """Folds what warmed-up ranks showed into the node's learned timeouts (they only
+        grow: a slow step seen once stays allowed); persists and logs a change."""
+        a = self._auto
+        now = time.monotonic()
+        with self._lock:
+            warm = [
+                r for r in self._rhythms.values() if r.warm(a.warmup_steps, a.warmup_seconds, now)
+            ]
+        if not warm:
+            return
+        merged = auto.merge(self._learned, auto.from_rhythms(warm, a))
+        if merged == self._learned:
+            return
+        self._learned = merged
+        self._write_learned()
+        self._emit("timeouts_learned", {"source": "observed", **merged.to_state()})
+
+    def _read_learned(self) -> None:
+        path = self._learned_path
+        if path is None:
+            return
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_LEARNED_BYTES + 1)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("could not read learned timeouts %s: %s", path, exc)
+            return
+        try:
+            if len(raw) > MAX_LEARNED_BYTES:
+                raise ValueError(f"larger than {MAX_LEARNED_BYTES} bytes")
+            state = json.loads(raw)
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+            learned = LearnedTimeouts.from_state(state)
+            values = [learned.hb, learned.oos, *learned.sections.values()]
+            if any(v is not None and not override_ok(v) for v in values):
+                raise ValueError("a timeout out of range")
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring learned timeouts in %s: %s", path, exc)
+            return
+        self._learned = auto.merge(LearnedTimeouts(), learned)
+        self._emit("timeouts_learned", {"source": str(path), **self._learned.to_state()})
+
+    def _write_learned(self) -> None:
+        path = self._learned_path
+        if path is None:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self._learned.to_state(), sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not keep learned timeouts in %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _note_bad_fields(self, rank: _Rank, pid: int, fields: list[str]) -> None:
         new = [f for f in fields if (rank.local_rank, f) not in self._bad_fields]
