@@ -160,9 +160,9 @@ def test_healthy_rhythm_with_slow_steps_is_never_killed(harness: Harness) -> Non
 
 @pytest.mark.timeout(90)
 def test_hang_after_warm_up_caught_within_learned_timeout(harness: Harness, tmp_path: Path) -> None:
-    path = tmp_path / "learned.json"
+    path = tmp_path / "learned_timeouts.json"
     mon = NodeMonitor(tmp_path / "run", auto_config(), 1, lambda e, f: harness.events.append((e, f)),
-                      learned_path=path)  # fmt: skip
+                      state_dir=tmp_path)  # fmt: skip
     harness.monitor = mon
     mon.start()
     proc = harness.spawn(0, "rhythm", "10000", "0.02", "0", "1", "60")
@@ -182,10 +182,10 @@ def test_hang_after_warm_up_caught_within_learned_timeout(harness: Harness, tmp_
 
 @pytest.mark.timeout(60)
 def test_learned_timeouts_read_back_from_the_run_folder(harness: Harness, tmp_path: Path) -> None:
-    path = tmp_path / "learned.json"
+    path = tmp_path / "learned_timeouts.json"
     path.write_text(json.dumps(LearnedTimeouts(hb=0.75, sections={"ckpt": 9.0}).to_state()))
     mon = NodeMonitor(tmp_path / "run", auto_config(auto_warmup_steps=3), 1,
-                      lambda e, f: harness.events.append((e, f)), learned_path=path)  # fmt: skip
+                      lambda e, f: harness.events.append((e, f)), state_dir=tmp_path)  # fmt: skip
     harness.monitor = mon
     mon.start()
     (back,) = learned_events(harness)
@@ -206,10 +206,10 @@ def test_learned_timeouts_read_back_from_the_run_folder(harness: Harness, tmp_pa
     "content", ["not json", "[1]", '{"version": 1, "heartbeat": {"subsequent": -1}}', "{}"]
 )
 def test_bad_learned_file_is_ignored(harness: Harness, tmp_path: Path, content: str) -> None:
-    path = tmp_path / "learned.json"
+    path = tmp_path / "learned_timeouts.json"
     path.write_text(content)
     mon = NodeMonitor(tmp_path / "run", auto_config(), 1,
-                      lambda e, f: harness.events.append((e, f)), learned_path=path)  # fmt: skip
+                      lambda e, f: harness.events.append((e, f)), state_dir=tmp_path)  # fmt: skip
     harness.monitor = mon
     mon.start()
     assert learned_events(harness) == []

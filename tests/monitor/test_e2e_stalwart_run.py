@@ -104,6 +104,11 @@ def test_rank_waited_on_is_the_root_cause(tmp_path: Path) -> None:
         assert other["waiting_on"] == 1 and other["iteration"] == 5
     (restart,) = [e for e in events if e["event"] == "restart"]
     assert restart["root_cause"]["rank"] == 1, restart
+    # the summary's reason points at the dossier, which holds both ranks
+    dossier = tmp_path / "logs" / "e2e-peer_sleeps" / "hang-dossier-attempt0.txt"
+    assert str(dossier) in restart["root_cause"]["reason"]
+    text = dossier.read_text()
+    assert "== rank 0 " in text and "== rank 1 " in text
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ class HangWatch:
         config: MonitorConfig,
         nproc: int,
         emit: Callable[..., Any],
-        learned_path: Path | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.config = config
         self._emit = emit
@@ -48,7 +48,7 @@ class HangWatch:
         def log_event(event: str, fields: dict[str, Any]) -> None:
             emit(event, **fields)
 
-        self.monitor = NodeMonitor(ipc, config, nproc, log_event, learned_path=learned_path)
+        self.monitor = NodeMonitor(ipc, config, nproc, log_event, state_dir=state_dir)
         self.monitor.start()
         self._hangs: dict[int, HangReport] = {}  # pid -> report, this attempt
 

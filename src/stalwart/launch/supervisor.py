@@ -156,8 +156,8 @@ class Supervisor:
                 cfg.monitor,
                 cfg.nproc_per_node,
                 self.events.emit,
-                # Timeouts learned with `auto` outlive the launcher in the run folder.
-                learned_path=self.run_dir / "learned_timeouts.json" if self.run_dir else None,
+                # Learned timeouts and hang dossiers live in the run folder.
+                state_dir=self.run_dir,
             )
             if self._guardian is not None:
                 self._guardian.remove_on_death(self._hangs.ipc)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.monitor import auto, envvars, layout, procs
+from stalwart.monitor import auto, dossier, envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.judge import Stalled, Verdict, blame, judge, override_ok, problems
 from stalwart.monitor.learned import LearnedTimeouts
@@ -49,6 +49,7 @@ MAX_PENDING_CONTROLS = 64
 CONTROL_GRACE = 5.0
 #: Largest learned-timeouts file read back from the run folder.
 MAX_LEARNED_BYTES = 64 * 1024
+LEARNED_NAME = "learned_timeouts.json"
 
 
 @dataclasses.dataclass
@@ -82,6 +83,8 @@ class _Hang:
     last_size: int = -1
     terminated: bool = False
     waiting_on: int | None = None
+    dossier: Path | None = None
+    deferred_since: float | None = None  # monotonic: waiting for the rank it waited on
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -101,10 +104,11 @@ class NodeMonitor:
         config: MonitorConfig,
         local_world_size: int,
         log_event: LogEvent,
-        learned_path: Path | None = None,
+        state_dir: Path | None = None,
     ) -> None:
-        """learned_path: where timeouts learned with ``auto`` are kept (and read back from
-        at start), e.g. in the job's run folder, so that they survive a restart."""
+        """state_dir: the job's run folder, where timeouts learned with ``auto`` are kept
+        (and read back from at start, so they survive a restart) and hang dossiers are
+        written; None keeps neither."""
         if local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
         self.run_dir = Path(run_dir)
@@ -124,6 +128,7 @@ class NodeMonitor:
         self._attempt: int | None = None
         # Ranks found hung this attempt, so that one found later is compared with them.
         self._stalled: list[Stalled] = []
+        self._roots: dict[int, _Hang] = {}  # global rank -> its hang, this attempt
         self._hangs: list[HangReport] = []
         self._requests: list[ControlRequest] = []
         self._pending_controls: list[tuple[ControlMessage, float]] = []
@@ -136,7 +141,10 @@ class NodeMonitor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._scanner: threading.Thread | None = None
-        self._learned_path = learned_path
+        self._state_dir = state_dir
+        self._learned_path = state_dir / LEARNED_NAME if state_dir is not None else None
+        # The hang dossier of the current attempt: every rank's state and stack offsets.
+        self._dossier: dict[int, dossier.RankEntry] | None = None
         self._learned = LearnedTimeouts()
         self._rhythms: dict[int, auto.Rhythm] = {}
         self._auto = auto.AutoSettings(
@@ -232,7 +240,9 @@ class NodeMonitor:
             self._refused_pids.clear()
             self._not_ours.clear()
             self._stalled = []
+            self._roots = {}
             self._rhythms = {}
+            self._dossier = None
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -262,7 +272,9 @@ class NodeMonitor:
             self._ranks = {}
             self._attempt = None
             self._stalled = []
+            self._roots = {}  # pending hangs below are terminated now, in no order
             self._rebuild_segment()
+            # The pending hangs below still write the dossier of the attempt they belong to.
             pending = [item for item in self._schedule if item[2] != "kill"]
             self._schedule = [item for item in self._schedule if item[2] == "kill"]
             heapq.heapify(self._schedule)
@@ -550,6 +562,8 @@ class NodeMonitor:
         hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
         hang.attempt = self._attempt
         hang.waiting_on = waiting_on
+        with self._lock:
+            self._roots.setdefault(rank.global_rank, hang)
         log.warning(
             "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s",
             rank.local_rank,
@@ -560,6 +574,7 @@ class NodeMonitor:
             "" if waiting_on is None else f"; most likely waiting on rank {waiting_on}",
         )
         step, wait = "terminate", 0.0
+        self._open_dossier(rank, target, verdict, waiting_on)
         if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
             if rank.stderr is not None:
                 try:
@@ -570,6 +585,7 @@ class NodeMonitor:
                 # A stopped process only runs its handler once continued.
                 procs.continue_if_stopped(target)
                 hang.dump_sent_at = time.monotonic()
+                self._mark_dossier_signalled(rank.local_rank)
                 if hang.stderr_offset is None:
                     wait = self.config.stack_dump_wait
                 else:
@@ -624,7 +640,18 @@ class NodeMonitor:
         with self._lock:
             if hang.terminated:
                 return
+            root = self._roots.get(hang.waiting_on) if hang.waiting_on is not None else None
+        if escalate and root is not None and root is not hang and self._defer_for(hang, root):
+            # The rank waited on exits first, so that the supervisor's first failure (its
+            # root cause) is that rank; bounded by the root's own stack wait and kill.
+            self._plan(time.monotonic() + STACKS_POLL, "terminate", hang)
+            return
+        with self._lock:
+            if hang.terminated:
+                return
             hang.terminated = True
+        # Before any signal that kills: the dossier, then the report that points at it.
+        hang.dossier = self._write_dossier(hang)
         # Queued before the signal: when the supervisor sees the worker exit, the reason
         # is already waiting in poll_hangs().
         report = self._report(hang)
@@ -641,6 +668,14 @@ class NodeMonitor:
             self._plan(time.monotonic() + self.config.term_grace, "kill", hang)
         else:
             self._kill(hang)
+
+    def _defer_for(self, hang: _Hang, root: _Hang) -> bool:
+        now = time.monotonic()
+        if hang.deferred_since is None:
+            hang.deferred_since = now
+        if now - hang.deferred_since > self.config.term_grace + 1.0:
+            return False
+        return not root.terminated or bool(self._targets(root))
 
     def _kill(self, hang: _Hang) -> None:
         for pid in self._targets(hang):
@@ -671,7 +706,90 @@ class NodeMonitor:
             stacks=stacks,
             detected_at=hang.detected_at,
             waiting_on=hang.waiting_on,
+            dossier=str(hang.dossier) if hang.dossier is not None else None,
         )
+
+    # -- hang dossier ----------------------------------------------------------------
+    def _open_dossier(
+        self, hung: _Rank, target: int, verdict: Verdict, waiting_on: int | None
+    ) -> None:
+        """At the attempt's first hang: notes every rank's state and stderr size, then
+        asks the others for their stacks and every rank's flight recorder for a dump.
+        Later hangs only add their verdict."""
+        if self._state_dir is None:
+            return
+        text = f"{verdict.kind.value} timeout {verdict.timeout:g}s" + (
+            f", most likely waiting on rank {waiting_on}" if waiting_on is not None else ""
+        )
+        with self._lock:
+            entries = self._dossier
+            first = entries is None
+            if entries is None:
+                entries = self._dossier = {}
+            ranks = list(self._ranks.values()) if first else []
+        mm = self._mm
+        now = time.monotonic()
+        for rank in ranks:
+            state = "unknown (no segment)"
+            pid = rank.pid
+            if mm is not None:
+                snap = layout.read_slot(mm, rank.local_rank)
+                names = layout.read_names(mm, rank.local_rank, snap.name_count)
+                state = dossier.describe(snap, names, now, self._floor)
+                if snap.pid > 0 and (snap.pid == rank.pid or snap.pid in rank.verified_pids):
+                    pid = snap.pid
+            offset = None
+            if rank.stderr is not None:
+                with contextlib.suppress(OSError):
+                    offset = rank.stderr.stat().st_size
+            entries[rank.local_rank] = dossier.RankEntry(
+                rank.local_rank, rank.global_rank, pid, state, None, rank.stderr, offset
+            )
+        entry = entries.get(hung.local_rank)
+        if entry is not None:
+            entry.verdict = text
+            entry.pid = target
+        if not first:
+            return
+        for rank in ranks:
+            e = entries[rank.local_rank]
+            pipe = dossier.flight_recorder_pipe(os.environ, rank.global_rank)
+            if pipe is not None and dossier.request_flight_recorder_dump(pipe):
+                e.flight_recorder = pipe
+            if rank.local_rank == hung.local_rank:
+                continue  # _begin_hang asks the hung rank itself
+            if (
+                self.config.stack_dump_wait > 0
+                and procs.is_alive(e.pid)
+                and procs.catches_signal(e.pid, signal.SIGUSR1)
+                and procs.signal_pid(e.pid, signal.SIGUSR1)
+            ):
+                procs.continue_if_stopped(e.pid)
+                e.stacks_signalled = True
+
+    def _mark_dossier_signalled(self, local_rank: int) -> None:
+        with self._lock:
+            entry = (self._dossier or {}).get(local_rank)
+            if entry is not None:
+                entry.stacks_signalled = True
+
+    def _write_dossier(self, hang: _Hang) -> Path | None:
+        """(Re)writes the attempt's dossier; its path, or None when there is none."""
+        with self._lock:
+            entries = list((self._dossier or {}).values())
+        if self._state_dir is None or not entries:
+            return None
+        path = self._state_dir / dossier.dossier_name(hang.attempt)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(dossier.render(hang.attempt, entries, STACKS_MAX_BYTES))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not write the hang dossier %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return None
+        return path
 
     # -- timer server thread ---------------------------------------------------------
     def _on_timer_expired(self, timer: ExpiredTimer) -> None:
