@@ -107,6 +107,8 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(hang, "--auto-warmup-seconds", default=None, help="seconds seen before auto applies")
     _flag(hang, "--auto-percentile", default=None, help="observed interval auto uses (100=max)")
     _flag(hang, "--auto-floor", default=None, help="shortest timeout auto may learn (seconds)")
+    _flag(hang, "--straggler-factor", default=None, help="slower than the others by this: named")
+    _flag(hang, "--straggler-window", default=None, help="seconds each straggler verdict spans")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("entrypoint", help="script, module (-m) or program (--no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -159,6 +161,8 @@ _MONITOR_FLAGS = {
     "auto_warmup_seconds": "auto_warmup_seconds",
     "auto_percentile": "auto_percentile",
     "auto_floor": "auto_floor",
+    "straggler_factor": "straggler_factor",
+    "straggler_window": "straggler_window",
 }
 
 

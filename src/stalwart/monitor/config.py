@@ -88,6 +88,9 @@ class MonitorConfig:
         monitor saw this many of its heartbeats and this much time in the attempt.
     auto_percentile: which observed interval counts (100 = the longest).
     auto_floor: learned timeouts are never shorter than this.
+    straggler_factor: a rank whose seconds per step are this many times the median of
+        the node's other ranks over a window is reported as a straggler (information).
+    straggler_window: seconds of progress each straggler verdict looks at.
     """
 
     hb_timeout: float | None = None
@@ -106,6 +109,8 @@ class MonitorConfig:
     auto_warmup_seconds: float = 0.0
     auto_percentile: float = 100.0
     auto_floor: float = 0.5
+    straggler_factor: float = 2.0
+    straggler_window: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.auto_warmup_steps, bool) or not isinstance(self.auto_warmup_steps, int):
@@ -124,6 +129,10 @@ class MonitorConfig:
         if self.auto_percentile > 100:
             raise ValueError(f"auto_percentile must be in (0, 100], got {self.auto_percentile!r}")
         _positive("auto_floor", self.auto_floor)
+        _positive("straggler_window", self.straggler_window)
+        _positive("straggler_factor", self.straggler_factor)
+        if self.straggler_factor <= 1:
+            raise ValueError(f"straggler_factor must be > 1, got {self.straggler_factor!r}")
         _positive("hb_timeout", self.hb_timeout)
         _positive("hb_initial_timeout", self.hb_initial_timeout)
         _positive("out_of_section_timeout", self.out_of_section_timeout)

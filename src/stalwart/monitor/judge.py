@@ -171,3 +171,23 @@ def judge(
         if limit is not None and now - oos_start > limit:
             return verdict(HangKind.OUT_OF_SECTION, limit, last_section)
     return None
+
+
+def stragglers(step_times: dict[int, float], factor: float) -> dict[int, float]:
+    """Ranks whose seconds per step are at least `factor` x the median of the others'.
+
+    step_times: rank -> its seconds per step over the same window (ranks that made no
+    progress are left out: that is for the hang checks). Returns rank -> ratio. Needs
+    two ranks at least; compared with the median of the *others*, so one slow rank of
+    two is still named, and a slow rank does not raise the bar it is measured against.
+    """
+    out: dict[int, float] = {}
+    if len(step_times) < 2:
+        return out
+    for rank, mine in step_times.items():
+        others = sorted(v for r, v in step_times.items() if r != rank)
+        mid = len(others) // 2
+        median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+        if median > 0 and mine / median >= factor:
+            out[rank] = mine / median
+    return out

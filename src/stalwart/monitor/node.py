@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,15 @@ from typing import Any
 
 from stalwart.monitor import auto, dossier, envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Stalled, Verdict, blame, judge, override_ok, problems
+from stalwart.monitor.judge import (
+    Stalled,
+    Verdict,
+    blame,
+    judge,
+    override_ok,
+    problems,
+    stragglers,
+)
 from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
@@ -50,6 +59,8 @@ CONTROL_GRACE = 5.0
 #: Largest learned-timeouts file read back from the run folder.
 MAX_LEARNED_BYTES = 64 * 1024
 LEARNED_NAME = "learned_timeouts.json"
+#: A rank is named a straggler on the console at most this often (seconds).
+STRAGGLER_LOG_EVERY = 60.0
 
 
 @dataclasses.dataclass
@@ -66,6 +77,8 @@ class _Rank:
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
+    # (monotonic time, iteration) whenever the iteration moved: the straggler check's input
+    progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -142,6 +155,8 @@ class NodeMonitor:
         self._wake = threading.Event()
         self._scanner: threading.Thread | None = None
         self._state_dir = state_dir
+        self._straggler_due = 0.0
+        self._straggler_logged: dict[int, float] = {}  # global rank -> last console line
         self._learned_path = state_dir / LEARNED_NAME if state_dir is not None else None
         # The hang dossier of the current attempt: every rank's state and stack offsets.
         self._dossier: dict[int, dossier.RankEntry] | None = None
@@ -394,6 +409,7 @@ class NodeMonitor:
             found[rank.local_rank] = (rank, writer, verdict)
         if self.config.any_auto:
             self._update_learned()
+        self._check_stragglers(ranks)
         if not found:
             return
         # Handled root cause first, and every other one named as waiting on it; ranks
@@ -432,6 +448,12 @@ class NodeMonitor:
         bad = problems(snap, self._floor, now)
         if bad:
             self._note_bad_fields(rank, snap.pid, bad)
+        if (
+            not bad
+            and snap.iteration >= 0
+            and (not rank.progress or rank.progress[-1][1] != snap.iteration)
+        ):
+            rank.progress.append((now, snap.iteration))
         config = self.config
         if config.any_auto and not bad:
             rhythm = self._rhythms.setdefault(rank.local_rank, auto.Rhythm())
@@ -440,6 +462,51 @@ class NodeMonitor:
                 log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
             config = self._config_for(rhythm, now)
         return judge(snap, rank.names, config, now, self._floor), snap.pid
+
+    # -- stragglers -------------------------------------------------------------------
+    def _check_stragglers(self, ranks: list[_Rank]) -> None:
+        """Every straggler_window: compares the ranks' seconds per step over the window
+        just ended; names the slow ones (event each window, console rate-limited)."""
+        now = time.monotonic()
+        window = self.config.straggler_window
+        if self._straggler_due == 0.0:
+            self._straggler_due = now + window
+        if now < self._straggler_due:
+            return
+        self._straggler_due = now + window
+        step_times: dict[int, float] = {}
+        by_rank = {}
+        for rank in ranks:
+            recent = [p for p in rank.progress if p[0] >= now - window]
+            rank.progress = recent[-1:]  # the window's last point starts the next one
+            if len(recent) >= 2 and recent[-1][1] > recent[0][1]:
+                step_times[rank.global_rank] = (recent[-1][0] - recent[0][0]) / (
+                    recent[-1][1] - recent[0][1]
+                )
+                by_rank[rank.global_rank] = rank
+        for global_rank, ratio in stragglers(step_times, self.config.straggler_factor).items():
+            rank = by_rank[global_rank]
+            fields = {
+                "global_rank": global_rank,
+                "local_rank": rank.local_rank,
+                "host": socket.gethostname(),
+                "ratio": round(ratio, 3),
+                "step_time": step_times[global_rank],
+                "window": window,
+                "attempt": self._attempt,
+            }
+            self._emit("straggler", fields)
+            last = self._straggler_logged.get(global_rank)
+            if last is None or now - last >= STRAGGLER_LOG_EVERY:
+                self._straggler_logged[global_rank] = now
+                log.warning(
+                    "rank %d on %s is a straggler: %.1fx slower per step than the node's "
+                    "other ranks over the last %.0f s",
+                    global_rank,
+                    fields["host"],
+                    ratio,
+                    window,
+                )
 
     # -- learned (auto) timeouts -------------------------------------------------------
     def _config_for(self, rhythm: auto.Rhythm, now: float) -> MonitorConfig:
