@@ -44,7 +44,7 @@ def snap(
 ) -> SlotSnapshot:
     times = tuple((opened or {}).get(i, 0.0) for i in range(MAX_SECTIONS))
     return SlotSnapshot(
-        pid=1, reserved=0, state=SlotState.ATTACHED, attach_time=1.0, last_hb=last_hb,
+        pid=1, beats=0, state=SlotState.ATTACHED, attach_time=1.0, last_hb=last_hb,
         iteration=it, oos_start=oos, hb_initial_override=0.0, hb_override=0.0,
         oos_override=0.0, last_section=-1, name_count=len(opened or {}), open_times=times,
         limits=ZERO,
@@ -219,3 +219,12 @@ def test_auto_config_dataclass_defaults() -> None:
     cfg = MonitorConfig(hb_auto=True)
     assert cfg.effective_initial_timeout == 60.0 and cfg.auto_initial_timeout == 60.0
     assert dataclasses.replace(cfg, hb_initial_timeout=5.0).auto_initial_timeout == 5.0
+
+
+def test_first_half_of_warm_up_is_not_learned_from() -> None:
+    # A 4 s start-up gap (process start, first checkpoint's set-up) must not set the
+    # timeout for the whole run; the steady gaps after it do.
+    r = Rhythm(settle=2)
+    for t in (1.0, 5.0, 5.1, 5.2, 5.3):
+        r.observe(snap(last_hb=t, it=int(t * 10)), [], t, relearn=False)
+    assert list(r.hb_gaps) == [pytest.approx(0.1)] * 3

@@ -25,7 +25,7 @@ from .test_hangs import fast
 
 ZERO = (0.0,) * MAX_SECTIONS
 BASE = SlotSnapshot(
-    pid=10, reserved=0, state=SlotState.ATTACHED, attach_time=100.0, last_hb=0.0,
+    pid=10, beats=0, state=SlotState.ATTACHED, attach_time=100.0, last_hb=0.0,
     iteration=-1, oos_start=100.0, hb_initial_override=0.0, hb_override=0.0,
     oos_override=0.0, last_section=-1, name_count=0, open_times=ZERO, limits=ZERO,
 )  # fmt: skip

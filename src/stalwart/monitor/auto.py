@@ -10,7 +10,9 @@ gaps and is never shorter than any of them: learned values err on the long side.
 safety factor, never below the floor. `AutoLearner` holds the node's learned values:
 the maximum over its ranks and over earlier attempts (a slow step seen once is not
 forgotten at a restart), and applies them to a rank only once that rank has warmed up
-in the current attempt; before that the initial timeout applies. A section name a rank
+in the current attempt; before that the initial timeout applies. The first half of a
+rank's warm-up is not learned from (start-up, first compilations, a first checkpoint's
+set-up would otherwise set the timeout for the whole run). A section name a rank
 opens for the first time after warm-up (a first checkpoint, an evaluation phase) sends
 that rank back to warm-up, so its slow stretch is learned instead of judged.
 """
@@ -27,6 +29,8 @@ from stalwart.monitor.learned import LearnedTimeouts
 
 #: Samples kept per rank and kind: enough for a high percentile, bounded memory.
 MAX_SAMPLES = 4096
+#: More heartbeats than this between two reads of a slot is taken for a scribble.
+MAX_BEATS_PER_READ = 100_000
 
 
 def learn(samples: Sequence[float], percentile: float, factor: float, floor: float) -> float | None:
@@ -49,10 +53,14 @@ def _bounded() -> deque[float]:
 class Rhythm:
     """What the scans of one rank (one attempt) have seen."""
 
-    beats: int = 0  # steps (iterations, else heartbeat changes) since warm-up (re)started
+    beats: int = 0  # steps (iterations, else heartbeats) since warm-up (re)started
     warm_since: float | None = None  # monotonic time warm-up (re)started
     last_hb: float = 0.0
     last_iteration: int = -1
+    last_count: int = 0  # the slot's heartbeat count at the last change seen
+    # Steps at the start whose intervals are not learned (process start-up, first
+    # compilations, a first checkpoint's set-up): half the warm-up.
+    settle: int = 0
     hb_gaps: deque[float] = dataclasses.field(default_factory=_bounded)
     open_seen: dict[str, float] = dataclasses.field(default_factory=dict)
     sections: dict[str, deque[float]] = dataclasses.field(default_factory=dict)
@@ -66,15 +74,25 @@ class Rhythm:
         warm-up. Names present from the start are the rank's rhythm, not a change."""
         if self.warm_since is None:
             self.warm_since = now
+        learning = self.beats >= self.settle
         if snap.last_hb > 0 and snap.last_hb != self.last_hb:
-            if self.last_hb > 0 and snap.last_hb > self.last_hb:
+            if self.last_hb > 0 and snap.last_hb > self.last_hb and learning:
                 self.hb_gaps.append(snap.last_hb - self.last_hb)
             self.last_hb = snap.last_hb
-            # Several beats may fall between two reads: count steps where they are known.
-            advanced = snap.iteration - self.last_iteration if self.last_iteration >= 0 else 1
-            self.beats += max(1, advanced)
+            # Several beats may fall between two reads: count steps where they are known
+            # (iterations, else the slot's heartbeat count; a count that went backwards or
+            # jumped absurdly, as anything in the slot can, counts as one).
+            if self.last_iteration >= 0 and snap.iteration > self.last_iteration:
+                advanced = snap.iteration - self.last_iteration
+            elif 0 < snap.beats - self.last_count <= MAX_BEATS_PER_READ and self.last_count > 0:
+                advanced = snap.beats - self.last_count
+            else:
+                advanced = 1
+            self.beats += advanced
         if snap.iteration >= 0:
             self.last_iteration = snap.iteration
+        if snap.beats > 0:
+            self.last_count = snap.beats
         any_open = False
         for idx, name in enumerate(names[: len(snap.open_times)]):
             opened = snap.open_times[idx]
@@ -82,19 +100,22 @@ class Rhythm:
             if seen is not None and opened != seen:
                 # Closed (or closed and reopened) since the last read: it lasted at most
                 # until now, an upper bound.
-                self.sections.setdefault(name, _bounded()).append(max(0.0, now - seen))
+                if learning:
+                    self.sections.setdefault(name, _bounded()).append(max(0.0, now - seen))
                 del self.open_seen[name]
             if opened > 0:
                 any_open = True
                 self.open_seen.setdefault(name, opened)
         if any_open or snap.oos_start != self.oos_seen:
-            if self.oos_seen > 0:
+            if self.oos_seen > 0 and learning:
                 self.oos.append(max(0.0, now - self.oos_seen))
             self.oos_seen = 0.0 if any_open else snap.oos_start
         new = [n for n in names if n not in self.names]
         self.names.update(new)
         if new and relearn:
+            # The new stretch is what must be learned: nothing is skipped this time.
             self.beats = 0
+            self.settle = 0
             self.warm_since = now
             return True
         return False

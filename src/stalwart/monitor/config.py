@@ -105,7 +105,7 @@ class MonitorConfig:
     hb_auto: bool = False
     section_auto: bool = False
     oos_auto: bool = False
-    auto_warmup_steps: int = 20
+    auto_warmup_steps: int = 100
     auto_warmup_seconds: float = 0.0
     auto_percentile: float = 100.0
     auto_floor: float = 0.5

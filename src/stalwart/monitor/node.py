@@ -456,7 +456,10 @@ class NodeMonitor:
             rank.progress.append((now, snap.iteration))
         config = self.config
         if config.any_auto and not bad:
-            rhythm = self._rhythms.setdefault(rank.local_rank, auto.Rhythm())
+            rhythm = self._rhythms.get(rank.local_rank)
+            if rhythm is None:
+                rhythm = auto.Rhythm(settle=self._auto.warmup_steps // 2)
+                self._rhythms[rank.local_rank] = rhythm
             warm = rhythm.warm(self._auto.warmup_steps, self._auto.warmup_seconds, now)
             if rhythm.observe(snap, rank.names, now, relearn=warm):
                 log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
