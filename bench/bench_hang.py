@@ -1,7 +1,11 @@
-"""Hang benchmark: a rank hangs at step 30 of a 2-rank DDP job; how soon is it detected
-and training resumed?
+"""Hang benchmark: a rank hangs at step 60 of a 2-rank DDP job; how soon is it detected
+and training resumed? And does a long healthy run with periodic slow steps stay clean?
 
+* stalwart run --hb-timeout auto: no timeout given, the node monitor learns it;
 * stalwart run --hb-timeout 2: the example heartbeats every step (shared memory);
+* NVIDIA's ft_launcher with --ft-rank-heartbeat-timeout 2: the same example with NVIDIA's
+  RankMonitorClient in place of stalwart's (bench/nv_client_shim.py; needs
+  ``pip install -c constraints.txt nvidia-resiliency-ext==0.4.1``, else skipped);
 * torchrun + TORCHELASTIC_ENABLE_FILE_TIMER=1: each step runs under a 2 s named-pipe timer
   (torch's own FileTimerServer; stalwart's client speaks its protocol);
 * torchrun with nothing configured (one run, capped): gloo's default timeout is 30 min.
@@ -10,7 +14,11 @@ Detection comes from stalwart's ``hang_detected`` event; resumed is the first st
 next attempt; both are measured from the end of the last step before the hang (the
 workers' own timestamps).
 
-    python bench/bench_hang.py [--repeats 3] [--markdown]
+The healthy run (``--healthy-seconds``, default 600) trains under ``--hb-timeout auto``
+with a checkpoint every 20 steps and an extra slow step (``--slow-every``) and counts
+hang reports (goal: none).
+
+    python bench/bench_hang.py [--repeats 3] [--healthy-seconds 600] [--markdown]
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from common import machine, run_job, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
-HANG_AT, STEPS, TIMEOUT = 30, 40, 2.0
+# Late enough for auto's warm-up (100 heartbeats) to be over, for every variant alike.
+HANG_AT, STEPS, TIMEOUT = 150, 160, 2.0
+FT_LAUNCHER = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+SHIM = ROOT / "bench" / "nv_client_shim.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 STALWART = [sys.executable, "-m", "stalwart.cli", "run"]
 
@@ -39,6 +50,7 @@ class Variant:
     script_args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     repeats: int | None = None
+    script: Path | None = None
     detected: list[float] = field(default_factory=list)
     resumed: list[float] = field(default_factory=list)
     finished: int = 0
@@ -56,7 +68,7 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
         "1",
         "--log-dir",
         str(logs),
-        str(EXAMPLE),
+        str(v.script or EXAMPLE),
         "--steps",
         str(STEPS),
         "--ckpt-dir",
@@ -74,6 +86,8 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
     last = [r for r in recs if r["attempt"] == 0 and r["step"] == HANG_AT - 1]
     after = [r for r in recs if r["attempt"] == 1]
     if not last:
+        reached = max((int(r["step"]) for r in recs if r["attempt"] == 0), default=-1)
+        v.notes.add(f"attempt 0 ended before the hang (at step {reached}): a false positive?")
         return
     t_hang = last[0]["time"]
     for ev_file in logs.glob("*/events.jsonl"):
@@ -95,24 +109,51 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--idle-cap", type=float, default=60.0, help="cap for the unconfigured run")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--healthy-seconds", type=float, default=600.0)
+    ap.add_argument("--slow-every", type=int, default=50, help="steps between extra slow steps")
+    ap.add_argument("--skip-idle", action="store_true", help="leave out the unconfigured run")
     ns = ap.parse_args()
     t = str(TIMEOUT)
     vs = [
+        Variant(
+            "stalwart run --hb-timeout auto", [*STALWART, "--hb-timeout", "auto"], ["--heartbeat"]
+        ),
         Variant("stalwart run --hb-timeout 2", [*STALWART, "--hb-timeout", t], ["--heartbeat"]),
+    ]
+    if nvidia_available():
+        vs.append(
+            Variant(
+                "ft_launcher --ft-rank-heartbeat-timeout 2",
+                [
+                    *FT_LAUNCHER,
+                    "--ft-rank-heartbeat-timeout",
+                    t,
+                    "--ft-initial-rank-heartbeat-timeout",
+                    "60",
+                ],
+                ["--heartbeat"],
+                {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                script=SHIM,
+            )
+        )
+    vs += [
         Variant(
             "torchrun + file timer 2 s",
             TORCHRUN,
             ["--step-timer", t],
             {"TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         ),
-        Variant(
-            "torchrun, nothing configured",
-            TORCHRUN,
-            [],
-            {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-            repeats=1,
-        ),
     ]
+    if not ns.skip_idle:
+        vs.append(
+            Variant(
+                "torchrun, nothing configured",
+                TORCHRUN,
+                [],
+                {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                repeats=1,
+            )
+        )
     for i in range(ns.repeats):
         for v in vs:
             if v.repeats is not None and v.runs >= v.repeats:
@@ -139,8 +180,55 @@ def main() -> None:
         ns.markdown,
     )
     print(
-        f"Goals: detection <= timeout + 0.2 s = {TIMEOUT + 0.2:.1f} s; resumed <= timeout + 1.5 s = {TIMEOUT + 1.5:.1f} s"
+        f"Goals: detection <= timeout + 0.2 s = {TIMEOUT + 0.2:.1f} s; resumed <= timeout + 1.5 s = {TIMEOUT + 1.5:.1f} s; "
+        "auto: resumed <= 1.0 s with no timeout set"
     )
+    if not nvidia_available():
+        print("ft_launcher: skipped (nvidia-resiliency-ext not installed)")
+    if ns.healthy_seconds > 0:
+        healthy(ns.healthy_seconds, ns.slow_every, ns.markdown)
+
+
+def nvidia_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
+def healthy(seconds: float, slow_every: int, markdown: bool) -> None:
+    """A healthy run under --hb-timeout auto with periodic slow steps: hang reports?"""
+    with tempfile.TemporaryDirectory(prefix="bench_hang_ok_") as d:
+        work = Path(d)
+        logs = work / "logs"
+        # Steps run ~60 ms here; every slow_every-th step sleeps 0.25 s more (~5x slower).
+        cmd = [
+            *STALWART, "--hb-timeout", "auto", "--nproc-per-node", "2", "--max-restarts", "0",
+            "--log-dir", str(logs), str(EXAMPLE), "--steps", "10000000", "--heartbeat",
+            "--ckpt-dir", str(work / "ckpt"), "--progress", str(work / "p.jsonl"), "--quiet",
+            "--slow-every", str(slow_every), "--slow-step", "0.25",
+        ]  # fmt: skip
+        code, recs = run_job(cmd, {}, work, seconds)
+        events = [
+            json.loads(line)
+            for f in logs.glob("*/events.jsonl")
+            for line in f.read_text().splitlines()
+        ]
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    learned = [e for e in events if e["event"] == "timeouts_learned"]
+    steps = [r for r in recs if r["attempt"] == 0]
+    slow = sum(1 for r in steps if slow_every and int(r["step"]) % slow_every == slow_every - 1)
+    last = learned[-1].get("heartbeat", {}).get("subsequent") if learned else None
+    show(
+        f"Healthy run under --hb-timeout auto for {seconds:.0f} s (checkpoint every 20 steps, "
+        f"every {slow_every}th step +0.25 s)",
+        ["steps", "slow steps", "hang reports (false positives)", "learned hb timeout", "launcher"],
+        [[
+            str(len(steps)), str(slow), str(len(hangs)),
+            "n/a" if last is None else f"{last:.2f} s",
+            "still running at the end (killed)" if code is None else f"exit {code}",
+        ]],
+        markdown,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--slow-every", type=int, default=0, help="every N-th step is slow (0: none)")
+    p.add_argument("--slow-step", type=float, default=0.25, help="extra seconds of a slow step")
     p.add_argument(
         "--progress", type=Path, default=None, help="rank 0 appends one JSON line per step"
     )
@@ -136,6 +138,8 @@ def main() -> None:
             monitor.send_heartbeat()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.slow_every and step % args.slow_every == args.slow_every - 1:
+            time.sleep(args.slow_step)  # a simulated slow step (evaluation, logging burst)
         if rank == 0 and (not args.quiet or step % 10 == 0):
             print(f"attempt {attempt} step {step} loss {loss_value:.5f}", flush=True)
         if progress is not None:

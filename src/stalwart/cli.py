@@ -98,7 +98,7 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
     p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
     hang = p.add_argument_group("hang detection (see docs/monitor.md)")
-    _flag(hang, "--hb-timeout", default=None, help="max seconds between heartbeats")
+    _flag(hang, "--hb-timeout", default=None, help="max seconds between heartbeats, or auto")
     _flag(hang, "--hb-initial-timeout", default=None, help="max seconds to the first heartbeat")
     _flag(
         hang,
@@ -106,12 +106,23 @@ def run_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="NAME=SECS",
-        help="max seconds a named section may stay open (repeatable)",
+        help="max seconds a named section may stay open (repeatable); auto learns the others",
     )
-    _flag(hang, "--out-of-section-timeout", default=None, help="max seconds with no section open")
+    _flag(
+        hang,
+        "--out-of-section-timeout",
+        default=None,
+        help="max seconds with no section open, or auto",
+    )
     _flag(hang, "--safety-factor", default=None, help="learned timeout = max observed x this")
     _flag(hang, "--hang-signal", default=None, help="signal sent to a hung rank (default TERM)")
     _flag(hang, "--stack-dump-wait", default=None, help="seconds to let a hung rank dump stacks")
+    _flag(hang, "--auto-warmup-steps", default=None, help="heartbeats seen before auto applies")
+    _flag(hang, "--auto-warmup-seconds", default=None, help="seconds seen before auto applies")
+    _flag(hang, "--auto-percentile", default=None, help="observed interval auto uses (100=max)")
+    _flag(hang, "--auto-floor", default=None, help="shortest timeout auto may learn (seconds)")
+    _flag(hang, "--straggler-factor", default=None, help="slower than the others by this: named")
+    _flag(hang, "--straggler-window", default=None, help="seconds each straggler verdict spans")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("entrypoint", help="script, module (-m) or program (--no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -173,6 +184,12 @@ _MONITOR_FLAGS = {
     "safety_factor": "safety_factor",
     "hang_signal": "term_signal",
     "stack_dump_wait": "stack_dump_wait",
+    "auto_warmup_steps": "auto_warmup_steps",
+    "auto_warmup_seconds": "auto_warmup_seconds",
+    "auto_percentile": "auto_percentile",
+    "auto_floor": "auto_floor",
+    "straggler_factor": "straggler_factor",
+    "straggler_window": "straggler_window",
 }
 
 

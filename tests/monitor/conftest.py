@@ -35,9 +35,15 @@ class Harness:
         self.monitor: NodeMonitor | None = None
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, config: MonitorConfig, nranks: int = 1) -> NodeMonitor:
+    def start(
+        self, config: MonitorConfig, nranks: int = 1, state_dir: Path | None = None
+    ) -> NodeMonitor:
         self.monitor = NodeMonitor(
-            self.tmp_path / "run", config, nranks, lambda e, f: self.events.append((e, f))
+            self.tmp_path / "run",
+            config,
+            nranks,
+            lambda e, f: self.events.append((e, f)),
+            state_dir=state_dir,
         )
         self.monitor.start()
         return self.monitor

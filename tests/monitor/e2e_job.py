@@ -43,10 +43,14 @@ attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 client = RankMonitorClient(strict=True)
 client.init_workload_monitoring()
 for step in range(steps):
-    if attempt == 0 and rank == 1 and step == 5:
+    if attempt == 0 and rank == 1 and step == 5 and mode != "peer_sleeps":
         hang(mode)
     with client.section("step"):
         dist.all_reduce(torch.ones(4))
+    if attempt == 0 and rank == 1 and step == 5 and mode == "peer_sleeps":
+        # Asleep after the step's collective, before its heartbeat (as a Lightning
+        # callback would be): rank 0 reports step 5 and blocks in step 6 waiting for it.
+        time.sleep(600)
     client.send_heartbeat()
     client.report_iteration(step)
     time.sleep(0.02)

@@ -88,3 +88,38 @@ def test_shutdown_request_stops_the_job_without_restart(tmp_path: Path) -> None:
     (req,) = [e for e in events if e["event"] == "control_request"]
     assert req["action"] == "shutdown_workload" and req["rank"] == 1
     assert "job_stopped" in names and "restart" not in names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_rank_waited_on_is_the_root_cause(tmp_path: Path) -> None:
+    # Without sections, both ranks' heartbeats go stale a step apart; the summary and the
+    # restart event must name the sleeping rank 1, not rank 0 blocked in a collective.
+    proc, events = run_job(
+        tmp_path, "peer_sleeps", "--hb-timeout", "1", "--monitor-interval", "0.1"
+    )
+    hang = check(proc, events, "heartbeat")
+    assert hang["waiting_on"] is None and hang["iteration"] == 4
+    for other in (e for e in events if e["event"] == "hang_detected" and e["global_rank"] == 0):
+        assert other["waiting_on"] == 1 and other["iteration"] == 5
+    (restart,) = [e for e in events if e["event"] == "restart"]
+    assert restart["root_cause"]["rank"] == 1, restart
+    # the summary's reason points at the dossier, which holds both ranks
+    dossier = tmp_path / "logs" / "e2e-peer_sleeps" / "hang-dossier-attempt0.txt"
+    assert str(dossier) in restart["root_cause"]["reason"]
+    text = dossier.read_text()
+    assert "== rank 0 " in text and "== rank 1 " in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(160)
+def test_auto_timeout_learned_and_kept_in_the_run_folder(tmp_path: Path) -> None:
+    # No number given: the hang of rank 1 at step 5 is caught by a learned timeout far
+    # below the 60 s that applies before warm-up, and the value is kept in the run folder.
+    proc, events = run_job(tmp_path, "sleep", "--hb-timeout", "auto", "--auto-warmup-steps", "3")
+    hang = check(proc, events, "heartbeat")
+    before = events[: events.index(hang)]
+    learned = [e for e in before if e["event"] == "timeouts_learned"]
+    assert learned and hang["timeout"] == learned[-1]["heartbeat"]["subsequent"] < 10
+    kept = json.loads((tmp_path / "logs" / "e2e-sleep" / "learned_timeouts.json").read_text())
+    assert kept["heartbeat"]["subsequent"] >= hang["timeout"]

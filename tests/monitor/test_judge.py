@@ -16,7 +16,7 @@ ZERO = (0.0,) * MAX_SECTIONS
 
 def slot(**kw: object) -> SlotSnapshot:
     base = SlotSnapshot(
-        pid=10, reserved=0, state=SlotState.ATTACHED, attach_time=100.0, last_hb=0.0,
+        pid=10, beats=0, state=SlotState.ATTACHED, attach_time=100.0, last_hb=0.0,
         iteration=-1, oos_start=100.0, hb_initial_override=0.0, hb_override=0.0,
         oos_override=0.0, last_section=-1, name_count=0, open_times=ZERO, limits=ZERO,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from stalwart.monitor import RankMonitorClient, stacks, timer
 def main() -> None:
     mode = sys.argv[1]
     stacks.install()
-    if mode in ("gloo_block", "learn"):
+    if mode in ("gloo_block", "learn", "peer_sleeps"):
         # torch and the process group come up before monitoring starts, as in a real
         # script: slow imports on a loaded machine must not count as a hang.
         gloo(mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
@@ -29,6 +29,21 @@ def main() -> None:
     def ready() -> None:
         print("READY", flush=True)
 
+    if mode == "rhythm":
+        # steps, step seconds, every how many steps one is `slow`x slower, hang at (-1: never)
+        steps, step_s = int(sys.argv[2]), float(sys.argv[3])
+        slow_every, slow, hang_at = int(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
+        ready()
+        for i in range(steps):
+            if i == hang_at:
+                time.sleep(600)
+            slow_step = slow_every > 0 and i % slow_every == slow_every - 1
+            time.sleep(step_s * (slow if slow_step else 1.0))
+            client.send_heartbeat()
+            client.report_iteration(i)
+        client.shutdown_workload_monitoring()
+        print("DONE", flush=True)
+        return
     if mode == "healthy":
         steps, step_s = int(sys.argv[2]), float(sys.argv[3])
         ready()
@@ -130,6 +145,19 @@ def gloo(mode: str, rank: int, port: int, rest: list[str]) -> None:
         while True:
             client.send_heartbeat()
             time.sleep(0.05)
+    if mode == "peer_sleeps":
+        # Rank 1 falls asleep at step `at` between its collective and its heartbeat, as a
+        # Lightning callback would; rank 0 reports that step and blocks in the next one.
+        at = int(rest[0])
+        print("READY", flush=True)
+        for step in range(10_000):
+            dist.all_reduce(torch.ones(1))
+            if rank == 1 and step == at:
+                time.sleep(600)
+            client.send_heartbeat()
+            client.report_iteration(step)
+            time.sleep(0.02)
+        return
     # learn: rank 1 is the slower one, so the agreed timeouts must come from it.
     gap = 0.02 * (rank + 1)
     for _ in range(4):

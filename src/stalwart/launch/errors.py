@@ -261,6 +261,7 @@ def format_summary(
                 f"  rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}, pid {f.pid}) "
                 f"{f.describe_exit()} at +{f.timestamp - cause.timestamp:.3f}s"
                 + (f": {f.message}" if f.message else "")
+                + (f" [{f.reason}]" if f.reason else "")
             )
     if log_dir:
         lines.append(f"run folder: {log_dir}")

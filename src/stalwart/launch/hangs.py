@@ -40,6 +40,7 @@ class HangWatch:
         nproc: int,
         emit: Callable[..., Any],
         on_folder: Callable[[Path], Any] | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.config = config
         self._emit = emit
@@ -53,7 +54,7 @@ class HangWatch:
         def log_event(event: str, fields: dict[str, Any]) -> None:
             emit(event, **fields)
 
-        self.monitor = NodeMonitor(ipc, config, nproc, log_event)
+        self.monitor = NodeMonitor(ipc, config, nproc, log_event, state_dir=state_dir)
         self.monitor.start()
         self._hangs: dict[int, HangReport] = {}  # pid -> report, this attempt
 
@@ -93,6 +94,7 @@ class HangWatch:
             before = (f.reason, f.timestamp, f.traceback)
             f.reason, f.timestamp, f.traceback = annotate(f, hang)
             changed |= (f.reason, f.timestamp, f.traceback) != before
+        changed |= _blame_first(failures, self._hangs)
         return changed
 
     def control_request(self, attempt: int) -> ControlRequest | None:
@@ -130,7 +132,27 @@ def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str
         bits.append(f"last heartbeat {hang.last_heartbeat_age:.1f}s ago")
     if hang.iteration is not None:
         bits.append(f"iteration {hang.iteration}")
+    if hang.waiting_on is not None:
+        bits.append(f"most likely waiting on rank {hang.waiting_on}")
+    if hang.dossier:
+        bits.append(f"dossier {hang.dossier}")
     traceback = failure.traceback
     if hang.stacks and not traceback:
         traceback = hang.stacks
     return ", ".join(bits), min(failure.timestamp, hang.detected_at), traceback
+
+
+def _blame_first(failures: list[ProcessFailure], hangs: dict[int, HangReport]) -> bool:
+    """Makes the rank a hung peer waited on the earliest failure, so that ``root_cause``
+    (the earliest) names it, however the exits happened to be ordered."""
+    by_rank = {f.rank: f for f in failures}
+    moved = False
+    for f in failures:
+        hang = hangs.get(f.pid)
+        if hang is None or hang.waiting_on is None:
+            continue
+        root = by_rank.get(hang.waiting_on)
+        if root is not None and root is not f and root.timestamp >= f.timestamp:
+            root.timestamp = f.timestamp - 1e-6
+            moved = True
+    return moved

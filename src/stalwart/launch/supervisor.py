@@ -208,6 +208,8 @@ class Supervisor:
                 cfg.nproc_per_node,
                 self.events.emit,
                 on_folder=self._guardian.remove_on_death if self._guardian else None,
+                # Learned timeouts and hang dossiers live in the run folder.
+                state_dir=self.run_dir,
             )
             if cfg.ckpt_ram:
                 self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)

@@ -146,6 +146,8 @@ class RankMonitorClient:
         self._base = 0
         self._off_hb = 0
         self._off_iter = 0
+        self._off_beats = 0
+        self._beats = 0
         self._off_open = 0
         self._off_oos = 0
         self._off_last = 0
@@ -185,6 +187,8 @@ class RankMonitorClient:
         self._base = base = layout.slot_offset(index)
         self._off_hb = base + layout.OFF_LAST_HB
         self._off_iter = base + layout.OFF_ITERATION
+        self._off_beats = base + layout.OFF_BEATS
+        self._beats = 0
         self._off_open = base + layout.OFF_OPEN
         self._off_oos = base + layout.OFF_OOS_START
         self._off_last = base + layout.OFF_LAST_SECTION
@@ -246,6 +250,9 @@ class RankMonitorClient:
         else:
             self._first_hb_gap = now - self._attach_time
         self._last_hb = now
+        self._beats += 1
+        # The count first: a scan that sees the new time also sees at least this count.
+        _pack_i64(buf, self._off_beats, self._beats)
         _pack_f64(buf, self._off_hb, now)
 
     def report_iteration(self, iteration: int) -> None:

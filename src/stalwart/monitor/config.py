@@ -81,6 +81,16 @@ class MonitorConfig:
     check_interval: how often the scanner looks at the ranks' slots.
     stack_dump_wait: how long to let a hung rank write its stacks before terminating it.
     term_signal: signal that terminates a hung rank; SIGKILL follows after term_grace.
+    hb_auto, section_auto, oos_auto: learn the heartbeat / section / out-of-section
+        timeouts from the rhythm the node monitor observes (``auto`` in place of a number;
+        see monitor.auto). A number given for a section still wins for that section.
+    auto_warmup_steps, auto_warmup_seconds: a rank's learned timeouts apply once the
+        monitor saw this many of its heartbeats and this much time in the attempt.
+    auto_percentile: which observed interval counts (100 = the longest).
+    auto_floor: learned timeouts are never shorter than this.
+    straggler_factor: a rank whose seconds per step are this many times the median of
+        the node's other ranks over a window is reported as a straggler (information).
+    straggler_window: seconds of progress each straggler verdict looks at.
     """
 
     hb_timeout: float | None = None
@@ -92,8 +102,37 @@ class MonitorConfig:
     stack_dump_wait: float = 0.2
     term_signal: signal.Signals = signal.SIGTERM
     term_grace: float = 3.0
+    hb_auto: bool = False
+    section_auto: bool = False
+    oos_auto: bool = False
+    auto_warmup_steps: int = 100
+    auto_warmup_seconds: float = 0.0
+    auto_percentile: float = 100.0
+    auto_floor: float = 0.5
+    straggler_factor: float = 2.0
+    straggler_window: float = 30.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.auto_warmup_steps, bool) or not isinstance(self.auto_warmup_steps, int):
+            raise ValueError(
+                f"auto_warmup_steps must be a whole number, got {self.auto_warmup_steps!r}"
+            )
+        if self.auto_warmup_steps < 1:
+            raise ValueError(f"auto_warmup_steps must be >= 1, got {self.auto_warmup_steps!r}")
+        if not isinstance(self.auto_warmup_seconds, int | float) or not (
+            self.auto_warmup_seconds >= 0
+        ):
+            raise ValueError(
+                f"auto_warmup_seconds must be >= 0 seconds, got {self.auto_warmup_seconds!r}"
+            )
+        _positive("auto_percentile", self.auto_percentile)
+        if self.auto_percentile > 100:
+            raise ValueError(f"auto_percentile must be in (0, 100], got {self.auto_percentile!r}")
+        _positive("auto_floor", self.auto_floor)
+        _positive("straggler_window", self.straggler_window)
+        _positive("straggler_factor", self.straggler_factor)
+        if self.straggler_factor <= 1:
+            raise ValueError(f"straggler_factor must be > 1, got {self.straggler_factor!r}")
         _positive("hb_timeout", self.hb_timeout)
         _positive("hb_initial_timeout", self.hb_initial_timeout)
         _positive("out_of_section_timeout", self.out_of_section_timeout)
@@ -133,8 +172,19 @@ class MonitorConfig:
         if self.hb_initial_timeout is not None:
             return self.hb_initial_timeout
         if self.hb_timeout is None:
-            return None
+            return DEFAULT_MIN_INITIAL_TIMEOUT if self.hb_auto else None
         return max(self.hb_timeout, DEFAULT_MIN_INITIAL_TIMEOUT)
+
+    @property
+    def auto_initial_timeout(self) -> float:
+        """What a learned (``auto``) timeout is before the rank warmed up."""
+        if self.hb_initial_timeout is not None:
+            return self.hb_initial_timeout
+        return DEFAULT_MIN_INITIAL_TIMEOUT
+
+    @property
+    def any_auto(self) -> bool:
+        return self.hb_auto or self.section_auto or self.oos_auto
 
     @property
     def enabled(self) -> bool:
@@ -144,6 +194,7 @@ class MonitorConfig:
             or self.hb_initial_timeout is not None
             or self.out_of_section_timeout is not None
             or bool(self.section_timeouts)
+            or self.any_auto
         )
 
     @classmethod
@@ -161,8 +212,33 @@ class MonitorConfig:
         for key, raw in data.items():
             if raw is None:
                 continue
-            if key == "section_timeouts":
-                kwargs[key] = _parse_sections(raw)
+            if key in _AUTO_OF and isinstance(raw, str) and raw.strip().lower() == AUTO:
+                kwargs[_AUTO_OF[key]] = True
+            elif key == "section_timeouts":
+                kwargs[key], auto = _parse_sections(raw)
+                if auto:
+                    kwargs["section_auto"] = True
+            elif key in ("hb_auto", "section_auto", "oos_auto"):
+                kwargs[key] = _parse_bool(key, raw)
+            elif key == "auto_warmup_steps":
+                try:
+                    kwargs[key] = int(str(raw))
+                except ValueError:
+                    raise ValueError(
+                        f"auto_warmup_steps must be a whole number, got {raw!r}"
+                    ) from None
+            elif key == "auto_warmup_seconds":
+                try:
+                    kwargs[key] = float(raw)
+                except (TypeError, ValueError):
+                    raise ValueError(
+                        f"auto_warmup_seconds must be a number of seconds, got {raw!r}"
+                    ) from None
+            elif key == "auto_percentile":
+                try:
+                    kwargs[key] = float(raw)
+                except (TypeError, ValueError):
+                    raise ValueError(f"auto_percentile must be a number, got {raw!r}") from None
             elif key == "term_signal":
                 kwargs[key] = parse_signal(raw)
             elif key == "stack_dump_wait":
@@ -184,13 +260,34 @@ class MonitorConfig:
         return out
 
 
-def _parse_sections(raw: Any) -> dict[str, float]:
+#: The value that asks for a learned timeout instead of a number.
+AUTO = "auto"
+_AUTO_OF = {"hb_timeout": "hb_auto", "out_of_section_timeout": "oos_auto"}
+
+
+def _parse_bool(name: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {raw!r}")
+
+
+def _parse_sections(raw: Any) -> tuple[dict[str, float], bool]:
+    """Section timeouts and whether ``auto`` (learn every other section) was among them."""
+    if isinstance(raw, str) and raw.strip().lower() == AUTO:
+        return {}, True
     if isinstance(raw, Mapping):
-        return {str(k): parse_seconds(f"section timeout {k!r}", v) for k, v in raw.items()}
+        return {str(k): parse_seconds(f"section timeout {k!r}", v) for k, v in raw.items()}, False
     if isinstance(raw, str):
         items = [part for part in raw.split(",") if part.strip()]
     elif isinstance(raw, list | tuple):
         items = [str(part) for part in raw]
     else:
         raise ValueError(f"section_timeouts must be a mapping or name=secs list, got {raw!r}")
-    return dict(parse_section_timeout(item) for item in items)
+    auto = any(item.strip().lower() == AUTO for item in items)
+    given = [item for item in items if item.strip().lower() != AUTO]
+    return dict(parse_section_timeout(item) for item in given), auto

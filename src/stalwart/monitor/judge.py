@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.layout import SlotSnapshot, SlotState
@@ -36,6 +37,39 @@ class Verdict:
     timeout: float
     last_heartbeat_age: float | None
     iteration: int | None
+    #: Monotonic time the rank last made progress: its last heartbeat, else its attach
+    #: time. Comparable between ranks of one node (one CLOCK_MONOTONIC), not across nodes.
+    stalled_since: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stalled:
+    """A rank found hung, as `blame` compares it with the node's other hung ranks."""
+
+    local_rank: int
+    global_rank: int
+    iteration: int | None
+    stalled_since: float | None
+
+
+def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
+    """Orders hung ranks root cause first: the rank whose progress stopped first.
+
+    When one rank stops, its peers block in the next collective and go stale a moment
+    later; which slot a scan reads first says nothing. The rank behind is the cause:
+    the lowest iteration when every rank reports iterations (all ranks report at the
+    same point of a step, so a rank one step behind is the one the others wait for),
+    then the oldest last progress (heartbeat, else attach), then the lowest global rank.
+    A rank with no known progress time sorts after those with one.
+    """
+    by_iteration = all(s.iteration is not None for s in stalled)
+
+    def key(s: Stalled) -> tuple[int, int, float, int]:
+        it = s.iteration if by_iteration and s.iteration is not None else 0
+        since = s.stalled_since
+        return (it, since is None, since if since is not None else 0.0, s.global_rank)
+
+    return sorted(stalled, key=key)
 
 
 def override_ok(value: float) -> bool:
@@ -104,8 +138,10 @@ def judge(
     iteration = snap.iteration if snap.iteration >= 0 else None
     last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
 
+    stalled_since = last_hb if last_hb is not None else attach
+
     def verdict(kind: HangKind, timeout: float, section: str | None) -> Verdict:
-        return Verdict(kind, section, timeout, hb_age, iteration)
+        return Verdict(kind, section, timeout, hb_age, iteration, stalled_since)
 
     if snap.last_hb == 0.0:
         limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
@@ -135,3 +171,23 @@ def judge(
         if limit is not None and now - oos_start > limit:
             return verdict(HangKind.OUT_OF_SECTION, limit, last_section)
     return None
+
+
+def stragglers(step_times: dict[int, float], factor: float) -> dict[int, float]:
+    """Ranks whose seconds per step are at least `factor` x the median of the others'.
+
+    step_times: rank -> its seconds per step over the same window (ranks that made no
+    progress are left out: that is for the hang checks). Returns rank -> ratio. Needs
+    two ranks at least; compared with the median of the *others*, so one slow rank of
+    two is still named, and a slow rank does not raise the bar it is measured against.
+    """
+    out: dict[int, float] = {}
+    if len(step_times) < 2:
+        return out
+    for rank, mine in step_times.items():
+        others = sorted(v for r, v in step_times.items() if r != rank)
+        mid = len(others) // 2
+        median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+        if median > 0 and mine / median >= factor:
+            out[rank] = mine / median
+    return out

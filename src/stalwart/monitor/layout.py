@@ -7,7 +7,7 @@ CLOCK_MONOTONIC on Linux, so timestamps written by one process compare with anot
 
 Slot layout (native byte order, all fields 8 bytes):
   0 pid          writer's pid, written last on attach (0 = nobody attached)
-  8 reserved
+  8 beats        heartbeats sent since attach (the node monitor's warm-up counts them)
  16 state        SlotState
  24 attach_time  monotonic time of attach
  32 last_hb      monotonic time of the last heartbeat (0 = none yet)
@@ -48,7 +48,7 @@ I64 = struct.Struct("=q")
 SECTIONS = struct.Struct(f"={MAX_SECTIONS}d")
 
 OFF_PID = 0
-OFF_RESERVED = 8
+OFF_BEATS = 8
 OFF_STATE = 16
 OFF_ATTACH = 24
 OFF_LAST_HB = 32
@@ -140,7 +140,7 @@ class SlotSnapshot:
     """A consistent-enough copy of one slot, read by the scanner in three memcpys."""
 
     pid: int
-    reserved: int
+    beats: int
     state: int
     attach_time: float
     last_hb: float
@@ -159,7 +159,7 @@ def read_slot(mm: mmap.mmap, index: int) -> SlotSnapshot:
     base = slot_offset(index)
     (
         pid,
-        reserved,
+        beats,
         state,
         attach,
         last_hb,
@@ -173,7 +173,7 @@ def read_slot(mm: mmap.mmap, index: int) -> SlotSnapshot:
     ) = FIXED.unpack_from(mm, base)
     return SlotSnapshot(
         pid,
-        reserved,
+        beats,
         state,
         attach,
         last_hb,

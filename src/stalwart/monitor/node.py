@@ -18,15 +18,25 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.monitor import envvars, layout, procs
+from stalwart.monitor import auto, dossier, envvars, layout, procs
 from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.judge import Verdict, judge, problems
+from stalwart.monitor.judge import (
+    Stalled,
+    Verdict,
+    blame,
+    judge,
+    override_ok,
+    problems,
+    stragglers,
+)
+from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
@@ -46,6 +56,11 @@ MAX_REFUSED_LOGGED = 4096
 MAX_PENDING_CONTROLS = 64
 #: Seconds a control request from a live, not yet registered pid waits for its attempt.
 CONTROL_GRACE = 5.0
+#: Largest learned-timeouts file read back from the run folder.
+MAX_LEARNED_BYTES = 64 * 1024
+LEARNED_NAME = "learned_timeouts.json"
+#: A rank is named a straggler on the console at most this often (seconds).
+STRAGGLER_LOG_EVERY = 60.0
 
 
 @dataclasses.dataclass
@@ -62,6 +77,8 @@ class _Rank:
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
+    # (monotonic time, iteration) whenever the iteration moved: the straggler check's input
+    progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -78,6 +95,9 @@ class _Hang:
     dump_sent_at: float = 0.0
     last_size: int = -1
     terminated: bool = False
+    waiting_on: int | None = None
+    dossier: Path | None = None
+    deferred_since: float | None = None  # monotonic: waiting for the rank it waited on
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -97,7 +117,11 @@ class NodeMonitor:
         config: MonitorConfig,
         local_world_size: int,
         log_event: LogEvent,
+        state_dir: Path | None = None,
     ) -> None:
+        """state_dir: the job's run folder, where timeouts learned with ``auto`` are kept
+        (and read back from at start, so they survive a restart) and hang dossiers are
+        written; None keeps neither."""
         if local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
         self.run_dir = Path(run_dir)
@@ -115,6 +139,9 @@ class NodeMonitor:
         self._ranks: dict[int, _Rank] = {}
         self._global_ranks: dict[int, int] = {}
         self._attempt: int | None = None
+        # Ranks found hung this attempt, so that one found later is compared with them.
+        self._stalled: list[Stalled] = []
+        self._roots: dict[int, _Hang] = {}  # global rank -> its hang, this attempt
         self._hangs: list[HangReport] = []
         self._requests: list[ControlRequest] = []
         self._pending_controls: list[tuple[ControlMessage, float]] = []
@@ -127,6 +154,24 @@ class NodeMonitor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._scanner: threading.Thread | None = None
+        self._state_dir = state_dir
+        self._straggler_due = 0.0
+        self._straggler_logged: dict[int, float] = {}  # global rank -> last console line
+        self._learned_path = state_dir / LEARNED_NAME if state_dir is not None else None
+        # The hang dossier of the current attempt: every rank's state and stack offsets.
+        self._dossier: dict[int, dossier.RankEntry] | None = None
+        self._learned = LearnedTimeouts()
+        self._rhythms: dict[int, auto.Rhythm] = {}
+        self._auto = auto.AutoSettings(
+            hb=config.hb_auto,
+            sections=config.section_auto,
+            oos=config.oos_auto,
+            warmup_steps=config.auto_warmup_steps,
+            warmup_seconds=config.auto_warmup_seconds,
+            percentile=config.auto_percentile,
+            factor=config.safety_factor,
+            floor=config.auto_floor,
+        )
         self._timers = TimerServer(
             self.pipe_path,
             on_expired=self._on_timer_expired,
@@ -142,6 +187,8 @@ class NodeMonitor:
             self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
         self._mm = layout.create_segment(self.shm_path, self.local_world_size)
         self._floor = time.monotonic()
+        if self.config.any_auto:
+            self._read_learned()
         self._timers.start()
         self._stop.clear()
         self._scanner = threading.Thread(
@@ -207,6 +254,10 @@ class NodeMonitor:
         with self._lock:
             self._refused_pids.clear()
             self._not_ours.clear()
+            self._stalled = []
+            self._roots = {}
+            self._rhythms = {}
+            self._dossier = None
             self._attempt = attempt
             self._ranks = {
                 lr: _Rank(
@@ -235,7 +286,10 @@ class NodeMonitor:
                 self._timers.forget_pid(rank.pid)
             self._ranks = {}
             self._attempt = None
+            self._stalled = []
+            self._roots = {}  # pending hangs below are terminated now, in no order
             self._rebuild_segment()
+            # The pending hangs below still write the dossier of the attempt they belong to.
             pending = [item for item in self._schedule if item[2] != "kill"]
             self._schedule = [item for item in self._schedule if item[2] == "kill"]
             heapq.heapify(self._schedule)
@@ -341,6 +395,7 @@ class NodeMonitor:
             return
         with self._lock:
             ranks = [r for r in self._ranks.values() if r.judged]
+        found: dict[int, tuple[_Rank, int, Verdict]] = {}
         for rank in ranks:
             verdict, writer = self._judge_rank(mm, rank)
             if verdict is None:
@@ -351,7 +406,29 @@ class NodeMonitor:
                 continue
             if not procs.is_alive(writer):
                 continue  # it exited; the supervisor sees the exit, not a hang
-            self._begin_hang(rank, writer, verdict, int(self.config.term_signal))
+            found[rank.local_rank] = (rank, writer, verdict)
+        if self.config.any_auto:
+            self._update_learned()
+        self._check_stragglers(ranks)
+        if not found:
+            return
+        # Handled root cause first, and every other one named as waiting on it; ranks
+        # found in earlier scans of this attempt take part (their hang is under way).
+        fresh = [
+            Stalled(r.local_rank, r.global_rank, v.iteration, v.stalled_since)
+            for r, _, v in found.values()
+        ]
+        with self._lock:
+            order = blame(self._stalled + fresh)
+        root = order[0]
+        for s in order:
+            if not any(s is f for f in fresh):
+                continue
+            rank, writer, verdict = found[s.local_rank]
+            waiting = None if s is root else root.global_rank
+            self._begin_hang(
+                rank, writer, verdict, int(self.config.term_signal), waiting_on=waiting, stalled=s
+            )
 
     def _judge_rank(self, mm: Any, rank: _Rank) -> tuple[Verdict | None, int]:
         snap = layout.read_slot(mm, rank.local_rank)
@@ -371,7 +448,158 @@ class NodeMonitor:
         bad = problems(snap, self._floor, now)
         if bad:
             self._note_bad_fields(rank, snap.pid, bad)
-        return judge(snap, rank.names, self.config, now, self._floor), snap.pid
+        if (
+            not bad
+            and snap.iteration >= 0
+            and (not rank.progress or rank.progress[-1][1] != snap.iteration)
+        ):
+            rank.progress.append((now, snap.iteration))
+        config = self.config
+        if config.any_auto and not bad:
+            rhythm = self._rhythms.get(rank.local_rank)
+            if rhythm is None:
+                rhythm = auto.Rhythm(settle=self._auto.warmup_steps // 2)
+                self._rhythms[rank.local_rank] = rhythm
+            warm = rhythm.warm(self._auto.warmup_steps, self._auto.warmup_seconds, now)
+            if rhythm.observe(snap, rank.names, now, relearn=warm):
+                log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
+            config = self._config_for(rhythm, now)
+        return judge(snap, rank.names, config, now, self._floor), snap.pid
+
+    # -- stragglers -------------------------------------------------------------------
+    def _check_stragglers(self, ranks: list[_Rank]) -> None:
+        """Every straggler_window: compares the ranks' seconds per step over the window
+        just ended; names the slow ones (event each window, console rate-limited)."""
+        now = time.monotonic()
+        window = self.config.straggler_window
+        if self._straggler_due == 0.0:
+            self._straggler_due = now + window
+        if now < self._straggler_due:
+            return
+        self._straggler_due = now + window
+        step_times: dict[int, float] = {}
+        by_rank = {}
+        for rank in ranks:
+            recent = [p for p in rank.progress if p[0] >= now - window]
+            rank.progress = recent[-1:]  # the window's last point starts the next one
+            if len(recent) >= 2 and recent[-1][1] > recent[0][1]:
+                step_times[rank.global_rank] = (recent[-1][0] - recent[0][0]) / (
+                    recent[-1][1] - recent[0][1]
+                )
+                by_rank[rank.global_rank] = rank
+        for global_rank, ratio in stragglers(step_times, self.config.straggler_factor).items():
+            rank = by_rank[global_rank]
+            fields = {
+                "global_rank": global_rank,
+                "local_rank": rank.local_rank,
+                "host": socket.gethostname(),
+                "ratio": round(ratio, 3),
+                "step_time": step_times[global_rank],
+                "window": window,
+                "attempt": self._attempt,
+            }
+            self._emit("straggler", fields)
+            last = self._straggler_logged.get(global_rank)
+            if last is None or now - last >= STRAGGLER_LOG_EVERY:
+                self._straggler_logged[global_rank] = now
+                log.warning(
+                    "rank %d on %s is a straggler: %.1fx slower per step than the node's "
+                    "other ranks over the last %.0f s",
+                    global_rank,
+                    fields["host"],
+                    ratio,
+                    window,
+                )
+
+    # -- learned (auto) timeouts -------------------------------------------------------
+    def _config_for(self, rhythm: auto.Rhythm, now: float) -> MonitorConfig:
+        """The config a rank is judged by: learned values once it warmed up, the initial
+        timeout before; numbers the user gave stay as they are."""
+        c, a = self.config, self._auto
+        warm = rhythm.warm(a.warmup_steps, a.warmup_seconds, now)
+        pre = c.auto_initial_timeout
+        learned = self._learned
+        hb = c.hb_timeout
+        if a.hb:
+            hb = learned.hb if warm and learned.hb is not None else pre
+        oos = c.out_of_section_timeout
+        if a.oos:
+            oos = learned.oos if warm and learned.oos is not None else pre
+        sections = dict(c.section_timeouts)
+        if a.sections:
+            for name in rhythm.names:
+                if name not in sections:
+                    value = learned.sections.get(name)
+                    sections[name] = value if warm and value is not None else pre
+        initial = c.effective_initial_timeout
+        if hb is not None and initial is not None and initial < hb:
+            initial = hb
+        return dataclasses.replace(
+            c,
+            hb_timeout=hb,
+            hb_initial_timeout=initial,
+            out_of_section_timeout=oos,
+            section_timeouts=sections,
+        )
+
+    def _update_learned(self) -> None:
+        """Folds what warmed-up ranks showed into the node's learned timeouts (they only
+        grow: a slow step seen once stays allowed); persists and logs a change."""
+        a = self._auto
+        now = time.monotonic()
+        with self._lock:
+            warm = [
+                r for r in self._rhythms.values() if r.warm(a.warmup_steps, a.warmup_seconds, now)
+            ]
+        if not warm:
+            return
+        merged = auto.merge(self._learned, auto.from_rhythms(warm, a))
+        if merged == self._learned:
+            return
+        self._learned = merged
+        self._write_learned()
+        self._emit("timeouts_learned", {"source": "observed", **merged.to_state()})
+
+    def _read_learned(self) -> None:
+        path = self._learned_path
+        if path is None:
+            return
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_LEARNED_BYTES + 1)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("could not read learned timeouts %s: %s", path, exc)
+            return
+        try:
+            if len(raw) > MAX_LEARNED_BYTES:
+                raise ValueError(f"larger than {MAX_LEARNED_BYTES} bytes")
+            state = json.loads(raw)
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+            learned = LearnedTimeouts.from_state(state)
+            values = [learned.hb, learned.oos, *learned.sections.values()]
+            if any(v is not None and not override_ok(v) for v in values):
+                raise ValueError("a timeout out of range")
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring learned timeouts in %s: %s", path, exc)
+            return
+        self._learned = auto.merge(LearnedTimeouts(), learned)
+        self._emit("timeouts_learned", {"source": str(path), **self._learned.to_state()})
+
+    def _write_learned(self) -> None:
+        path = self._learned_path
+        if path is None:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self._learned.to_state(), sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not keep learned timeouts in %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def _note_bad_fields(self, rank: _Rank, pid: int, fields: list[str]) -> None:
         new = [f for f in fields if (rank.local_rank, f) not in self._bad_fields]
@@ -386,22 +614,37 @@ class NodeMonitor:
         )
         self._emit("monitor_bad_slot", {"local_rank": rank.local_rank, "pid": pid, "fields": new})
 
-    def _begin_hang(self, rank: _Rank, target: int, verdict: Verdict, term_signal: int) -> None:
+    def _begin_hang(
+        self,
+        rank: _Rank,
+        target: int,
+        verdict: Verdict,
+        term_signal: int,
+        waiting_on: int | None = None,
+        stalled: Stalled | None = None,
+    ) -> None:
         with self._lock:
             if not rank.judged:
                 return
             rank.judged = False
+            if stalled is not None:
+                self._stalled.append(stalled)
         hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
         hang.attempt = self._attempt
+        hang.waiting_on = waiting_on
+        with self._lock:
+            self._roots.setdefault(rank.global_rank, hang)
         log.warning(
-            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)",
+            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s",
             rank.local_rank,
             target,
             verdict.kind.value,
             verdict.timeout,
             verdict.section,
+            "" if waiting_on is None else f"; most likely waiting on rank {waiting_on}",
         )
         step, wait = "terminate", 0.0
+        self._open_dossier(rank, target, verdict, waiting_on)
         if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
             if rank.stderr is not None:
                 try:
@@ -412,6 +655,7 @@ class NodeMonitor:
                 # A stopped process only runs its handler once continued.
                 procs.continue_if_stopped(target)
                 hang.dump_sent_at = time.monotonic()
+                self._mark_dossier_signalled(rank.local_rank)
                 if hang.stderr_offset is None:
                     wait = self.config.stack_dump_wait
                 else:
@@ -466,7 +710,18 @@ class NodeMonitor:
         with self._lock:
             if hang.terminated:
                 return
+            root = self._roots.get(hang.waiting_on) if hang.waiting_on is not None else None
+        if escalate and root is not None and root is not hang and self._defer_for(hang, root):
+            # The rank waited on exits first, so that the supervisor's first failure (its
+            # root cause) is that rank; bounded by the root's own stack wait and kill.
+            self._plan(time.monotonic() + STACKS_POLL, "terminate", hang)
+            return
+        with self._lock:
+            if hang.terminated:
+                return
             hang.terminated = True
+        # Before any signal that kills: the dossier, then the report that points at it.
+        hang.dossier = self._write_dossier(hang)
         # Queued before the signal: when the supervisor sees the worker exit, the reason
         # is already waiting in poll_hangs().
         report = self._report(hang)
@@ -483,6 +738,14 @@ class NodeMonitor:
             self._plan(time.monotonic() + self.config.term_grace, "kill", hang)
         else:
             self._kill(hang)
+
+    def _defer_for(self, hang: _Hang, root: _Hang) -> bool:
+        now = time.monotonic()
+        if hang.deferred_since is None:
+            hang.deferred_since = now
+        if now - hang.deferred_since > self.config.term_grace + 1.0:
+            return False
+        return not root.terminated or bool(self._targets(root))
 
     def _kill(self, hang: _Hang) -> None:
         for pid in self._targets(hang):
@@ -512,7 +775,91 @@ class NodeMonitor:
             iteration=v.iteration,
             stacks=stacks,
             detected_at=hang.detected_at,
+            waiting_on=hang.waiting_on,
+            dossier=str(hang.dossier) if hang.dossier is not None else None,
         )
+
+    # -- hang dossier ----------------------------------------------------------------
+    def _open_dossier(
+        self, hung: _Rank, target: int, verdict: Verdict, waiting_on: int | None
+    ) -> None:
+        """At the attempt's first hang: notes every rank's state and stderr size, then
+        asks the others for their stacks and every rank's flight recorder for a dump.
+        Later hangs only add their verdict."""
+        if self._state_dir is None:
+            return
+        text = f"{verdict.kind.value} timeout {verdict.timeout:g}s" + (
+            f", most likely waiting on rank {waiting_on}" if waiting_on is not None else ""
+        )
+        with self._lock:
+            entries = self._dossier
+            first = entries is None
+            if entries is None:
+                entries = self._dossier = {}
+            ranks = list(self._ranks.values()) if first else []
+        mm = self._mm
+        now = time.monotonic()
+        for rank in ranks:
+            state = "unknown (no segment)"
+            pid = rank.pid
+            if mm is not None:
+                snap = layout.read_slot(mm, rank.local_rank)
+                names = layout.read_names(mm, rank.local_rank, snap.name_count)
+                state = dossier.describe(snap, names, now, self._floor)
+                if snap.pid > 0 and (snap.pid == rank.pid or snap.pid in rank.verified_pids):
+                    pid = snap.pid
+            offset = None
+            if rank.stderr is not None:
+                with contextlib.suppress(OSError):
+                    offset = rank.stderr.stat().st_size
+            entries[rank.local_rank] = dossier.RankEntry(
+                rank.local_rank, rank.global_rank, pid, state, None, rank.stderr, offset
+            )
+        entry = entries.get(hung.local_rank)
+        if entry is not None:
+            entry.verdict = text
+            entry.pid = target
+        if not first:
+            return
+        for rank in ranks:
+            e = entries[rank.local_rank]
+            pipe = dossier.flight_recorder_pipe(os.environ, rank.global_rank)
+            if pipe is not None and dossier.request_flight_recorder_dump(pipe):
+                e.flight_recorder = pipe
+            if rank.local_rank == hung.local_rank:
+                continue  # _begin_hang asks the hung rank itself
+            if (
+                self.config.stack_dump_wait > 0
+                and procs.is_alive(e.pid)
+                and procs.catches_signal(e.pid, signal.SIGUSR1)
+                and procs.signal_pid(e.pid, signal.SIGUSR1)
+            ):
+                procs.continue_if_stopped(e.pid)
+                e.stacks_signalled = True
+
+    def _mark_dossier_signalled(self, local_rank: int) -> None:
+        with self._lock:
+            entry = (self._dossier or {}).get(local_rank)
+            if entry is not None:
+                entry.stacks_signalled = True
+
+    def _write_dossier(self, hang: _Hang) -> Path | None:
+        """(Re)writes the attempt's dossier; its path, or None when there is none."""
+        with self._lock:
+            entries = list((self._dossier or {}).values())
+        if self._state_dir is None or not entries:
+            return None
+        path = self._state_dir / dossier.dossier_name(hang.attempt)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(dossier.render(hang.attempt, entries, STACKS_MAX_BYTES))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not write the hang dossier %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return None
+        return path
 
     # -- timer server thread ---------------------------------------------------------
     def _on_timer_expired(self, timer: ExpiredTimer) -> None:

@@ -34,6 +34,10 @@ class HangReport:
     timeout: the deadline that was missed, in seconds.
     stacks: text the rank wrote after SIGUSR1 (empty when its stderr is not a file we know).
     detected_at: wall-clock time (time.time()) of detection.
+    waiting_on: global rank of the node's hung rank whose progress stopped first, when
+        that is another rank (this one is then most likely blocked waiting on it); None
+        for the root cause itself. See `judge.blame`.
+    dossier: path of the hang dossier written at detection, if any.
     """
 
     local_rank: int
@@ -46,6 +50,8 @@ class HangReport:
     iteration: int | None
     stacks: str
     detected_at: float
+    waiting_on: int | None = None
+    dossier: str | None = None
 
     def to_event(self) -> dict[str, Any]:
         """JSON-safe form for events.jsonl (stacks left out: they go to the log)."""
@@ -59,6 +65,8 @@ class HangReport:
             "last_heartbeat_age": self.last_heartbeat_age,
             "iteration": self.iteration,
             "detected_at": self.detected_at,
+            "waiting_on": self.waiting_on,
+            "dossier": self.dossier,
         }
 
 
