@@ -42,6 +42,7 @@ def test_tee_prefixes_filter_and_crash_mid_line(tmp_path: Path) -> None:
         tmp_path,
         SCRIPTS / "output.py",
         "die-mid-line",
+        tmp_path.parent / (tmp_path.name + "-ready"),
     )
     assert proc.returncode == 1
     assert "<default:1> py-out rank=1" in proc.stdout
@@ -74,6 +75,7 @@ def test_attempt_folders_per_restart(tmp_path: Path) -> None:
         tmp_path,
         SCRIPTS / "output.py",
         "die-mid-line",
+        tmp_path.parent / (tmp_path.name + "-ready"),
     )
     assert proc.returncode == 1
     rd = run_dir(tmp_path)

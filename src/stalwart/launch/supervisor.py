@@ -154,6 +154,8 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
+        self._defer_signals = False  # set while workers are being started
+        self._deferred_signal: int | None = None
         self._reason = ""  # why a rank's control request ended the round
         self._cgroup: JobCgroup | None = None
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
@@ -161,6 +163,10 @@ class Supervisor:
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._defer_signals:
+            if self._deferred_signal is None:
+                self._deferred_signal = signum
+            return
         if self._stopping:
             # A second signal while stopping: no more grace.
             if self._ctx is not None:
@@ -478,7 +484,18 @@ class Supervisor:
             cgroup=self._cgroup,
             adopt_orphans=True,
         )
-        ctx.start()
+        # A signal that arrives while workers are being started waits until all of them
+        # are known (a worker forked from the template runs before its pid comes back),
+        # so that each of them gets it forwarded, not a SIGKILL at cleanup.
+        self._ctx = ctx
+        self._deferred_signal = None
+        self._defer_signals = True
+        try:
+            ctx.start()
+        finally:
+            self._defer_signals = False
+        if self._deferred_signal is not None:
+            raise SignalReceived(self._deferred_signal)
         if self._hangs is not None:
             stderr = {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
             self._hangs.begin(info.round, ctx.pids(), stderr, ranks)
