@@ -34,6 +34,8 @@ from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
+from stalwart.monitor import envvars as monitor_env
+from stalwart.progress import ProgressBoard, Sample
 from stalwart.rendezvous import (
     JobEnded,
     Rendezvous,
@@ -42,8 +44,12 @@ from stalwart.rendezvous import (
     StoreLost,
     from_config,
 )
+from stalwart.runlog import EVENTS_FILE_ENV
 
 logger = logging.getLogger(__name__)
+
+# Progress events a rank writes at most this often (s), besides its first and last.
+_PROGRESS_PERIOD = 1.0
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
@@ -115,6 +121,11 @@ class Supervisor:
         self._old_handlers: dict[int, Any] = {}
         self._hangs: HangWatch | None = None
         self._warm: WarmPool | None = None
+        self._round = 0  # the attempt under way, for events written on a signal
+        self._exits_seen: set[int] = set()  # local ranks whose worker_exit is written
+        self._progress: ProgressBoard | None = None
+        self._steps_sent: dict[int, tuple[Sample, float]] = {}  # lr -> (sample, sent at)
+        self._ranks_run: set[int] = set()  # global ranks this node ran, for the summary
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -146,12 +157,16 @@ class Supervisor:
             entrypoint=cfg.entrypoint,
             args=cfg.args,
             run_dir=str(self.run_dir) if self.run_dir else None,
+            inject=cfg.inject or None,
         )
+        if self.run_dir is not None:
+            print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
         result: JobResult | None = None
         rdzv_failed = False
         try:
             self.prestart()
             self._hangs = HangWatch(cfg.run_id, cfg.monitor, cfg.nproc_per_node, self.events.emit)
+            self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
             if self._guardian is not None:
                 self._guardian.remove_on_death(self._hangs.ipc)
             if self._rdzv is None:
@@ -176,6 +191,8 @@ class Supervisor:
                 self._rdzv.leave()
             if self._guardian is not None:
                 self._guardian.close()
+            if self._progress is not None:
+                self._progress.close()
             if self._hangs is not None:
                 self._hangs.stop()
             if self._warm is not None:
@@ -222,9 +239,10 @@ class Supervisor:
         self.events.emit("shutdown", signal=name, grace=self.cfg.shutdown_timeout)
         if self._ctx is not None:
             self._ctx.close(sig, self.cfg.shutdown_timeout)
-            self._emit_exits(self._ctx, -1)
+            self._emit_exits(self._ctx, self._round)
         self.state = State.INTERRUPTED
-        return JobResult(128 + sig, self.state, 0, [], {}, self.run_dir)
+        self.events.emit("job_stopped", attempt=self._round, reason=f"signal {name}")
+        return JobResult(128 + sig, self.state, self._round + 1, [], {}, self.run_dir)
 
     def _loop(self, rdzv: Rendezvous) -> JobResult:
         cfg = self.cfg
@@ -236,7 +254,7 @@ class Supervisor:
             except JobEnded as ended:
                 return self._not_needed(ended)
             # A node that arrived late (a spare) joins the job's current round.
-            round_ = info.round
+            round_ = self._round = info.round
             self.events.set_node_rank(info.group_rank)
             self.events.emit(
                 "rendezvous_done",
@@ -355,12 +373,21 @@ class Supervisor:
         n = cfg.nproc_per_node
         ranks = {lr: info.base_rank + lr for lr in range(n)}
         logs = self.logs.make(info.round, n, ranks, cfg.role, info.group_rank)
+        adir = self.logs.attempt_dir(info.round)
+        # Stack dumps go to the rank's own folder, never to a console shared by ranks.
+        stacks = {lr: adir / str(lr) / "stacks.log" for lr in range(n)} if adir else {}
         program, argv = program_argv(cfg)
         specs = []
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])
             if self._hangs is not None:
                 env.update(self._hangs.worker_env(lr, ranks[lr]))
+                if lr in stacks:
+                    env[monitor_env.STACKS_FILE] = str(stacks[lr])
+            if self._progress is not None:
+                env.update(self._progress.worker_env(lr))
+            if self.events.path is not None:
+                env[EVENTS_FILE_ENV] = str(self.events.path)
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,
@@ -375,8 +402,8 @@ class Supervisor:
         )
         ctx.start()
         if self._hangs is not None:
-            stderr = {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
-            self._hangs.begin(info.round, ctx.pids(), stderr, ranks)
+            dumps = stacks or {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
+            self._hangs.begin(info.round, ctx.pids(), dumps, ranks)
         for lr, pid in ctx.pids().items():
             self.events.emit(
                 "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
@@ -388,7 +415,13 @@ class Supervisor:
     ) -> tuple[RoundOutcome, RunResult | None]:
         cfg = self.cfg
         self.state = State.RUNNING
+        self._exits_seen = set()
+        self._steps_sent = {}
+        if self._progress is not None:
+            self._progress.clear()
         self._ctx = ctx = self._start(info)
+        ranks = {lr: info.base_rank + lr for lr in range(cfg.nproc_per_node)}
+        self._ranks_run.update(ranks.values())
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
         last_reap = time.monotonic()
@@ -396,6 +429,9 @@ class Supervisor:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
             if self._hangs is not None:
                 self._hangs.collect()
+            # Written as the exit is seen, not after the attempt's teardown.
+            self._emit_exits(ctx, info.round, exited_only=True)
+            self._emit_progress(info.round, ranks, final=False)
             if time.monotonic() - last_reap > 1.0:
                 self._reap_orphans(ctx)
                 last_reap = time.monotonic()
@@ -430,6 +466,7 @@ class Supervisor:
                         "reason": "a rank asked to shut the workload down",
                     },
                 )
+        self._emit_progress(info.round, ranks, final=True)
         if self._hangs is not None:
             self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
@@ -474,8 +511,44 @@ class Supervisor:
             time.sleep(self.cfg.monitor_interval)
         return RoundOutcome.SUCCEEDED
 
-    def _emit_exits(self, ctx: ProcessContext, round_: int) -> None:
+    def _emit_progress(self, round_: int, ranks: dict[int, int], final: bool) -> None:
+        """A ``progress`` event per rank when its step moved: the first step of an
+        attempt at once, then at most one a second, and the last one at the end."""
+        if self._progress is None:
+            return
+        now = time.monotonic()
+        for lr, sample in self._progress.read().items():
+            sent = self._steps_sent.get(lr)
+            if sent is not None and (
+                sent[0] == sample or (not final and now - sent[1] < _PROGRESS_PERIOD)
+            ):
+                continue
+            wall = time.time() - now  # monotonic -> wall clock
+            if sent is None and sample.first_step != sample.step:
+                # Where this rank resumed, exactly, though sampled after a few steps.
+                self.events.emit(
+                    "progress",
+                    attempt=round_,
+                    local_rank=lr,
+                    rank=ranks.get(lr),
+                    step=sample.first_step,
+                    step_time=wall + sample.first_at,
+                )
+            self._steps_sent[lr] = (sample, now)
+            self.events.emit(
+                "progress",
+                attempt=round_,
+                local_rank=lr,
+                rank=ranks.get(lr),
+                step=sample.step,
+                step_time=wall + sample.at,
+            )
+
+    def _emit_exits(self, ctx: ProcessContext, round_: int, exited_only: bool = False) -> None:
         for lr, (rank, pid, code, when) in ctx.exit_info().items():
+            if lr in self._exits_seen or (exited_only and code is None):
+                continue
+            self._exits_seen.add(lr)
             self.events.emit(
                 "worker_exit",
                 attempt=round_,
