@@ -282,6 +282,8 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
             add(row, "checkpoint_stall", e_a)
         attempts.append(row)
 
+    # The launcher's own exit is no fault's doing.
+    pending_fault = None
     tail = Attempt(-1, "", cursor, t_end)
     add(tail, "teardown", t_end)
     return Breakdown(t0, t_end, total, attempts, faults, steps_known)

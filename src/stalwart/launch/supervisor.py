@@ -28,10 +28,11 @@ from stalwart.config import LaunchConfig
 from stalwart.launch import posix
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
-from stalwart.launch.events import EventLog
+from stalwart.launch.events import EventLog, read_events
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.monitor import envvars as monitor_env
@@ -198,10 +199,42 @@ class Supervisor:
             if self._warm is not None:
                 self._warm.close()
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
+            if result is not None:
+                self._end_report(result)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
             self._restore_signals()
         return result
+
+    def _end_report(self, result: JobResult) -> None:
+        """The job's closing block on the console, and faults that never fired."""
+        path = self.events.path
+        if path is None or not path.is_file():
+            return
+        try:
+            events = list(read_events(path))
+            for spec in never_fired(self.cfg.inject, events, self._ranks_run):
+                self.events.emit("inject_not_fired", fault=spec)
+                print(
+                    f"stalwart: warning: --inject fault {spec!r} never fired "
+                    "(does the script call stalwart.inject.step(step) each step?)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            block, breakdown = end_block(
+                events,
+                now=time.time(),
+                run_id=self.cfg.run_id,
+                outcome=result.state.value,
+                attempts=result.attempts,
+                run_dir=str(self.run_dir) if self.run_dir else None,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            # A summary must never turn a finished job into a failed launcher.
+            logger.warning("could not summarise the run: %s", err)
+            return
+        self.events.emit("goodput", **breakdown.to_dict()["seconds"], goodput=breakdown.goodput)
+        print(block, file=sys.stderr, flush=True)
 
     def prestart(self) -> None:
         """Starts the guardian and the warm template; cheap, and torch-free, so a caller
