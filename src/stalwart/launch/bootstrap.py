@@ -14,16 +14,18 @@ It imports only the standard library and ``stalwart.launch.errors``.
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import runpy
-import signal
 import sys
+
+from stalwart.monitor import stacks
 
 
 def observe() -> None:
     """Hooks every worker gets, cold or warm."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    # To the rank's stacks.log when the launcher names one, so that several hung ranks'
+    # dumps never interleave on the console.
+    stacks.install()
 
 
 def run_target(args: list[str]) -> None:
