@@ -83,6 +83,8 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
     p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
+    _flag(p, "--metrics-port", default=None, help="serve Prometheus /metrics on this port")
+    _flag(p, "--metrics-addr", default=None, help="address for --metrics-port (0.0.0.0)")
     hang = p.add_argument_group("hang detection (see docs/monitor.md)")
     _flag(hang, "--hb-timeout", default=None, help="max seconds between heartbeats")
     _flag(hang, "--hb-initial-timeout", default=None, help="max seconds to the first heartbeat")
@@ -132,6 +134,8 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "role": ns.role,
         "shutdown_timeout": ns.shutdown_timeout,
         "restart_policy": ns.restart_policy,
+        "metrics_port": ns.metrics_port,
+        "metrics_addr": ns.metrics_addr,
         "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
@@ -201,6 +205,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         ("max_restarts", int),
         ("monitor_interval", float),
         ("shutdown_timeout", float),
+        ("metrics_port", int),
     ):
         if name in m:
             kw[name] = _typed("--" + name.replace("_", "-"), m[name], conv)
@@ -214,6 +219,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         "inject",
         "log_line_prefix_template",
         "restart_policy",
+        "metrics_addr",
     ):
         if name in m:
             kw[name] = str(m[name])
@@ -292,7 +298,11 @@ def cmd_run(argv: list[str]) -> int:
     from stalwart.launch.supervisor import Supervisor
     from stalwart.rendezvous import RendezvousError
 
-    sup = Supervisor(cfg)
+    try:
+        sup = Supervisor(cfg)
+    except ConfigError as err:  # e.g. the metrics port is taken
+        print(f"stalwart run: error: {err}", file=sys.stderr)
+        return 2
     sup.prestart()  # the warm template imports while this process imports torch
     _quiet_torch_import(verbose)
     try:

@@ -197,7 +197,7 @@ class AsyncCheckpointer:
                 self._track(fut)
         self.last_stall_s = stall = time.perf_counter() - t0
         fut.add_done_callback(self._log_failure)
-        fut.add_done_callback(lambda f: _record_commit(f, step, stall, path))
+        fut.add_done_callback(lambda f: _record_commit(f, step, stall, t0, path))
         return fut
 
     def _track(self, fut: Future[SaveResult]) -> None:
@@ -285,11 +285,12 @@ class AsyncCheckpointer:
             logger.error("checkpoint save failed: %s", fut.exception())
 
 
-def _record_commit(fut: Future[SaveResult], step: int, stall: float, path: str) -> None:
+def _record_commit(fut: Future[SaveResult], step: int, stall: float, t0: float, path: str) -> None:
     """Under ``stalwart run``, a committed share goes to the run's event log (goodput
-    accounting); elsewhere this does nothing."""
+    accounting, metrics); elsewhere this does nothing."""
     if not fut.cancelled() and fut.exception() is None:
-        runlog.emit(runlog.CHECKPOINT_COMMIT, step=step, stall_s=stall, path=path)
+        save = time.perf_counter() - t0
+        runlog.emit(runlog.CHECKPOINT_COMMIT, step=step, stall_s=stall, save_s=save, path=path)
 
 
 def _optimizer_nbytes(optimizer: Any) -> int:

@@ -32,6 +32,7 @@ from stalwart.launch.events import EventLog, read_events
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.metrics import MetricsServer
 from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
@@ -96,6 +97,10 @@ class Supervisor:
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
         self.state = State.INIT
+        # First: a taken port is a one-line error before anything is created.
+        self._metrics = (
+            MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
+        )
         base = cfg.log_dir
         if base is None:
             base = Path(tempfile.mkdtemp(prefix="stalwart_"))
@@ -107,6 +112,8 @@ class Supervisor:
             run_id=cfg.run_id,
             node_rank=cfg.node_rank,
         )
+        if self._metrics is not None:
+            self._metrics.watch(self.events.path)
         self.logs = LogSpec(
             self.run_dir,
             redirects=cfg.redirects,
@@ -203,6 +210,8 @@ class Supervisor:
                 self._end_report(result)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
+            if self._metrics is not None:
+                self._metrics.close()
             self._restore_signals()
         return result
 
