@@ -117,7 +117,7 @@ def _step_time(samples: list[tuple[float, int]], step: int) -> float | None:
     return None
 
 
-def _last_step_end(samples: list[tuple[float, int]]) -> float:
+def last_step_end(samples: list[tuple[float, int]]) -> float:
     """When the last sampled step ended, taking it as long as the attempt's mean step."""
     (t0, s0), (t1, s1) = samples[0], samples[-1]
     mean = (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
@@ -266,7 +266,7 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
             done = [float(e.get("exited_at") or _t(e)) for e in evs if e["event"] == "worker_exit"]
             exited = max(done) if done else e_a
             # Training ends with the last step; workers then wind down (teardown).
-            run_end = exited if not sm else min(exited, _last_step_end(sm))
+            run_end = exited if not sm else min(exited, last_step_end(sm))
             add(row, "productive", run_end - min(stall, max(0.0, run_end - run_start)))
             add(row, "checkpoint_stall", run_end)
             add(row, "teardown", exited)

@@ -182,11 +182,23 @@ def _print_run(console: Console, path: Path) -> None:
         console.print(f"launcher exit code: {last.get('exit_code')}")
 
 
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Nothing half-written: a temp file beside the target, then a rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def report_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="stalwart report")
     parser.add_argument("path", type=Path, help="run folder, log dir, or events.jsonl")
     parser.add_argument("--run", default=None, help="run id to show when PATH holds several")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.add_argument("--html", type=Path, default=None, help="write a self-contained page")
+    parser.add_argument("--png", type=Path, default=None, help="write the timeline as an image")
     ns = parser.parse_args(argv)
     try:
         runs = find_runs(ns.path)
@@ -205,6 +217,25 @@ def report_main(argv: list[str]) -> int:
             )
             return 2
         chosen = match[0]
+    if ns.html is not None or ns.png is not None:
+        from stalwart.launch import timeline
+
+        tl = timeline.build(list(read_events(chosen)))
+        try:
+            if ns.html is not None:
+                _write_atomic(ns.html, timeline.to_html(tl).encode())
+            if ns.png is not None:
+                tmp = ns.png.with_name(f".{ns.png.name}.tmp.png")
+                try:
+                    timeline.to_png(tl, tmp)
+                    tmp.replace(ns.png)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except (OSError, RuntimeError) as err:
+            print(f"stalwart report: error: {err}", file=sys.stderr)
+            return 2
+        if not ns.json:
+            return 0
     if ns.json:
         out = {"runs": [run_record(p) for p in runs], "chosen": str(chosen)}
         json.dump(out, sys.stdout, indent=1, default=str)
