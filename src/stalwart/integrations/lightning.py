@@ -10,14 +10,14 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # the older package name
     try:
-        from pytorch_lightning import Callback
+        from pytorch_lightning import Callback  # type: ignore[assignment,unused-ignore]
     except ImportError:
         raise ImportError(
             "stalwart.integrations.lightning needs Lightning: pip install lightning"
         ) from None
 
 
-class StalwartCallback(Callback):  # type: ignore[misc]
+class StalwartCallback(Callback):  # type: ignore[misc,unused-ignore]
     """Heartbeat and step at each training batch; a checkpoint save is recorded once
     Lightning has written it (it saves synchronously, so by the next batch)."""
 

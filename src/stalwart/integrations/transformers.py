@@ -15,7 +15,7 @@ except ImportError:
     ) from None
 
 
-class StalwartTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class StalwartTrainerCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
     """Heartbeat and step at each optimizer step; ``on_save`` comes after the Trainer
     wrote ``checkpoint-<step>``, so it is recorded as committed."""
 
