@@ -30,6 +30,7 @@ BENCHES = {
     "hang": ("bench_hang.py", [], ["--repeats", "1", "--idle-cap", "20"]),
     "inprocess": ("bench_inprocess.py", [], ["--repeats", "2"]),
     "multinode": ("bench_multinode.py", ["--repeats", "3"], ["--repeats", "1", "--nodes", "2,4"]),
+    "goodput": ("bench_goodput.py", ["--repeats", "3"], ["--repeats", "1", "--steps", "200"]),
 }
 
 

@@ -110,6 +110,8 @@ def test_hung_ranks_stacks_go_to_their_folders_and_events(tmp_path: Path) -> Non
         assert "hang_both.py" in h["stacks"], h
         stacks = run_dir(logs) / "attempt_0" / str(h["local_rank"]) / "stacks.log"
         assert "hang_both.py" in stacks.read_text()
+    # A rank that wrote no dump leaves no empty file behind (attempt 1 did not hang).
+    assert not list((run_dir(logs) / "attempt_1").glob("*/stacks.log"))
     # Nothing of the dumps reached the shared console.
     assert "hang_both.py" not in proc.stderr and "most recent call first" not in proc.stderr
 

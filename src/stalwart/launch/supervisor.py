@@ -134,6 +134,7 @@ class Supervisor:
         self._progress: ProgressBoard | None = None
         self._steps_sent: dict[int, tuple[Sample, float]] = {}  # lr -> (sample, sent at)
         self._ranks_run: set[int] = set()  # global ranks this node ran, for the summary
+        self._stacks: list[Path] = []  # this attempt's stack-dump files
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -281,6 +282,7 @@ class Supervisor:
         self.events.emit("shutdown", signal=name, grace=self.cfg.shutdown_timeout)
         if self._ctx is not None:
             self._ctx.close(sig, self.cfg.shutdown_timeout)
+            self._drop_empty_stacks()
             self._emit_exits(self._ctx, self._round)
         self.state = State.INTERRUPTED
         self.events.emit("job_stopped", attempt=self._round, reason=f"signal {name}")
@@ -418,6 +420,7 @@ class Supervisor:
         adir = self.logs.attempt_dir(info.round)
         # Stack dumps go to the rank's own folder, never to a console shared by ranks.
         stacks = {lr: adir / str(lr) / "stacks.log" for lr in range(n)} if adir else {}
+        self._stacks = list(stacks.values())
         program, argv = program_argv(cfg)
         specs = []
         for lr in range(n):
@@ -512,6 +515,7 @@ class Supervisor:
         if self._hangs is not None:
             self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+        self._drop_empty_stacks()
         self._emit_exits(ctx, info.round)
         self._reap_orphans(ctx)
         self._ctx = None
@@ -552,6 +556,16 @@ class Supervisor:
                 return RoundOutcome.PEER_FAILURE
             time.sleep(self.cfg.monitor_interval)
         return RoundOutcome.SUCCEEDED
+
+    def _drop_empty_stacks(self) -> None:
+        """Every Python worker opens its stacks.log up front (a signal handler cannot);
+        the ones no hang wrote to are not left behind."""
+        for path in self._stacks:
+            try:
+                if path.stat().st_size == 0:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
 
     def _emit_progress(self, round_: int, ranks: dict[int, int], final: bool) -> None:
         """A ``progress`` event per rank when its step moved: the first step of an
