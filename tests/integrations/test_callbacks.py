@@ -133,3 +133,16 @@ def test_transformers_callback(launcher_side: tuple[ProgressBoard, Path], tmp_pa
     assert (sample.first_step, sample.step) == (0, 3)
     assert commits(events) == [2, 4]
     assert (tmp_path / "out" / "checkpoint-4").is_dir()
+
+
+def test_monitor_client_iterations_feed_progress(launcher_side: tuple[ProgressBoard, Path]) -> None:
+    from stalwart.monitor import RankMonitorClient
+
+    board, _ = launcher_side
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    client.report_iteration(11)
+    client.report_iteration(12)
+    client.shutdown_workload_monitoring()
+    sample = board.read()[0]
+    assert (sample.first_step, sample.step) == (11, 12)
