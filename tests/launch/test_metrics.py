@@ -90,3 +90,32 @@ def test_port_in_use_is_one_line(tmp_path: Path) -> None:
         f"stalwart run: error: --metrics-port {port}: 127.0.0.1:{port} is already in use\n"
     )
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--metrics-port", "70000"], {}, "--metrics-port 70000: expected a port, 1..65535"),
+        ([], {"STALWART_METRICS_PORT": "abc"}, "--metrics-port 'abc': expected int"),
+    ],
+)
+def test_bad_port_is_named(
+    args: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stalwart.cli import build_config
+    from stalwart.config import ConfigError
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as err:
+        build_config([*args, "train.py"])
+    assert str(err.value) == message
+
+
+def test_port_from_yaml(tmp_path: Path) -> None:
+    from stalwart.cli import build_config
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("metrics_port: 9464\nmetrics_addr: 127.0.0.1\n")
+    cfg, _ = build_config(["--config", str(cfg_file), "train.py"])
+    assert (cfg.metrics_port, cfg.metrics_addr) == (9464, "127.0.0.1")

@@ -207,7 +207,7 @@ class Supervisor:
             if self._warm is not None:
                 self._warm.close()
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
-            if result is not None:
+            if result is not None and result.attempts > 0:  # not a spare never admitted
                 self._end_report(result)
             self.events.emit("launcher_exit", exit_code=code)
             self.events.close()
