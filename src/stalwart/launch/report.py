@@ -141,15 +141,29 @@ def _print_run(console: Console, path: Path) -> None:
     events = list(read_events(path))
     b: Breakdown = account(events)
     table = Table(title=f"run {events[0].get('run_id') if events else '?'} ({path})")
-    for col in ("attempt", "world size", "duration s", "steps", "outcome", "root cause"):
+    for col in (
+        "attempt",
+        "world size",
+        "duration s",
+        "steps",
+        "productive s",
+        "lost s (largest)",
+        "outcome",
+        "root cause",
+    ):
         table.add_column(col)
     for row in summarise(events):
         steps = f"{row['first_step']}..{row['last_step']}" if row["first_step"] is not None else ""
+        secs: dict[str, float] = row["seconds"]
+        lost = {k: v for k, v in secs.items() if k != "productive"}
+        worst = max(lost, key=lambda k: lost[k])
         table.add_row(
             str(row["attempt"]),
             str(row["world_size"] or ""),
             _fmt(row["end"] - row["start"]),
             steps,
+            _fmt(secs["productive"]),
+            f"{_fmt(sum(lost.values()))} ({worst})" if lost[worst] > 0 else "0.00",
             row["outcome"],
             row["cause"],
         )
