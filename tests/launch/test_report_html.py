@@ -75,3 +75,34 @@ def test_unwritable_target_is_one_line(crashed_run: Path, tmp_path: Path) -> Non
     proc = report(crashed_run, "--html", tmp_path / "missing" / "run.html")
     assert proc.returncode == 2
     assert proc.stderr.startswith("stalwart report: error: ") and proc.stderr.count("\n") == 1
+
+
+def test_hang_is_drawn_with_its_stacks() -> None:
+    from stalwart.launch import timeline
+
+    def ev(event: str, t: float, **f: object) -> dict[str, object]:
+        return {"event": event, "time": t, **f}
+
+    events = [
+        ev("launcher_start", 0.0, run_id="h"),
+        ev("worker_spawn", 1.0, attempt=0, rank=0),
+        ev("worker_spawn", 1.0, attempt=0, rank=1),
+        ev("progress", 2.0, attempt=0, rank=0, step=0, step_time=2.0),
+        ev("progress", 2.0, attempt=0, rank=1, step=0, step_time=2.0),
+        ev("hang_detected", 11.0, attempt=0, global_rank=1, kind="heartbeat",
+           last_heartbeat_age=3.0, stacks='File "train.py", line 9 in <step & wait>'),
+        ev("worker_exit", 11.3, attempt=0, rank=1, exitcode=-15, exited_at=11.2),
+        ev("worker_exit", 11.4, attempt=0, rank=0, exitcode=-15, exited_at=11.4),
+        ev("job_failed", 12.0, attempt=0,
+           root_cause={"rank": 1, "signal": "SIGTERM", "exitcode": -15, "timestamp": 11.0}),
+        ev("launcher_exit", 12.5),
+    ]  # fmt: skip
+    tl = timeline.build(events)  # type: ignore[arg-type]
+    kinds = {(s.rank, s.kind): (s.start, s.end) for s in tl.segments}
+    assert kinds[(1, "hang")] == (8.0, 11.0)  # last heartbeat 3 s before the detection
+    assert kinds[(1, "running")] == (2.0, 8.0)
+    assert kinds[(1, "teardown")] == (11.0, 11.2)
+    assert kinds[(0, "running")] == (2.0, 11.0) and kinds[(0, "teardown")] == (11.0, 11.4)
+    page = timeline.to_html(tl)
+    assert '<details class="stacks"><summary>attempt 0, rank 1' in page
+    assert "in &lt;step &amp; wait&gt;" in page  # escaped, never raw HTML
