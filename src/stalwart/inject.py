@@ -11,8 +11,9 @@ A spec names a fault, the global rank it hits, the step and the attempt::
 Several specs are joined with ``;``.  ``attempt=N`` picks the restart attempt that
 faults (default 0, the first; ``attempt=*`` faults on every attempt).  The launcher's
 ``--inject`` flag puts the spec in ``STALWART_INJECT``; the training loop calls
-``stalwart.inject.step(step)`` once per step.  Without the variable, ``step`` costs one
-attribute check.
+``stalwart.inject.step(step)`` once per step; the call also reports the step for the
+launcher's goodput accounting (``stalwart.progress``).  Without a fault planned it
+costs about 0.3 µs under ``stalwart run`` and two attribute checks elsewhere.
 """
 
 from __future__ import annotations
