@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.launch.goodput import CATEGORIES
+
 from .helpers import (
     ROOT,
     SCRIPTS,
@@ -126,7 +128,9 @@ def test_injected_fault_that_never_fired_is_recorded_and_reported(tmp_path: Path
     assert "--inject fault 'crash:rank=1,step=30' never fired" in proc.stderr
     evs = events(logs)
     assert evs[kinds(evs).index("launcher_start")]["inject"] == "crash:rank=1,step=30"
-    assert [e["fault"] for e in evs if e["event"] == "inject_not_fired"] == ["crash:rank=1,step=30"]
+    assert evs[-1]["event"] == "launcher_exit"
+    assert evs[-1]["inject_not_fired"] == ["crash:rank=1,step=30"]
+    assert set(evs[-1]["goodput"]) == {*CATEGORIES, "ratio"}
 
 
 def test_report_lists_every_run_of_a_log_dir(tmp_path: Path) -> None:

@@ -207,24 +207,31 @@ class Supervisor:
             if self._warm is not None:
                 self._warm.close()
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
+            closing: dict[str, Any] = {}
             if result is not None and result.attempts > 0:  # not a spare never admitted
-                self._end_report(result)
-            self.events.emit("launcher_exit", exit_code=code)
+                closing = self._end_report(result)
+            # The closing figures ride on launcher_exit: the job's last events stay
+            # job_succeeded | job_failed | job_stopped, then launcher_exit.
+            self.events.emit("launcher_exit", exit_code=code, **closing)
             self.events.close()
             if self._metrics is not None:
                 self._metrics.close()
             self._restore_signals()
         return result
 
-    def _end_report(self, result: JobResult) -> None:
-        """The job's closing block on the console, and faults that never fired."""
+    def _end_report(self, result: JobResult) -> dict[str, Any]:
+        """The job's closing block on the console, and faults that never fired; returns
+        the fields for ``launcher_exit`` (``goodput``, ``inject_not_fired``)."""
         path = self.events.path
         if path is None or not path.is_file():
-            return
+            return {}
+        fields: dict[str, Any] = {}
         try:
             events = list(read_events(path))
-            for spec in never_fired(self.cfg.inject, events, self._ranks_run):
-                self.events.emit("inject_not_fired", fault=spec)
+            unfired = never_fired(self.cfg.inject, events, self._ranks_run)
+            if unfired:
+                fields["inject_not_fired"] = unfired
+            for spec in unfired:
                 print(
                     f"stalwart: warning: --inject fault {spec!r} never fired "
                     "(does the script call stalwart.inject.step(step) each step?)",
@@ -242,9 +249,10 @@ class Supervisor:
         except (OSError, ValueError, KeyError, TypeError) as err:
             # A summary must never turn a finished job into a failed launcher.
             logger.warning("could not summarise the run: %s", err)
-            return
-        self.events.emit("goodput", **breakdown.to_dict()["seconds"], goodput=breakdown.goodput)
+            return fields
+        fields["goodput"] = {**breakdown.seconds, "ratio": breakdown.goodput}
         print(block, file=sys.stderr, flush=True)
+        return fields
 
     def prestart(self) -> None:
         """Starts the guardian and the warm template; cheap, and torch-free, so a caller
