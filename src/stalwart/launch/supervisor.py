@@ -135,6 +135,7 @@ class Supervisor:
         self._steps_sent: dict[int, tuple[Sample, float]] = {}  # lr -> (sample, sent at)
         self._ranks_run: set[int] = set()  # global ranks this node ran, for the summary
         self._stacks: list[Path] = []  # this attempt's stack-dump files
+        self._folder_shown = False
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -168,8 +169,6 @@ class Supervisor:
             run_dir=str(self.run_dir) if self.run_dir else None,
             inject=cfg.inject or None,
         )
-        if self.run_dir is not None:
-            print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
         result: JobResult | None = None
         rdzv_failed = False
         try:
@@ -319,6 +318,11 @@ class Supervisor:
                 master_port=info.master_port,
                 duration=info.duration,
             )
+            if not self._folder_shown and self.run_dir is not None:
+                # Once the job forms, before any worker speaks (a store that cannot be
+                # reached stays a one-line error).
+                self._folder_shown = True
+                print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
             if info.left:
                 self.events.emit("nodes_left", attempt=round_, nodes=list(info.left))
                 logger.warning(
