@@ -31,6 +31,7 @@ BENCHES = {
     "inprocess": ("bench_inprocess.py", [], ["--repeats", "2"]),
     "multinode": ("bench_multinode.py", ["--repeats", "3"], ["--repeats", "1", "--nodes", "2,4"]),
     "frameworks": ("bench_frameworks.py", ["--repeats", "3"], ["--repeats", "1"]),
+    "goodput": ("bench_goodput.py", ["--repeats", "3"], ["--repeats", "1", "--steps", "200"]),
 }
 
 

@@ -97,6 +97,8 @@ def run_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inject", default=None, help="fault spec, e.g. crash:rank=1,step=30")
     p.add_argument("--config", type=Path, default=None, help="YAML file of settings")
+    _flag(p, "--metrics-port", default=None, help="serve Prometheus /metrics on this port")
+    _flag(p, "--metrics-addr", default=None, help="address for --metrics-port (0.0.0.0)")
     hang = p.add_argument_group("hang detection (see docs/monitor.md)")
     _flag(hang, "--hb-timeout", default=None, help="max seconds between heartbeats, or auto")
     _flag(hang, "--hb-initial-timeout", default=None, help="max seconds to the first heartbeat")
@@ -170,6 +172,8 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "shutdown_timeout": ns.shutdown_timeout,
         "restart_policy": ns.restart_policy,
         "ckpt_ram": ns.ckpt_ram,
+        "metrics_port": ns.metrics_port,
+        "metrics_addr": ns.metrics_addr,
         "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
     }
     merged.update({k: v for k, v in flags.items() if v is not None})
@@ -260,6 +264,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         ("max_restarts", int),
         ("monitor_interval", float),
         ("shutdown_timeout", float),
+        ("metrics_port", int),
     ):
         if name in m:
             kw[name] = _typed("--" + name.replace("_", "-"), m[name], conv)
@@ -273,6 +278,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         "inject",
         "log_line_prefix_template",
         "restart_policy",
+        "metrics_addr",
     ):
         if name in m:
             kw[name] = str(m[name])
@@ -365,6 +371,9 @@ def cmd_run(argv: list[str]) -> int:
         return 2
     except OSError as err:  # the run folder: checked already, but the disk may be full
         print(f"stalwart run: error: --log-dir {cfg.log_dir}: {err.strerror}", file=sys.stderr)
+        return 2
+    except ConfigError as err:  # e.g. the metrics port is taken
+        print(f"stalwart run: error: {err}", file=sys.stderr)
         return 2
     if signals.pending() is None:  # else run() goes straight to its shutdown
         sup.prestart()  # the warm template imports while this process imports torch

@@ -141,6 +141,8 @@ class LaunchConfig:
     preload: list[str] = field(default_factory=list)
     # Bytes of launcher-owned memory per local rank and snapshot (two are kept); 0: off.
     ckpt_ram: int = 0
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    metrics_addr: str = "0.0.0.0"
 
     def __post_init__(self) -> None:
         if self.run_id in ("", "none"):
@@ -163,6 +165,8 @@ class LaunchConfig:
         return "localhost" if self.max_nodes == 1 else "127.0.0.1"
 
     def validate(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: expected a port, 1..65535")
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
         if self.rdzv_backend not in RDZV_BACKENDS:

@@ -11,8 +11,9 @@ A spec names a fault, the global rank it hits, the step and the attempt::
 Several specs are joined with ``;``.  ``attempt=N`` picks the restart attempt that
 faults (default 0, the first; ``attempt=*`` faults on every attempt).  The launcher's
 ``--inject`` flag puts the spec in ``STALWART_INJECT``; the training loop calls
-``stalwart.inject.step(step)`` once per step.  Without the variable, ``step`` costs one
-attribute check.
+``stalwart.inject.step(step)`` once per step; the call also reports the step for the
+launcher's goodput accounting (``stalwart.progress``).  Without a fault planned it
+costs about 0.3 µs under ``stalwart run`` and two attribute checks elsewhere.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from stalwart import progress, runlog
 
 ENV_VAR = "STALWART_INJECT"
 
@@ -54,6 +57,7 @@ class Fault:
     attempt: int | None = 0  # None: every attempt
     code: int = 1
     mode: HangMode = HangMode.SLEEP
+    text: str = field(default="", compare=False)  # the spec as written, for messages
 
     def matches(self, rank: int, step: int, attempt: int) -> bool:
         return (
@@ -102,7 +106,8 @@ def parse_one(spec: str) -> Fault:
     step = _int(spec, "step", fields["step"])
     if step < 0 or (rank is not None and rank < 0) or (attempt is not None and attempt < 0):
         raise ValueError(f"bad --inject spec {spec!r}: rank, step and attempt must be >= 0")
-    return Fault(kind, rank, step, attempt, _int(spec, "code", fields.get("code", "1")), mode)
+    code = _int(spec, "code", fields.get("code", "1"))
+    return Fault(kind, rank, step, attempt, code, mode, text=spec.strip())
 
 
 def parse(specs: str) -> list[Fault]:
@@ -148,6 +153,8 @@ class _Injector:
     def step(self, step: int) -> None:
         for fault in self.faults:
             if fault.matches(self.rank, step, self.attempt):
+                # Recorded first: once the fault acts, this process may say nothing more.
+                runlog.emit(runlog.FAULT_INJECTED, fault=fault.text, step=step)
                 trigger(fault)
 
 
@@ -158,6 +165,7 @@ _injector: _Injector | None = None
 def step(step: int) -> None:
     """Call once per training step; performs any fault scheduled for this rank and step."""
     global _injector
+    progress.report(step)
     if _injector is None:
         _injector = _Injector()
     if _injector.faults:
@@ -168,3 +176,4 @@ def reset() -> None:
     """Forget the cached spec (for in-process restarts that change RANK, and tests)."""
     global _injector
     _injector = None
+    progress.reset()

@@ -62,7 +62,9 @@ def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "FAILED after 2 attempt(s)" in proc.stderr
     assert "root cause: rank 1" in proc.stderr and "exit code 5" in proc.stderr
-    assert "attempt_1/1/stdout.log" in proc.stderr
+    # Points at the root-cause rank's folder of the last attempt; without -r there is no
+    # stdout.log to name (issue 14), but its error.json is there.
+    assert "error file: " in proc.stderr and "attempt_1/1/error.json" in proc.stderr
     evs = events(tmp_path / "logs")
     assert kinds(evs).count("restart") == 1 and "job_failed" in kinds(evs)
     assert evs[-1] == {**evs[-1], "event": "launcher_exit", "exit_code": 1}

@@ -25,6 +25,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from stalwart import runlog
+
 from . import layout
 from .identity import resolve_rank, resolve_world_size
 from .loader import Loaded
@@ -236,8 +238,9 @@ class AsyncCheckpointer:
             )
             with self._lock:
                 self._track(fut)
-        self.last_stall_s = time.perf_counter() - t0
+        self.last_stall_s = stall = time.perf_counter() - t0
         fut.add_done_callback(self._log_failure)
+        fut.add_done_callback(lambda f: _record_commit(f, step, stall, t0, path))
         return fut
 
     def _save_ram(self, planned: StagingPlan, step: int) -> Future[SaveResult] | None:
@@ -408,6 +411,14 @@ class AsyncCheckpointer:
     def _log_failure(fut: Future[SaveResult]) -> None:
         if not fut.cancelled() and fut.exception() is not None:
             logger.error("checkpoint save failed: %s", fut.exception())
+
+
+def _record_commit(fut: Future[SaveResult], step: int, stall: float, t0: float, path: str) -> None:
+    """Under ``stalwart run``, a committed share goes to the run's event log (goodput
+    accounting, metrics); elsewhere this does nothing."""
+    if not fut.cancelled() and fut.exception() is None:
+        save = time.perf_counter() - t0
+        runlog.emit(runlog.CHECKPOINT_COMMIT, step=step, stall_s=stall, save_s=save, path=path)
 
 
 def _optimizer_nbytes(optimizer: Any) -> int:

@@ -17,16 +17,19 @@ It imports only the standard library, ``setproctitle`` and ``stalwart.launch.err
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import os
 import runpy
 import signal
 import sys
 
+from stalwart.monitor import stacks
+
 
 def observe() -> None:
     """Hooks every worker gets, cold or warm."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    # To the rank's stacks.log when the launcher names one, so that several hung ranks'
+    # dumps never interleave on the console.
+    stacks.install()
 
 
 def set_title(argv: list[str]) -> None:

@@ -250,9 +250,13 @@ def format_summary(
         lines.append("traceback (last lines):")
         lines.extend("  " + ln for ln in traceback_head(cause.traceback).splitlines())
     if cause.error_file:
-        lines.append(f"error file: {cause.error_file}")
-        logs = Path(cause.error_file).parent
-        lines.append(f"logs: {logs / 'stdout.log'}  {logs / 'stderr.log'}")
+        folder = Path(cause.error_file).parent
+        # Only files the worker really left: without -r/-t there are no logs.
+        if Path(cause.error_file).is_file():
+            lines.append(f"error file: {cause.error_file}")
+        logs = [str(p) for p in (folder / "stdout.log", folder / "stderr.log") if p.is_file()]
+        if logs:
+            lines.append(f"logs: {'  '.join(logs)}")
     others = [f for f in failures if f is not cause]
     if others:
         lines.append("other failures:")

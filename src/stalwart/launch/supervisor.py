@@ -30,15 +30,19 @@ from stalwart.launch import posix, signals
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
-from stalwart.launch.events import EventLog
+from stalwart.launch.events import EventLog, read_events
 from stalwart.launch.guardian import TOKEN_ENV, Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.metrics import MetricsServer
 from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.monitor import ControlAction, ControlRequest
+from stalwart.monitor import envvars as monitor_env
+from stalwart.progress import ProgressBoard, Sample
 from stalwart.rendezvous import (
     FailureRecord,
     JobEnded,
@@ -48,6 +52,7 @@ from stalwart.rendezvous import (
     StoreLost,
     from_config,
 )
+from stalwart.runlog import EVENTS_FILE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ _FORWARDED = signals.FORWARDED
 _REAP_EVERY = 1.0
 _STRAY_SCAN = 0.5
 _STRAY_SCAN_WITH_CGROUP = 5.0
+# Progress events a rank writes at most this often (s), besides its first and last.
+_PROGRESS_PERIOD = 1.0
 
 
 class State(Enum):
@@ -127,6 +134,10 @@ class Supervisor:
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
         self.state = State.INIT
+        # First: a taken port is a one-line error before anything is created.
+        self._metrics = (
+            MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
+        )
         base = cfg.log_dir
         if base is None:
             base = Path(tempfile.mkdtemp(prefix="stalwart_"))
@@ -139,6 +150,8 @@ class Supervisor:
             run_id=cfg.run_id,
             node_rank=cfg.node_rank,
         )
+        if self._metrics is not None:
+            self._metrics.watch(self.events.path)
         self.logs = LogSpec(
             self.run_dir,
             redirects=cfg.redirects,
@@ -160,6 +173,13 @@ class Supervisor:
         self._cgroup: JobCgroup | None = None
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
         self._snapshots: SnapshotMemory | None = None
+        self._round = 0  # the attempt under way, for events written on a signal
+        self._exits_seen: set[int] = set()  # local ranks whose worker_exit is written
+        self._progress: ProgressBoard | None = None
+        self._steps_sent: dict[int, tuple[Sample, float]] = {}  # lr -> (sample, sent at)
+        self._ranks_run: set[int] = set()  # global ranks this node ran, for the summary
+        self._stacks: list[Path] = []  # this attempt's stack-dump files
+        self._folder_shown = False
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -196,6 +216,7 @@ class Supervisor:
             entrypoint=cfg.entrypoint,
             args=cfg.args,
             run_dir=str(self.run_dir) if self.run_dir else None,
+            inject=cfg.inject or None,
         )
         result: JobResult | None = None
         rdzv_failed = False
@@ -217,6 +238,7 @@ class Supervisor:
                 # Learned timeouts and hang dossiers live in the run folder.
                 state_dir=self.run_dir,
             )
+            self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
             if cfg.ckpt_ram:
                 self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
                 if self._guardian is not None:
@@ -247,6 +269,8 @@ class Supervisor:
                 self._ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
             if self._rdzv is not None:
                 self._rdzv.leave()
+            if self._progress is not None:
+                self._progress.close()
             if self._hangs is not None:
                 self._hangs.stop()
             if self._warm is not None:
@@ -262,10 +286,52 @@ class Supervisor:
             if self._guardian is not None:
                 self._guardian.close(linger=linger)
             code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
-            self.events.emit("launcher_exit", exit_code=code)
+            closing: dict[str, Any] = {}
+            if result is not None and result.attempts > 0:  # not a spare never admitted
+                closing = self._end_report(result)
+            # The closing figures ride on launcher_exit: the job's last events stay
+            # job_succeeded | job_failed | job_stopped, then launcher_exit.
+            self.events.emit("launcher_exit", exit_code=code, **closing)
             self.events.close()
+            if self._metrics is not None:
+                self._metrics.close()
             self._restore_signals()
         return result
+
+    def _end_report(self, result: JobResult) -> dict[str, Any]:
+        """The job's closing block on the console, and faults that never fired; returns
+        the fields for ``launcher_exit`` (``goodput``, ``inject_not_fired``)."""
+        path = self.events.path
+        if path is None or not path.is_file():
+            return {}
+        fields: dict[str, Any] = {}
+        try:
+            events = list(read_events(path))
+            unfired = never_fired(self.cfg.inject, events, self._ranks_run)
+            if unfired:
+                fields["inject_not_fired"] = unfired
+            for spec in unfired:
+                print(
+                    f"stalwart: warning: --inject fault {spec!r} never fired "
+                    "(does the script call stalwart.inject.step(step) each step?)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            block, breakdown = end_block(
+                events,
+                now=time.time(),
+                run_id=self.cfg.run_id,
+                outcome=result.state.value,
+                attempts=result.attempts,
+                run_dir=str(self.run_dir) if self.run_dir else None,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            # A summary must never turn a finished job into a failed launcher.
+            logger.warning("could not summarise the run: %s", err)
+            return fields
+        fields["goodput"] = {**breakdown.seconds, "ratio": breakdown.goodput}
+        print(block, file=sys.stderr, flush=True)
+        return fields
 
     def prestart(self) -> None:
         """Starts the guardian and the warm template; cheap, and torch-free, so a caller
@@ -312,9 +378,11 @@ class Supervisor:
         self.events.emit("shutdown", signal=name, grace=self.cfg.shutdown_timeout)
         if self._ctx is not None:
             self._ctx.close(sig, self.cfg.shutdown_timeout)
-            self._emit_exits(self._ctx, -1)
+            self._drop_empty_stacks()
+            self._emit_exits(self._ctx, self._round)
         self.state = State.INTERRUPTED
-        return JobResult(128 + sig, self.state, 0, [], {}, self.run_dir)
+        self.events.emit("job_stopped", attempt=self._round, reason=f"signal {name}")
+        return JobResult(128 + sig, self.state, self._round + 1, [], {}, self.run_dir)
 
     def _loop(self, rdzv: Rendezvous) -> JobResult:
         cfg = self.cfg
@@ -326,7 +394,7 @@ class Supervisor:
             except JobEnded as ended:
                 return self._not_needed(ended)
             # A node that arrived late (a spare) joins the job's current round.
-            round_ = info.round
+            round_ = self._round = info.round
             self.events.set_node_rank(info.group_rank)
             self.events.emit(
                 "rendezvous_done",
@@ -339,6 +407,11 @@ class Supervisor:
                 master_port=info.master_port,
                 duration=info.duration,
             )
+            if not self._folder_shown and self.run_dir is not None:
+                # Once the job forms, before any worker speaks (a store that cannot be
+                # reached stays a one-line error).
+                self._folder_shown = True
+                print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
             if info.left:
                 self.events.emit("nodes_left", attempt=round_, nodes=list(info.left))
                 logger.warning(
@@ -462,14 +535,24 @@ class Supervisor:
         n = cfg.nproc_per_node
         ranks = {lr: info.base_rank + lr for lr in range(n)}
         logs = self.logs.make(info.round, n, ranks, cfg.role, info.group_rank)
+        adir = self.logs.attempt_dir(info.round)
+        # Stack dumps go to the rank's own folder, never to a console shared by ranks.
+        stacks = {lr: adir / str(lr) / "stacks.log" for lr in range(n)} if adir else {}
+        self._stacks = list(stacks.values())
         program, argv = program_argv(cfg)
         specs = []
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])
             if self._hangs is not None:
                 env.update(self._hangs.worker_env(lr, ranks[lr]))
+                if lr in stacks:
+                    env[monitor_env.STACKS_FILE] = str(stacks[lr])
             if self._snapshots is not None:
                 env.update(self._snapshots.worker_env())
+            if self._progress is not None:
+                env.update(self._progress.worker_env(lr))
+            if self.events.path is not None:
+                env[EVENTS_FILE_ENV] = str(self.events.path)
             specs.append(WorkerSpecEntry(lr, tuple(argv), env, logs[lr], ranks[lr]))
         ctx = ProcessContext(
             program,
@@ -497,8 +580,8 @@ class Supervisor:
         if self._deferred_signal is not None:
             raise SignalReceived(self._deferred_signal)
         if self._hangs is not None:
-            stderr = {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
-            self._hangs.begin(info.round, ctx.pids(), stderr, ranks)
+            dumps = stacks or {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
+            self._hangs.begin(info.round, ctx.pids(), dumps, ranks)
         for lr, pid in ctx.pids().items():
             self.events.emit(
                 "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
@@ -510,7 +593,13 @@ class Supervisor:
     ) -> tuple[RoundOutcome, RunResult | None]:
         cfg = self.cfg
         self.state = State.RUNNING
+        self._exits_seen = set()
+        self._steps_sent = {}
+        if self._progress is not None:
+            self._progress.clear()
         self._ctx = ctx = self._start(info)
+        ranks = {lr: info.base_rank + lr for lr in range(cfg.nproc_per_node)}
+        self._ranks_run.update(ranks.values())
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
         last_reap = last_scan = time.monotonic()
@@ -519,6 +608,9 @@ class Supervisor:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
             if self._hangs is not None:
                 self._hangs.collect()
+            # Written as the exit is seen, not after the attempt's teardown.
+            self._emit_exits(ctx, info.round, exited_only=True)
+            self._emit_progress(info.round, ranks, final=False)
             if time.monotonic() - last_reap > _REAP_EVERY:
                 self._reap_orphans(ctx)
                 last_reap = time.monotonic()
@@ -543,10 +635,12 @@ class Supervisor:
                 self.events.emit("peer_failure", attempt=info.round)
             elif self._hangs is not None and (req := self._hangs.control_request(info.round)):
                 outcome = self._on_request(rdzv, info, req)
+        self._emit_progress(info.round, ranks, final=True)
         self.events.emit("workers_stopping", attempt=info.round, reason=outcome.value)
         if self._hangs is not None:
             self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+        self._drop_empty_stacks()
         if outcome is RoundOutcome.LOCAL_FAILURE and result is not None:
             self._explain_late(rdzv, info.round, result)
         self._emit_exits(ctx, info.round)
@@ -638,8 +732,54 @@ class Supervisor:
             time.sleep(self.cfg.monitor_interval)
         return RoundOutcome.SUCCEEDED
 
-    def _emit_exits(self, ctx: ProcessContext, round_: int) -> None:
+    def _drop_empty_stacks(self) -> None:
+        """Every Python worker opens its stacks.log up front (a signal handler cannot);
+        the ones no hang wrote to are not left behind."""
+        for path in self._stacks:
+            try:
+                if path.stat().st_size == 0:
+                    path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _emit_progress(self, round_: int, ranks: dict[int, int], final: bool) -> None:
+        """A ``progress`` event per rank when its step moved: the first step of an
+        attempt at once, then at most one a second, and the last one at the end."""
+        if self._progress is None:
+            return
+        now = time.monotonic()
+        for lr, sample in self._progress.read().items():
+            sent = self._steps_sent.get(lr)
+            if sent is not None and (
+                sent[0] == sample or (not final and now - sent[1] < _PROGRESS_PERIOD)
+            ):
+                continue
+            wall = time.time() - now  # monotonic -> wall clock
+            if sent is None and sample.first_step != sample.step:
+                # Where this rank resumed, exactly, though sampled after a few steps.
+                self.events.emit(
+                    "progress",
+                    attempt=round_,
+                    local_rank=lr,
+                    rank=ranks.get(lr),
+                    step=sample.first_step,
+                    step_time=wall + sample.first_at,
+                )
+            self._steps_sent[lr] = (sample, now)
+            self.events.emit(
+                "progress",
+                attempt=round_,
+                local_rank=lr,
+                rank=ranks.get(lr),
+                step=sample.step,
+                step_time=wall + sample.at,
+            )
+
+    def _emit_exits(self, ctx: ProcessContext, round_: int, exited_only: bool = False) -> None:
         for lr, (rank, pid, code, when) in ctx.exit_info().items():
+            if lr in self._exits_seen or (exited_only and code is None):
+                continue
+            self._exits_seen.add(lr)
             self.events.emit(
                 "worker_exit",
                 attempt=round_,

@@ -25,6 +25,7 @@ import types
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
+from stalwart import progress
 from stalwart.monitor import envvars, layout, stacks
 from stalwart.monitor.learned import (
     NVIDIA_STATE_KEY,
@@ -260,6 +261,8 @@ class RankMonitorClient:
         if buf is None:
             raise RankMonitorError("call init_workload_monitoring() first")
         _pack_i64(buf, self._off_iter, iteration)
+        # The launcher's goodput accounting reads the step from its own slot.
+        progress.report(iteration)
 
     def start_section(self, name: str) -> None:
         """Opens `name`. Sections may nest or overlap; one name cannot be open twice."""

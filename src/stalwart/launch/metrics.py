@@ -1,0 +1,216 @@
+"""``--metrics-port``: the launcher serves ``/metrics`` for Prometheus.
+
+Every number is derived from the run's ``events.jsonl`` (the launcher's lines and the
+workers'), read incrementally at each scrape, so the metrics say what the event log,
+the closing block and ``stalwart report`` say.  The goodput figures are
+``goodput.account`` of the events so far, with the run ending "now".
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from stalwart.config import ConfigError
+from stalwart.launch.goodput import CATEGORIES, account
+from stalwart.runlog import CHECKPOINT_COMMIT
+
+# Save latency buckets (s): staging a few MiB to writing tens of GiB.
+SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RunState:
+    """What the metrics need from the events, folded in one event at a time.
+
+    Progress events are thinned to the first and latest per (attempt, rank): enough for
+    the live accounting, and a week-long run does not grow the launcher's memory.
+    """
+
+    def __init__(self) -> None:
+        self.restarts = 0
+        self.failures: dict[str, int] = {}
+        self.hangs: dict[str, int] = {}
+        self.attempt = -1
+        self.world_size = 0
+        self.step = -1
+        self.step_rate = 0.0
+        self.saves: list[float] = []
+        self.newest_commit: float | None = None
+        self._kept: list[dict[str, Any]] = []
+        self._progress: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._rate_from: tuple[float, int] | None = None
+
+    def fold(self, ev: dict[str, Any]) -> None:
+        kind = ev.get("event")
+        if kind == "progress":
+            key = (int(ev.get("attempt", -1)), int(ev.get("local_rank", 0)))
+            first = self._progress.get(key, (ev, ev))[0]
+            self._progress[key] = (first, ev)
+            self._step(ev)
+            return
+        self._kept.append(ev)
+        if kind == "restart":
+            self.restarts += 1
+        elif kind == "worker_exit" and ev.get("exitcode") not in (0, None):
+            why = ev.get("signal") or "exit"
+            self.failures[why] = self.failures.get(why, 0) + 1
+        elif kind == "hang_detected":
+            why = str(ev.get("kind") or "unknown")
+            self.hangs[why] = self.hangs.get(why, 0) + 1
+        elif kind == "rendezvous_done":
+            self.attempt = int(ev.get("attempt", self.attempt))
+            self.world_size = int(ev.get("world_size") or 0)
+            self._rate_from = None
+        elif kind == CHECKPOINT_COMMIT and ev.get("rank") in (None, 0):
+            self.newest_commit = float(ev["time"])
+            if isinstance(ev.get("save_s"), int | float):
+                self.saves.append(float(ev["save_s"]))
+
+    def _step(self, ev: dict[str, Any]) -> None:
+        if ev.get("attempt") != self.attempt or not isinstance(ev.get("step"), int):
+            return
+        step, at = int(ev["step"]), float(ev.get("step_time", ev["time"]))
+        if step <= self.step:
+            return
+        self.step = step
+        if self._rate_from is None:
+            self._rate_from = (at, step)
+        elif at > self._rate_from[0]:
+            self.step_rate = (step - self._rate_from[1]) / (at - self._rate_from[0])
+
+    def events(self) -> list[dict[str, Any]]:
+        thin = [e for pair in self._progress.values() for e in {id(p): p for p in pair}.values()]
+        return sorted([*self._kept, *thin], key=lambda e: float(e.get("time", 0.0)))
+
+
+class RunCollector(Collector):
+    """Reads new lines of the events file at each scrape and reports the run."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.state = RunState()
+        self._offset = 0
+        self._partial = b""
+        self._lock = threading.Lock()
+
+    def _read_new(self) -> None:
+        if self.path is None:
+            return
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # a line still being written
+        for raw in lines:
+            try:
+                ev = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "time" in ev:
+                self.state.fold(ev)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            self._read_new()
+            s = self.state
+            yield from _families(s, time.time())
+
+
+def _families(s: RunState, now: float) -> Iterator[Metric]:
+    c = CounterMetricFamily("stalwart_restarts", "Restarts of the job after a failure")
+    c.add_metric([], s.restarts)
+    yield c
+    c = CounterMetricFamily(
+        "stalwart_worker_failures", "Workers that ended badly, by kind", labels=["kind"]
+    )
+    for kind, n in sorted(s.failures.items()):
+        c.add_metric([kind], n)
+    yield c
+    c = CounterMetricFamily(
+        "stalwart_hangs_detected", "Hung ranks the monitor stopped, by kind", labels=["kind"]
+    )
+    for kind, n in sorted(s.hangs.items()):
+        c.add_metric([kind], n)
+    yield c
+    yield GaugeMetricFamily("stalwart_attempt", "Current attempt (restart count)", s.attempt)
+    yield GaugeMetricFamily("stalwart_world_size", "Workers in the current attempt", s.world_size)
+    yield GaugeMetricFamily("stalwart_step", "Latest training step reported", s.step)
+    yield GaugeMetricFamily(
+        "stalwart_steps_per_second", "Training steps per second in this attempt", s.step_rate
+    )
+    b = account(s.events(), now=now)
+    yield GaugeMetricFamily(
+        "stalwart_goodput_ratio", "Productive share of the wall-clock time so far", b.goodput
+    )
+    yield GaugeMetricFamily(
+        "stalwart_productive_seconds", "Seconds of kept training so far", b.seconds["productive"]
+    )
+    g = GaugeMetricFamily(
+        "stalwart_lost_seconds", "Seconds not spent on kept training, by cause", labels=["cause"]
+    )
+    for cat in CATEGORIES[1:]:
+        g.add_metric([cat], b.seconds[cat])
+    yield g
+    buckets: list[tuple[str, float]] = [
+        (str(le), float(sum(1 for x in s.saves if x <= le))) for le in SAVE_BUCKETS
+    ]
+    buckets.append(("+Inf", float(len(s.saves))))
+    h = HistogramMetricFamily(
+        "stalwart_checkpoint_save_seconds", "Time from save() to the share's commit (rank 0)"
+    )
+    h.add_metric([], buckets, sum(s.saves))
+    yield h
+    if s.newest_commit is not None:
+        yield GaugeMetricFamily(
+            "stalwart_checkpoint_age_seconds",
+            "Age of the newest committed checkpoint",
+            now - s.newest_commit,
+        )
+
+
+class MetricsServer:
+    """The HTTP endpoint; binding happens at construction, so a taken port fails early."""
+
+    def __init__(self, port: int, addr: str) -> None:
+        self.collector = RunCollector(None)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self.collector)
+        try:
+            self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+        except OSError as err:
+            why = "already in use" if err.errno == errno.EADDRINUSE else os.strerror(err.errno or 0)
+            raise ConfigError(f"--metrics-port {port}: {addr}:{port} is {why}") from None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_port)
+
+    def watch(self, events: Path | None) -> None:
+        self.collector.path = events
+
+    def close(self) -> None:
+        server: WSGIServer = self._server
+        server.shutdown()
+        server.server_close()
+        self._thread.join(timeout=5)

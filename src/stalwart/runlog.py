@@ -1,0 +1,74 @@
+"""The worker's side of the run's event log: a few events only a worker knows.
+
+Under ``stalwart run`` the launcher names its ``events.jsonl`` in ``STALWART_EVENTS_FILE``;
+a worker appends whole lines to it with one ``O_APPEND`` write each, so its records
+interleave cleanly with the launcher's.  Without the variable (plain torchrun, or a run
+with ``--log-dir /dev/null``) every call here is a no-op.  This module imports nothing
+from ``launch``: checkpointing, fault injection and the framework callbacks use it from
+inside workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+#: Path of the run's events.jsonl, set by the launcher in every worker's environment.
+EVENTS_FILE_ENV = "STALWART_EVENTS_FILE"
+
+#: A fault from ``--inject`` fired in this worker (written just before it acts).
+FAULT_INJECTED = "fault_injected"
+#: A checkpoint became complete and loadable (``step`` is the training step it holds).
+CHECKPOINT_COMMIT = "checkpoint_commit"
+
+
+def _context() -> dict[str, Any]:
+    fields: dict[str, Any] = {"host": socket.gethostname()}
+    for key, env, conv in (
+        ("run_id", "TORCHELASTIC_RUN_ID", str),
+        ("rank", "RANK", int),
+        ("local_rank", "LOCAL_RANK", int),
+        ("attempt", "TORCHELASTIC_RESTART_COUNT", int),
+    ):
+        raw = os.environ.get(env)
+        if raw is not None:
+            try:
+                fields[key] = conv(raw)
+            except ValueError:
+                continue
+    return fields
+
+
+def emit(event: str, **fields: Any) -> bool:
+    """Appends one event to the run's log; returns False when there is none to write to.
+
+    A failure to write is swallowed: an event must never break a training job.
+    """
+    path = os.environ.get(EVENTS_FILE_ENV)
+    if not path:
+        return False
+    now = time.time()
+    record = {
+        "event": event,
+        "time": now,
+        "mono": time.monotonic(),
+        "pid": os.getpid(),
+        "source": "worker",
+        **_context(),
+        **fields,
+    }
+    line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError:
+        return False
+    try:
+        os.write(fd, line)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
