@@ -158,7 +158,10 @@ def test_static_job_ends_with_the_reason(tmp_path: Path) -> None:
     outs = {n: p.communicate(timeout=150)[0] for n, p in procs.items()}
     for n, p in procs.items():
         assert p.returncode == 1, outs[n][-3000:]
-    lines = [ln for ln in outs[1].splitlines() if ln.startswith("stalwart: job")]
+    # One line says why the job stopped (the end-of-job summary block follows it).
+    lines = [
+        ln for ln in outs[1].splitlines() if ln.startswith("stalwart: job") and "stopped" in ln
+    ]
     assert len(lines) == 1, outs[1][-3000:]
     assert "asked to exclude node 1" in lines[0] and "fixed membership" in lines[0], lines
     assert "asked to exclude node 1" in outs[0], outs[0][-3000:]
