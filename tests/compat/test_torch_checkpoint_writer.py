@@ -75,18 +75,29 @@ def test_torch_style_writer_runs_under_stalwart_with_only_the_import_changed(
     _check_outputs(out, 2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_the_program_is_valid_for_torchs_own_checkpoint_process(tmp_path: Path) -> None:
     # The reference run: the unchanged program with torch's process, one rank.
-    out = tmp_path / "out"
-    res = subprocess.run(
-        [sys.executable, PROGRAM, out],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**_env(), "RANK": "0", "WORLD_SIZE": "1"},
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
+    # torch's close() is racy: its subprocess carries PR_SET_PDEATHSIG=SIGINT tied to the
+    # executor thread that spawned it, and close() ends that thread before asking the
+    # subprocess to leave; a SIGINT landing during the subprocess's interpreter shutdown
+    # fails close() with ProcessExitedException (seen once in CI, 2026-11-23). Only that
+    # failure is retried; any other fails at once.
+    failures = []
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        res = subprocess.run(
+            [sys.executable, PROGRAM, out],
+            capture_output=True,
+            text=True,
+            timeout=45,
+            env={**_env(), "RANK": "0", "WORLD_SIZE": "1"},
+            check=False,
+        )
+        if res.returncode == 0:
+            break
+        assert "process 0 terminated with signal SIGINT" in res.stderr, res.stderr[-3000:]
+        failures.append(res.stderr[-3000:])
+    assert res.returncode == 0, failures
     assert "rank 0: caught RuntimeError: True" in res.stdout
     _check_outputs(out, 1)

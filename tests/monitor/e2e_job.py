@@ -1,7 +1,8 @@
 """A 2-rank gloo job for the end-to-end monitor tests, run by `stalwart run`.
 
-`python e2e_job.py MODE STEPS`: on the first attempt rank 1 hangs at step 5 in the way
-MODE names; after the restart every rank runs all steps and the job succeeds.
+`python e2e_job.py MODE STEPS [PAUSE]`: on the first attempt rank 1 hangs at step 5 in the way
+MODE names; after the restart every rank runs all steps and the job succeeds. PAUSE
+(seconds, default 0.02) is slept after each step.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def hang(mode: str) -> None:
 
 
 mode, steps = sys.argv[1], int(sys.argv[2])
+pause = float(sys.argv[3]) if len(sys.argv) > 3 else 0.02
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -53,7 +55,7 @@ for step in range(steps):
         time.sleep(600)
     client.send_heartbeat()
     client.report_iteration(step)
-    time.sleep(0.02)
+    time.sleep(pause)
 client.shutdown_workload_monitoring()
 dist.destroy_process_group()
 print(f"rank {rank} finished attempt {attempt}", flush=True)

@@ -17,14 +17,14 @@ JOB = Path(__file__).with_name("e2e_job.py")
 
 
 def run_job(
-    tmp_path: Path, mode: str, *flags: str
+    tmp_path: Path, mode: str, *flags: str, pause: float = 0.02
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     logs = tmp_path / "logs"
     proc = subprocess.run(
         [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2",
          "--max-restarts", "2", "--rdzv-id", f"e2e-{mode}", "--log-dir", str(logs),
-         "--hb-initial-timeout", "60", *flags, str(JOB), mode, "12"],
+         "--hb-initial-timeout", "60", *flags, str(JOB), mode, "12", str(pause)],
         capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
     )  # fmt: skip
     events_file = logs / f"e2e-{mode}" / "events.jsonl"
@@ -116,7 +116,11 @@ def test_rank_waited_on_is_the_root_cause(tmp_path: Path) -> None:
 def test_auto_timeout_learned_and_kept_in_the_run_folder(tmp_path: Path) -> None:
     # No number given: the hang of rank 1 at step 5 is caught by a learned timeout far
     # below the 60 s that applies before warm-up, and the value is kept in the run folder.
-    proc, events = run_job(tmp_path, "sleep", "--hb-timeout", "auto", "--auto-warmup-steps", "3")
+    # Steps a few scans long: a scan sees each beat, so warm-up has gaps to learn from
+    # (steps faster than the scan could all fall between two reads on a loaded machine).
+    proc, events = run_job(
+        tmp_path, "sleep", "--hb-timeout", "auto", "--auto-warmup-steps", "3", pause=0.3
+    )
     hang = check(proc, events, "heartbeat")
     before = events[: events.index(hang)]
     learned = [e for e in before if e["event"] == "timeouts_learned"]
