@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import pickle
-import stat
 import threading
 import time
 import warnings
@@ -30,6 +29,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from stalwart.base.files import untrusted
 
 from . import ramlayout as rl
 from .errors import CheckpointCorruptError, CheckpointError
@@ -48,12 +49,9 @@ class SnapshotTooLargeError(CheckpointError):
 
 
 def _check_private(st: os.stat_result, path: Path, *, folder: bool) -> None:
-    kind = stat.S_ISDIR(st.st_mode) if folder else stat.S_ISREG(st.st_mode)
-    if not kind or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CheckpointError(
-            f"{path}: expected a {'folder' if folder else 'file'} owned by uid {os.getuid()} "
-            f"with no group/other access, found uid {st.st_uid} mode {stat.filemode(st.st_mode)}"
-        )
+    problem = untrusted(st, "folder" if folder else "file", private=True)
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
 
 
 class RamSegment:

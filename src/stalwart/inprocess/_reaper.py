@@ -1,7 +1,8 @@
 """Monitor process body: kills its parent rank when the hard progress timeout passes.
 
 Runs as a separate interpreter (started by ``monitor_process.MonitorProcess``)
-with the standard library only, so it starts in tens of milliseconds and keeps
+with the standard library and ``stalwart.base`` only, so it starts in tens of
+milliseconds and keeps
 working while the rank's interpreter is stuck, even with the GIL held.  It
 reads the progress clock described in ``progress.py``; it exits when the clock
 is closed or its parent is gone.
@@ -18,18 +19,15 @@ import signal
 import struct
 import sys
 import time
+from pathlib import Path
+
+# Started by path in an isolated interpreter (``-I``): the package this file belongs to
+# is importable from wherever it was loaded, installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from stalwart.base.procs import parent_is
 
 LAYOUT = struct.Struct("<dddd")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return os.getppid() == pid
 
 
 def _terminate(pid: int, grace: float, interval: float, log: logging.Logger) -> None:
@@ -37,7 +35,7 @@ def _terminate(pid: int, grace: float, interval: float, log: logging.Logger) -> 
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not parent_is(pid):
             return
         time.sleep(min(interval, 0.05))
     log.warning("rank pid %d ignored SIGTERM for %.1fs; sending SIGKILL", pid, grace)
@@ -72,7 +70,7 @@ def main(argv: list[str]) -> int:
     try:
         while True:
             time.sleep(args.interval)
-            if not _alive(args.parent):
+            if not parent_is(args.parent):
                 # The rank died without closing its clock (SIGKILL): remove it for them.
                 with contextlib.suppress(OSError):
                     os.unlink(args.clock)

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.base.liveness import CounterWatch
+
 from .abort import destroy_process_groups
 from .asyncexc import clear_pending, install_wake_handler
 from .call import Call, inject_call
@@ -55,7 +57,7 @@ from .options import Options
 from .progress import Periodic, ProgressClock
 from .sockets import open_socket_fds
 from .state import Interruption, InterruptionRecord, Mode, State
-from .store import CoordStore, Liveness, store_port
+from .store import CoordStore, store_port
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,8 @@ class Runner:
 
     def _start(self) -> None:
         opts, rank = self.opts, self.state.initial_rank
-        self.liveness = Liveness(opts.heartbeat_timeout)
+        # A rank whose counter stands still this long is gone (local time only).
+        self.liveness = CounterWatch[int](opts.heartbeat_timeout)
         call = next(_CALLS)
         main_store = opts.store_factory(is_host=self.is_host, **opts.store_kwargs)
         self.coord = CoordStore(main_store, rank, self.liveness, call)

@@ -14,12 +14,13 @@ import datetime
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+from stalwart.base.liveness import CounterWatch
 
 from .errors import BarrierTimeout
 from .state import InterruptionRecord
@@ -97,32 +98,12 @@ def store_port(store: Store) -> int | None:
     return int(port) if port is not None else None
 
 
-class Liveness:
-    """Tells from heartbeat counters which ranks stopped beating.
-
-    A counter that has not moved for ``timeout`` seconds of *local* time means
-    the rank is gone, so no clocks are compared across hosts.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
-        self._seen: dict[int, tuple[int, float]] = {}
-        self._lock = threading.Lock()
-
-    def stale(self, rank: int, value: int) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last = self._seen.get(rank)
-            if last is None or last[0] != value:
-                self._seen[rank] = (value, now)
-                return False
-            return now - last[1] > self.timeout
-
-
 class CoordStore:
     """The wrapper's view of the store for one rank (one client per thread)."""
 
-    def __init__(self, store: Store, initial_rank: int, liveness: Liveness, call: int = 0) -> None:
+    def __init__(
+        self, store: Store, initial_rank: int, liveness: CounterWatch[int], call: int = 0
+    ) -> None:
         # One namespace per wrapped call: a process may run several jobs in turn,
         # and a peer can reach the store before this rank has left the last one.
         self.namespace = f"{PREFIX}c{call}/"

@@ -25,7 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.monitor import auto, dossier, envvars, layout, procs
+from stalwart.base import procs
+from stalwart.base.events import Event
+from stalwart.base.files import untrusted
+from stalwart.monitor import auto, dossier, envvars, layout
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.judge import (
     Stalled,
@@ -43,7 +46,7 @@ from stalwart.monitor.wire import ControlMessage
 
 log = logging.getLogger(__name__)
 
-LogEvent = Callable[[str, dict[str, Any]], None]
+LogEvent = Callable[[Event, dict[str, Any]], None]
 
 SHM_NAME = "monitor.shm"
 PIPE_NAME = "timer.pipe"
@@ -102,9 +105,9 @@ class _Hang:
 
 def _ensure_private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = os.lstat(path)
-    if st.st_uid != os.getuid():
-        raise PermissionError(f"monitor folder {path} belongs to another user")
+    problem = untrusted(os.lstat(path), "folder", private=False)
+    if problem is not None:
+        raise PermissionError(f"monitor folder {path}: {problem}")
     os.chmod(path, 0o700)
 
 
@@ -196,7 +199,7 @@ class NodeMonitor:
         )
         self._scanner.start()
         self._emit(
-            "monitor_started", {"config": self.config.to_dict(), "run_dir": str(self.run_dir)}
+            Event.MONITOR_STARTED, {"config": self.config.to_dict(), "run_dir": str(self.run_dir)}
         )
 
     def stop(self) -> None:
@@ -270,7 +273,7 @@ class NodeMonitor:
                 for lr, pid in pids.items()
             }
         self._emit(
-            "monitor_attempt_started",
+            Event.MONITOR_ATTEMPT_STARTED,
             {"attempt": attempt, "pids": {str(k): v for k, v in pids.items()}},
         )
         self._resolve_controls()
@@ -336,7 +339,7 @@ class NodeMonitor:
         return out
 
     # -- helpers ---------------------------------------------------------------------
-    def _emit(self, event: str, fields: dict[str, Any]) -> None:
+    def _emit(self, event: Event, fields: dict[str, Any]) -> None:
         try:
             with self._event_lock:
                 self._log_event(event, fields)
@@ -498,7 +501,7 @@ class NodeMonitor:
                 "window": window,
                 "attempt": self._attempt,
             }
-            self._emit("straggler", fields)
+            self._emit(Event.STRAGGLER, fields)
             last = self._straggler_logged.get(global_rank)
             if last is None or now - last >= STRAGGLER_LOG_EVERY:
                 self._straggler_logged[global_rank] = now
@@ -558,7 +561,7 @@ class NodeMonitor:
             return
         self._learned = merged
         self._write_learned()
-        self._emit("timeouts_learned", {"source": "observed", **merged.to_state()})
+        self._emit(Event.TIMEOUTS_LEARNED, {"source": "observed", **merged.to_state()})
 
     def _read_learned(self) -> None:
         path = self._learned_path
@@ -586,7 +589,7 @@ class NodeMonitor:
             log.warning("ignoring learned timeouts in %s: %s", path, exc)
             return
         self._learned = auto.merge(LearnedTimeouts(), learned)
-        self._emit("timeouts_learned", {"source": str(path), **self._learned.to_state()})
+        self._emit(Event.TIMEOUTS_LEARNED, {"source": str(path), **self._learned.to_state()})
 
     def _write_learned(self) -> None:
         path = self._learned_path
@@ -612,7 +615,9 @@ class NodeMonitor:
             pid,
             ", ".join(new),
         )
-        self._emit("monitor_bad_slot", {"local_rank": rank.local_rank, "pid": pid, "fields": new})
+        self._emit(
+            Event.MONITOR_BAD_SLOT, {"local_rank": rank.local_rank, "pid": pid, "fields": new}
+        )
 
     def _begin_hang(
         self,
@@ -730,7 +735,7 @@ class NodeMonitor:
         fields = report.to_event()
         fields["attempt"] = hang.attempt
         fields["stacks"] = report.stacks[-16384:]
-        self._emit("hang_detected", fields)
+        self._emit(Event.HANG_DETECTED, fields)
         for pid in self._targets(hang):
             procs.signal_pid(pid, hang.term_signal, group=True)
             procs.continue_if_stopped(pid, group=True)
@@ -875,7 +880,7 @@ class NodeMonitor:
                     timer.pid,
                 )
                 self._emit(
-                    "timer_expired",
+                    Event.TIMER_EXPIRED,
                     {"pid": timer.pid, "scope": timer.scope_id, "rank": None, "reaped": False},
                 )
             return
@@ -932,7 +937,9 @@ class NodeMonitor:
                     msg.action.value,
                     msg.pid,
                 )
-                self._emit("control_request_refused", {"pid": msg.pid, "action": msg.action.value})
+                self._emit(
+                    Event.CONTROL_REQUEST_REFUSED, {"pid": msg.pid, "action": msg.action.value}
+                )
             return True
         req = ControlRequest(
             action=msg.action,

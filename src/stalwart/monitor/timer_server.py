@@ -22,14 +22,15 @@ import logging
 import os
 import select
 import signal
-import stat
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stalwart.monitor import procs
+from stalwart.base import procs
+from stalwart.base.events import Event
+from stalwart.base.files import untrusted
 from stalwart.monitor.wire import (
     PIPE_BUF,
     VALID_SIGNALS,
@@ -41,7 +42,7 @@ from stalwart.monitor.wire import (
 
 log = logging.getLogger(__name__)
 
-LogEvent = Callable[[str, dict[str, Any]], None]
+LogEvent = Callable[[Event, dict[str, Any]], None]
 
 #: Signal used for a timer whose signal is not one of this system's (and torch's default).
 DEFAULT_SIGNAL = int(signal.SIGKILL)
@@ -137,8 +138,7 @@ class TimerServer:
         try:
             os.mkfifo(self.path, 0o600)
         except FileExistsError:
-            st = os.lstat(self.path)
-            if not stat.S_ISFIFO(st.st_mode) or st.st_uid != os.getuid():
+            if untrusted(os.lstat(self.path), "fifo", private=False) is not None:
                 raise RuntimeError(f"{self.path} exists and is not our FIFO") from None
         os.chmod(self.path, 0o600)
         self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -231,7 +231,7 @@ class TimerServer:
             return
         log.warning("timer server dropped a request: %s (%r)", why, sample[:80])
         if self.log_event is not None:
-            self.log_event("monitor_bad_request", {"reason": why, "dropped": self.dropped})
+            self.log_event(Event.MONITOR_BAD_REQUEST, {"reason": why, "dropped": self.dropped})
 
     def _refuse(self, why: str) -> None:
         """A well-formed request that is not kept (dead pid, table full)."""
@@ -353,7 +353,7 @@ class TimerServer:
                     )
                     if self.log_event is not None:
                         self.log_event(
-                            "timer_expired",
+                            Event.TIMER_EXPIRED,
                             {"pid": pid, "scope": m.scope_id, "signal": m.signal, "reaped": False},
                         )
             return
@@ -363,7 +363,7 @@ class TimerServer:
                 log.error("timer %r names the monitor's own pid; not reaping", chosen.scope_id)
                 if self.log_event is not None:
                     self.log_event(
-                        "timer_expired",
+                        Event.TIMER_EXPIRED,
                         {"pid": pid, "scope": chosen.scope_id, "rank": None, "reaped": False},
                     )
             return
@@ -402,12 +402,6 @@ class TimerServer:
         """Drops every timer of `pid` (called when the supervisor stops a worker)."""
         with self._lock:
             self._count -= len(self._timers.pop(pid, {}))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._timers.clear()
-            self._heap.clear()
-            self._count = 0
 
     @property
     def active_timers(self) -> int:

@@ -32,6 +32,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from stalwart.base.liveness import CounterWatch
 from stalwart.rendezvous.api import (
     FailureRecord,
     JobEnded,
@@ -100,37 +101,21 @@ def _decode_or_none(raw: bytes, typ: type[T], key: str, warned: set[str]) -> T |
 
 
 class Liveness:
-    """This node's view of who is alive, from the heartbeat counters it has read."""
+    """This node's view of who is alive, from the nodes' heartbeat counters in the store."""
 
     def __init__(self, kv: KV, lost_after: float) -> None:
         self._kv = kv
-        self._lost_after = lost_after
-        self._seen: dict[str, tuple[bytes | None, float]] = {}
-        self._last_read = time.monotonic()
+        # Not looking for half the loss timeout (blocked, or the store stalled) forgives
+        # the silence this node did not watch.
+        self._watch = CounterWatch[str](lost_after, blind_after=lost_after / 2)
 
     def observe(self, ids: list[str]) -> None:
         values = self._kv.get_many([f"hb/{i}" for i in ids])
-        now = time.monotonic()  # after the read: a slow store must not age the counters
-        if now - self._last_read > self._lost_after / 2:
-            # This node did not look for a while (it was blocked, or the store stalled):
-            # silence it did not watch is no evidence, so everyone starts afresh.
-            self._seen = {n: (v, now) for n, (v, _) in self._seen.items()}
-        self._last_read = now
-        for node, value in zip(ids, values, strict=True):
-            old = self._seen.get(node)
-            if old is None or old[0] != value:
-                self._seen[node] = (value, now)
+        self._watch.observe_many(zip(ids, values, strict=True))
 
     def lost(self, node: str) -> float | None:
         """Seconds since *node* last showed a sign of life, if that makes it lost."""
-        seen = self._seen.get(node)
-        if seen is None:
-            return None
-        silent = time.monotonic() - seen[1]
-        # A vanished key (etcd lease expired) is loss at once; a still counter, after a while.
-        if (seen[0] is None and silent > 0) or silent >= self._lost_after:
-            return silent
-        return None
+        return self._watch.lost(node)
 
 
 class ElasticRendezvous:
