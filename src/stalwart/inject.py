@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from stalwart import progress, runlog
+from stalwart.base import envvars
 
-ENV_VAR = "STALWART_INJECT"
+ENV_VAR = envvars.INJECT
 
 
 class FaultKind(Enum):

@@ -16,22 +16,24 @@ import socket
 import time
 from typing import Any
 
+from stalwart.base import envvars
+from stalwart.base.events import Event
+
 #: Path of the run's events.jsonl, set by the launcher in every worker's environment.
 EVENTS_FILE_ENV = "STALWART_EVENTS_FILE"
 
-#: A fault from ``--inject`` fired in this worker (written just before it acts).
-FAULT_INJECTED = "fault_injected"
-#: A checkpoint became complete and loadable (``step`` is the training step it holds).
-CHECKPOINT_COMMIT = "checkpoint_commit"
+# The kinds a worker writes (spelled in ``base.events``; named here for the worker side).
+FAULT_INJECTED = Event.FAULT_INJECTED
+CHECKPOINT_COMMIT = Event.CHECKPOINT_COMMIT
 
 
 def _context() -> dict[str, Any]:
     fields: dict[str, Any] = {"host": socket.gethostname()}
     for key, env, conv in (
-        ("run_id", "TORCHELASTIC_RUN_ID", str),
-        ("rank", "RANK", int),
-        ("local_rank", "LOCAL_RANK", int),
-        ("attempt", "TORCHELASTIC_RESTART_COUNT", int),
+        ("run_id", envvars.RUN_ID, str),
+        ("rank", envvars.RANK, int),
+        ("local_rank", envvars.LOCAL_RANK, int),
+        ("attempt", envvars.RESTART_COUNT, int),
     ):
         raw = os.environ.get(env)
         if raw is not None:
@@ -42,7 +44,7 @@ def _context() -> dict[str, Any]:
     return fields
 
 
-def emit(event: str, **fields: Any) -> bool:
+def emit(event: Event, **fields: Any) -> bool:
     """Appends one event to the run's log; returns False when there is none to write to.
 
     A failure to write is swallowed: an event must never break a training job.

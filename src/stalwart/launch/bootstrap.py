@@ -22,6 +22,7 @@ import runpy
 import signal
 import sys
 
+from stalwart.base import envvars
 from stalwart.monitor import stacks
 
 
@@ -38,13 +39,13 @@ def set_title(argv: list[str]) -> None:
     # block alone (the guardian finds our processes by a variable in it).  A cold worker's
     # bootstrap command line is longer than its title; the launcher gives the template a
     # command line long enough for any worker's title.
-    os.environ["SPT_NOENV"] = "1"
+    os.environ[envvars.SPT_NOENV] = "1"
     try:
         import setproctitle
 
         setproctitle.setproctitle(" ".join(argv))
     finally:
-        del os.environ["SPT_NOENV"]
+        del os.environ[envvars.SPT_NOENV]
 
 
 def run_target(args: list[str]) -> None:
@@ -131,9 +132,9 @@ def _drop_own_frames(exc: BaseException) -> None:
 
 
 def main() -> None:
-    parent = os.environ.get("STALWART_LAUNCHER_PID")
+    parent = os.environ.get(envvars.LAUNCHER_PID)
     if parent:
-        from stalwart.launch.posix import pdeathsig_then_check
+        from stalwart.base.procs import pdeathsig_then_check
 
         pdeathsig_then_check(int(parent))
     observe()

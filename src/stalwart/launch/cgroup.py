@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from stalwart.base import envvars
+
 logger = logging.getLogger(__name__)
 
-CGROUP_ENV = "STALWART_CGROUP"
 _PREFIX = "stalwart-"
 
 
@@ -72,7 +73,7 @@ class JobCgroup:
         """A fresh cgroup for the job, or None where cgroup v2 cannot be used.
         *announce* learns the folder before it exists (the guardian: so that no moment
         is left where a SIGKILL would leave it behind)."""
-        if os.environ.get(CGROUP_ENV, "1").lower() in ("0", "false", "no"):
+        if os.environ.get(envvars.CGROUP, "1").lower() in ("0", "false", "no"):
             return None
         parent = _parent_dir()
         if parent is None or not (parent / "cgroup.procs").exists():

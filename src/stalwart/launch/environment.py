@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from stalwart.base import envvars as ev
 from stalwart.config import LaunchConfig
 from stalwart.launch.logs import WorkerLogs
 from stalwart.rendezvous import RendezvousInfo
@@ -16,30 +17,30 @@ def worker_env(
     """torchrun's variables, with torchrun's values (checked by a test against torchrun)."""
     rank = info.base_rank + local_rank
     env = {
-        "LOCAL_RANK": str(local_rank),
-        "RANK": str(rank),
-        "GROUP_RANK": str(info.group_rank),
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": cfg.role,
-        "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-        "WORLD_SIZE": str(info.world_size),
-        "GROUP_WORLD_SIZE": str(info.group_world_size),
-        "ROLE_WORLD_SIZE": str(info.world_size),
-        "MASTER_ADDR": info.master_addr,
-        "MASTER_PORT": str(info.master_port),
-        "TORCHELASTIC_RESTART_COUNT": str(info.round),
-        "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-        "TORCHELASTIC_RUN_ID": cfg.run_id,
+        ev.LOCAL_RANK: str(local_rank),
+        ev.RANK: str(rank),
+        ev.GROUP_RANK: str(info.group_rank),
+        ev.ROLE_RANK: str(rank),
+        ev.ROLE_NAME: cfg.role,
+        ev.LOCAL_WORLD_SIZE: str(cfg.nproc_per_node),
+        ev.WORLD_SIZE: str(info.world_size),
+        ev.GROUP_WORLD_SIZE: str(info.group_world_size),
+        ev.ROLE_WORLD_SIZE: str(info.world_size),
+        ev.MASTER_ADDR: info.master_addr,
+        ev.MASTER_PORT: str(info.master_port),
+        ev.RESTART_COUNT: str(info.round),
+        ev.MAX_RESTARTS: str(cfg.max_restarts),
+        ev.RUN_ID: cfg.run_id,
         # Workers join the per-round store the launcher hosts instead of starting one.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "TORCHELASTIC_ERROR_FILE": str(logs.error_file) if logs.error_file else "",
+        ev.USE_AGENT_STORE: "True",
+        ev.TORCH_NCCL_ASYNC_ERROR_HANDLING: "1",
+        ev.SIGNALS_TO_HANDLE: "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        ev.ERROR_FILE: str(logs.error_file) if logs.error_file else "",
     }
     if cfg.inject:
-        env["STALWART_INJECT"] = cfg.inject
-    if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
-        env["OMP_NUM_THREADS"] = "1"
+        env[ev.INJECT] = cfg.inject
+    if ev.OMP_NUM_THREADS not in os.environ and cfg.nproc_per_node > 1:
+        env[ev.OMP_NUM_THREADS] = "1"
     return env
 
 

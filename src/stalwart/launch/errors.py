@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from stalwart.base import envvars
+
 if TYPE_CHECKING:
     from stalwart.rendezvous.api import FailureRecord
 
 logger = logging.getLogger(__name__)
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,7 +54,7 @@ def write_error_file(exc: BaseException, path: str | None = None) -> Path | None
     An existing file is kept: the first error recorded in a process is the root cause,
     and a later wrapper (our bootstrap around a user's ``@record``) must not overwrite it.
     """
-    target = path if path is not None else os.environ.get(ERROR_FILE_ENV)
+    target = path if path is not None else os.environ.get(envvars.ERROR_FILE)
     if not target:
         return None
     p = Path(target)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.events import Event
 from stalwart.launch.runfiles import open_append
 
 
@@ -37,7 +38,7 @@ class EventLog:
     def set_node_rank(self, node_rank: int) -> None:
         self._base["node_rank"] = node_rank
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: Event, **fields: Any) -> dict[str, Any]:
         record: dict[str, Any] = {
             "event": event,
             "time": time.time(),

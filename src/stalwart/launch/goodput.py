@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stalwart.base.events import Event
+
 CATEGORIES = (
     "productive",
     "startup",
@@ -37,10 +39,10 @@ CATEGORIES = (
 )
 
 _OUTCOMES = {
-    "restart": "failed",
-    "job_failed": "failed",
-    "job_succeeded": "succeeded",
-    "job_stopped": "stopped",
+    Event.RESTART: "failed",
+    Event.JOB_FAILED: "failed",
+    Event.JOB_SUCCEEDED: "succeeded",
+    Event.JOB_STOPPED: "stopped",
 }
 
 
@@ -125,7 +127,7 @@ def last_step_end(samples: list[tuple[float, int]]) -> float:
 
 
 def _fault(attempt: int, evs: list[dict[str, Any]], outcome_ev: dict[str, Any]) -> Fault:
-    hangs = [e for e in evs if e["event"] == "hang_detected"]
+    hangs = [e for e in evs if e["event"] == Event.HANG_DETECTED]
     if hangs:
         h = min(hangs, key=_t)
         age = h.get("last_heartbeat_age")
@@ -138,8 +140,8 @@ def _fault(attempt: int, evs: list[dict[str, Any]], outcome_ev: dict[str, Any]) 
         detail = f"signal {sig}" if sig else f"exit code {cause.get('exitcode')}"
         at = float(cause.get("timestamp") or _t(outcome_ev))
         return Fault(attempt, kind, cause.get("rank"), detail, at)
-    if any(e["event"] == "peer_failure" for e in evs):
-        peer = min((e for e in evs if e["event"] == "peer_failure"), key=_t)
+    if any(e["event"] == Event.PEER_FAILURE for e in evs):
+        peer = min((e for e in evs if e["event"] == Event.PEER_FAILURE), key=_t)
         return Fault(attempt, "peer", None, "another node failed", _t(peer))
     return Fault(attempt, "unknown", None, "", _t(outcome_ev))
 
@@ -147,12 +149,12 @@ def _fault(attempt: int, evs: list[dict[str, Any]], outcome_ev: dict[str, Any]) 
 def _detected(fault: Fault, evs: list[dict[str, Any]], end: float) -> float:
     """When the launcher knew: the hang report, the first failed exit, a peer's flag."""
     if fault.kind == "hang":
-        return min(_t(e) for e in evs if e["event"] == "hang_detected")
+        return min(_t(e) for e in evs if e["event"] == Event.HANG_DETECTED)
     seen = [
         _t(e)
         for e in evs
-        if (e["event"] == "worker_exit" and e.get("exitcode") not in (0, None))
-        or e["event"] == "peer_failure"
+        if (e["event"] == Event.WORKER_EXIT and e.get("exitcode") not in (0, None))
+        or e["event"] == Event.PEER_FAILURE
     ]
     return min(seen) if seen else end
 
@@ -160,9 +162,9 @@ def _detected(fault: Fault, evs: list[dict[str, Any]], end: float) -> float:
 def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown:
     """The breakdown of a run from its events; *now* ends a run still under way."""
     launcher = [e for e in events if e.get("source") != "worker" and "time" in e]
-    starts = [e for e in launcher if e["event"] == "launcher_start"]
+    starts = [e for e in launcher if e["event"] == Event.LAUNCHER_START]
     t0 = _t(starts[0]) if starts else (min(map(_t, launcher)) if launcher else 0.0)
-    exits = [e for e in launcher if e["event"] == "launcher_exit"]
+    exits = [e for e in launcher if e["event"] == Event.LAUNCHER_EXIT]
     if exits:
         t_end = _t(exits[-1])
     elif now is not None:
@@ -178,14 +180,14 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
     numbers = sorted(
         a
         for a, evs in by_attempt.items()
-        if any(x["event"] in ("rendezvous_done", "worker_spawn") for x in evs)
+        if any(x["event"] in (Event.RENDEZVOUS_DONE, Event.WORKER_SPAWN) for x in evs)
     )
 
     def samples(a: int) -> list[tuple[float, int]]:
         return sorted(
             (float(e.get("step_time", e["time"])), int(e["step"]))
             for e in by_attempt.get(a, [])
-            if e["event"] == "progress" and isinstance(e.get("step"), int)
+            if e["event"] == Event.PROGRESS and isinstance(e.get("step"), int)
         )
 
     total = dict.fromkeys(CATEGORIES, 0.0)
@@ -207,8 +209,8 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
 
     for i, a in enumerate(numbers):
         evs = sorted(by_attempt[a], key=_t)
-        spawns = [_t(e) for e in evs if e["event"] == "worker_spawn"]
-        rdzv = [_t(e) for e in evs if e["event"] == "rendezvous_done"]
+        spawns = [_t(e) for e in evs if e["event"] == Event.WORKER_SPAWN]
+        rdzv = [_t(e) for e in evs if e["event"] == Event.RENDEZVOUS_DONE]
         w = min(spawns) if spawns else (rdzv[0] if rdzv else cursor)
         outcome_evs = [e for e in evs if e["event"] in _OUTCOMES and e.get("source") != "worker"]
         out_ev = outcome_evs[0] if outcome_evs else None
@@ -233,7 +235,7 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
         stall = sum(
             float(e.get("stall_s") or 0.0)
             for e in evs
-            if e["event"] == "checkpoint_commit" and e.get("rank") in (None, 0)
+            if e["event"] == Event.CHECKPOINT_COMMIT and e.get("rank") in (None, 0)
         )
         if row.outcome == "failed" and out_ev is not None:
             fault = _fault(a, evs, out_ev)
@@ -249,7 +251,7 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
                     fault.steps_lost = max(0, row.last_step - resume + 1)
             if lost_from is None:
                 commits = [
-                    _t(e) for e in evs if e["event"] == "checkpoint_commit" and _t(e) <= run_end
+                    _t(e) for e in evs if e["event"] == Event.CHECKPOINT_COMMIT and _t(e) <= run_end
                 ]
                 if commits:
                     lost_from = max(commits)
@@ -263,7 +265,9 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
             add(row, "teardown", e_a)
             faults.append(fault)
         elif row.outcome == "succeeded":
-            done = [float(e.get("exited_at") or _t(e)) for e in evs if e["event"] == "worker_exit"]
+            done = [
+                float(e.get("exited_at") or _t(e)) for e in evs if e["event"] == Event.WORKER_EXIT
+            ]
             exited = max(done) if done else e_a
             # Training ends with the last step; workers then wind down (teardown).
             run_end = exited if not sm else min(exited, last_step_end(sm))
@@ -272,7 +276,7 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
             add(row, "teardown", exited)
             add(row, "idle", e_a)
         elif row.outcome == "stopped":
-            shut = [_t(e) for e in launcher if e["event"] == "shutdown" and _t(e) <= e_a]
+            shut = [_t(e) for e in launcher if e["event"] == Event.SHUTDOWN and _t(e) <= e_a]
             run_end = shut[-1] if shut else e_a
             add(row, "productive", run_end - min(stall, max(0.0, run_end - run_start)))
             add(row, "checkpoint_stall", run_end)

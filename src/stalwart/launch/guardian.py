@@ -25,17 +25,17 @@ import sys
 import threading
 from pathlib import Path
 
+from stalwart.base import envvars
 from stalwart.launch.cgroup import JobCgroup
 
 logger = logging.getLogger(__name__)
 
-TOKEN_ENV = "STALWART_RUN_TOKEN"
 _CGROUP_LINGER = 3600.0
 
 
 def processes_with_token(token: str) -> list[int]:
     """Pids whose environment has ``STALWART_RUN_TOKEN=<token>``."""
-    needle = f"{TOKEN_ENV}={token}".encode()
+    needle = f"{envvars.RUN_TOKEN}={token}".encode()
     me = os.getpid()
     found = []
     for entry in Path("/proc").iterdir():
@@ -92,7 +92,7 @@ class Guardian:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            env={k: v for k, v in os.environ.items() if k != TOKEN_ENV},
+            env={k: v for k, v in os.environ.items() if k != envvars.RUN_TOKEN},
         )
         self._lock = threading.Lock()
 

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stalwart.base import envvars
+from stalwart.base.events import Event
 from stalwart.launch.errors import ProcessFailure
 from stalwart.monitor import (
     ControlAction,
@@ -26,6 +28,7 @@ from stalwart.monitor import (
     MonitorConfig,
     NodeMonitor,
 )
+from stalwart.monitor import envvars as monitor_env
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class HangWatch:
         if on_folder is not None:
             on_folder(ipc)
 
-        def log_event(event: str, fields: dict[str, Any]) -> None:
+        def log_event(event: Event, fields: dict[str, Any]) -> None:
             emit(event, **fields)
 
         self.monitor = NodeMonitor(ipc, config, nproc, log_event, state_dir=state_dir)
@@ -62,8 +65,8 @@ class HangWatch:
         env = self.monitor.worker_env(local_rank, rank)
         # torchrun names its timer pipe only when file timers are enabled; do the same so
         # a worker's environment matches torchrun's (ours has its own variable).
-        if os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") != "1":
-            env.pop("TORCHELASTIC_TIMER_FILE", None)
+        if os.environ.get(envvars.ENABLE_FILE_TIMER) != "1":
+            env.pop(monitor_env.TORCHELASTIC_TIMER_FILE, None)
         return env
 
     def begin(
@@ -103,7 +106,7 @@ class HangWatch:
         chosen: ControlRequest | None = None
         for req in self.monitor.poll_requests():
             self._emit(
-                "control_request",
+                Event.CONTROL_REQUEST,
                 attempt=attempt,
                 action=req.action.value,
                 rank=req.global_rank,

@@ -27,9 +27,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from stalwart.base.events import Event
 from stalwart.config import ConfigError
 from stalwart.launch.goodput import CATEGORIES, account
-from stalwart.runlog import CHECKPOINT_COMMIT
 
 # Save latency buckets (s): staging a few MiB to writing tens of GiB.
 SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -58,26 +58,26 @@ class RunState:
 
     def fold(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
-        if kind == "progress":
+        if kind == Event.PROGRESS:
             key = (int(ev.get("attempt", -1)), int(ev.get("local_rank", 0)))
             first = self._progress.get(key, (ev, ev))[0]
             self._progress[key] = (first, ev)
             self._step(ev)
             return
         self._kept.append(ev)
-        if kind == "restart":
+        if kind == Event.RESTART:
             self.restarts += 1
-        elif kind == "worker_exit" and ev.get("exitcode") not in (0, None):
+        elif kind == Event.WORKER_EXIT and ev.get("exitcode") not in (0, None):
             why = ev.get("signal") or "exit"
             self.failures[why] = self.failures.get(why, 0) + 1
-        elif kind == "hang_detected":
+        elif kind == Event.HANG_DETECTED:
             why = str(ev.get("kind") or "unknown")
             self.hangs[why] = self.hangs.get(why, 0) + 1
-        elif kind == "rendezvous_done":
+        elif kind == Event.RENDEZVOUS_DONE:
             self.attempt = int(ev.get("attempt", self.attempt))
             self.world_size = int(ev.get("world_size") or 0)
             self._rate_from = None
-        elif kind == CHECKPOINT_COMMIT and ev.get("rank") in (None, 0):
+        elif kind == Event.CHECKPOINT_COMMIT and ev.get("rank") in (None, 0):
             self.newest_commit = float(ev["time"])
             if isinstance(ev.get("save_s"), int | float):
                 self.saves.append(float(ev["save_s"]))

@@ -16,6 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from stalwart.base.events import Event
 from stalwart.launch.events import read_events
 from stalwart.launch.goodput import CATEGORIES, Breakdown, account
 
@@ -42,15 +43,15 @@ def _started(path: Path) -> float:
 def _outcome(events: list[dict[str, Any]]) -> str:
     for ev in reversed(events):
         kind = ev.get("event")
-        if kind == "job_succeeded":
+        if kind == Event.JOB_SUCCEEDED:
             return "succeeded"
-        if kind == "job_failed":
+        if kind == Event.JOB_FAILED:
             return "failed"
-        if kind == "job_stopped":
+        if kind == Event.JOB_STOPPED:
             return "stopped"
-        if kind == "rendezvous_error":
+        if kind == Event.RENDEZVOUS_ERROR:
             return "rendezvous error"
-    return "running" if not any(e.get("event") == "launcher_exit" for e in events) else "ended"
+    return "running" if not any(e.get("event") == Event.LAUNCHER_EXIT for e in events) else "ended"
 
 
 def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -63,9 +64,9 @@ def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         attempt = ev.get("attempt")
         if not isinstance(attempt, int):
             continue
-        if ev["event"] == "rendezvous_done":
+        if ev["event"] == Event.RENDEZVOUS_DONE:
             sizes[attempt] = ev.get("world_size")
-        cause = ev.get("root_cause") if ev["event"] in ("restart", "job_failed") else None
+        cause = ev.get("root_cause") if ev["event"] in (Event.RESTART, Event.JOB_FAILED) else None
         if cause:
             how = (
                 f"signal {cause['signal']}"
@@ -103,7 +104,8 @@ def run_record(path: Path) -> dict[str, Any]:
         "breakdown": b.to_dict(),
         "attempts": summarise(events),
         "exit_code": next(
-            (e.get("exit_code") for e in reversed(events) if e["event"] == "launcher_exit"), None
+            (e.get("exit_code") for e in reversed(events) if e["event"] == Event.LAUNCHER_EXIT),
+            None,
         ),
     }
 
@@ -192,7 +194,7 @@ def _print_run(console: Console, path: Path) -> None:
             )
         console.print(faults)
     last = events[-1] if events else {}
-    if last.get("event") == "launcher_exit":
+    if last.get("event") == Event.LAUNCHER_EXIT:
         console.print(f"launcher exit code: {last.get('exit_code')}")
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from stalwart import inject
+from stalwart.base.events import Event
 from stalwart.launch.goodput import CATEGORIES, Breakdown, account
-from stalwart.runlog import FAULT_INJECTED
 
 
 def never_fired(spec: str, events: list[dict[str, Any]], ranks: set[int]) -> list[str]:
     """The faults of *spec* that hit one of this node's *ranks* and never fired."""
     if not spec:
         return []
-    fired = {e.get("fault") for e in events if e.get("event") == FAULT_INJECTED}
+    fired = {e.get("fault") for e in events if e.get("event") == Event.FAULT_INJECTED}
     return [
         f.text
         for f in inject.parse(spec)

@@ -25,13 +25,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from stalwart.base import envvars, procs
+from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
-from stalwart.launch import posix, signals
+from stalwart.launch import signals
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog, read_events
-from stalwart.launch.guardian import TOKEN_ENV, Guardian
+from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.metrics import MetricsServer
@@ -191,7 +193,7 @@ class Supervisor:
             # A second signal while stopping: no more grace.
             if self._ctx is not None:
                 for pid in self._ctx.pids().values():
-                    posix.killpg_quiet(pid, signal.SIGKILL)
+                    procs.killpg_quiet(pid, signal.SIGKILL)
             if self._rdzv is not None:
                 self._rdzv.interrupt()  # an excluded store host stops serving
             return
@@ -209,7 +211,7 @@ class Supervisor:
     def run(self) -> JobResult:
         cfg = self.cfg
         self.events.emit(
-            "launcher_start",
+            Event.LAUNCHER_START,
             nnodes=cfg.nnodes,
             nproc_per_node=cfg.nproc_per_node,
             max_restarts=cfg.max_restarts,
@@ -244,7 +246,7 @@ class Supervisor:
                 if self._guardian is not None:
                     self._guardian.remove_on_death(self._snapshots.folder)
                 self.events.emit(
-                    "ckpt_ram_reserved",
+                    Event.CKPT_RAM_RESERVED,
                     folder=str(self._snapshots.folder),
                     bytes_per_rank=cfg.ckpt_ram,
                     segment_bytes=self._snapshots.segment_bytes,
@@ -257,7 +259,7 @@ class Supervisor:
         except RendezvousError as err:
             # The CLI reports it in one line and exits 3; the event log says the same.
             self.state = State.FAILED
-            self.events.emit("rendezvous_error", error=str(err))
+            self.events.emit(Event.RENDEZVOUS_ERROR, error=str(err))
             rdzv_failed = True
             if self._rdzv is not None and not isinstance(err, StoreLost):
                 # The job cannot form (e.g. too few nodes): spares waiting for it stop too.
@@ -291,7 +293,7 @@ class Supervisor:
                 closing = self._end_report(result)
             # The closing figures ride on launcher_exit: the job's last events stay
             # job_succeeded | job_failed | job_stopped, then launcher_exit.
-            self.events.emit("launcher_exit", exit_code=code, **closing)
+            self.events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
             self.events.close()
             if self._metrics is not None:
                 self._metrics.close()
@@ -337,7 +339,7 @@ class Supervisor:
         """Starts the guardian and the warm template; cheap, and torch-free, so a caller
         can do it before anything imports torch in the launcher (``run`` does it too)."""
         # Before the template forks anything: workers it makes are re-parented to us.
-        posix.set_child_subreaper()
+        procs.set_child_subreaper()
         if self._guardian is None:
             self._guardian = Guardian(self._token)
             self._cgroup = JobCgroup.create(self._token, self._guardian.kill_cgroup_on_death)
@@ -356,11 +358,11 @@ class Supervisor:
         if not cfg.warm or cfg.no_python:
             return None
         env = dict(os.environ)
-        env[TOKEN_ENV] = self._token
+        env[envvars.RUN_TOKEN] = self._token
         # OpenMP reads it when torch loads in the template; with more than one thread the
         # template could not fork.  Workers that should have more get them back after the
         # fork (zygote._become_worker).
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault(envvars.OMP_NUM_THREADS, "1")
 
         log = str(self.run_dir / "template.log") if self.run_dir is not None else os.devnull
         # Room in the template's command line for a worker's title (bootstrap.set_title).
@@ -375,13 +377,13 @@ class Supervisor:
         logger.warning(
             "received %s: stopping workers (grace %.1fs)", name, self.cfg.shutdown_timeout
         )
-        self.events.emit("shutdown", signal=name, grace=self.cfg.shutdown_timeout)
+        self.events.emit(Event.SHUTDOWN, signal=name, grace=self.cfg.shutdown_timeout)
         if self._ctx is not None:
             self._ctx.close(sig, self.cfg.shutdown_timeout)
             self._drop_empty_stacks()
             self._emit_exits(self._ctx, self._round)
         self.state = State.INTERRUPTED
-        self.events.emit("job_stopped", attempt=self._round, reason=f"signal {name}")
+        self.events.emit(Event.JOB_STOPPED, attempt=self._round, reason=f"signal {name}")
         return JobResult(128 + sig, self.state, self._round + 1, [], {}, self.run_dir)
 
     def _loop(self, rdzv: Rendezvous) -> JobResult:
@@ -397,7 +399,7 @@ class Supervisor:
             round_ = self._round = info.round
             self.events.set_node_rank(info.group_rank)
             self.events.emit(
-                "rendezvous_done",
+                Event.RENDEZVOUS_DONE,
                 attempt=round_,
                 group_rank=info.group_rank,
                 group_world_size=info.group_world_size,
@@ -413,7 +415,7 @@ class Supervisor:
                 self._folder_shown = True
                 print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
             if info.left:
-                self.events.emit("nodes_left", attempt=round_, nodes=list(info.left))
+                self.events.emit(Event.NODES_LEFT, attempt=round_, nodes=list(info.left))
                 logger.warning(
                     "attempt %d goes on with %d node(s) (%d workers) without %s",
                     round_,
@@ -429,7 +431,7 @@ class Supervisor:
             ):
                 reason = self._reason or (shutdown.reason if shutdown else "") or "shutdown"
                 self.state = State.FAILED
-                self.events.emit("job_stopped", attempt=round_, reason=reason)
+                self.events.emit(Event.JOB_STOPPED, attempt=round_, reason=reason)
                 rdzv.finish(False, reason)
                 print(
                     f"stalwart: job {cfg.run_id} stopped in attempt {round_}: {reason}; "
@@ -441,7 +443,7 @@ class Supervisor:
             if outcome is RoundOutcome.NODE_EXCLUDED:
                 # The others restart without this node (MIN permitting); it leaves now.
                 self.state = State.SUCCEEDED
-                self.events.emit("node_excluded", attempt=round_, reason=self._reason)
+                self.events.emit(Event.NODE_EXCLUDED, attempt=round_, reason=self._reason)
                 print(
                     f"stalwart: this node left job {cfg.run_id} in attempt {round_}: "
                     f"{self._reason}; the job goes on with the other nodes",
@@ -451,7 +453,7 @@ class Supervisor:
                 return JobResult(0, self.state, round_ + 1, [], {}, self.run_dir)
             if outcome is RoundOutcome.SUCCEEDED:
                 self.state = State.SUCCEEDED
-                self.events.emit("job_succeeded", attempt=round_)
+                self.events.emit(Event.JOB_SUCCEEDED, attempt=round_)
                 rdzv.finish(True, f"succeeded in attempt {round_}")
                 return JobResult(
                     0,
@@ -468,7 +470,7 @@ class Supervisor:
             ]
             for gone in (f for f in records if f.kind in ("node_lost", "exclude_node")):
                 self.events.emit(
-                    "node_lost" if gone.kind == "node_lost" else "node_excluded",
+                    Event.NODE_LOST if gone.kind == "node_lost" else Event.NODE_EXCLUDED,
                     attempt=round_,
                     lost_node_rank=gone.node_rank,
                     lost_host=gone.host,
@@ -482,7 +484,7 @@ class Supervisor:
                 rdzv.finish(False, f"failed after {round_ + 1} attempt(s)")
                 cause = root_cause(failures) if failures else None
                 self.events.emit(
-                    "job_failed",
+                    Event.JOB_FAILED,
                     attempt=round_,
                     root_cause=cause.to_dict() if cause else None,
                 )
@@ -500,7 +502,7 @@ class Supervisor:
                 return JobResult(1, self.state, round_ + 1, failures, {}, self.run_dir)
             cause = root_cause(failures) if failures else None
             self.events.emit(
-                "restart",
+                Event.RESTART,
                 attempt=round_,
                 next_attempt=round_ + 1,
                 reason=outcome.value,
@@ -522,7 +524,7 @@ class Supervisor:
     def _not_needed(self, ended: JobEnded) -> JobResult:
         """A spare that was never admitted: the job ended without needing it."""
         self.state = State.SUCCEEDED if ended.succeeded else State.FAILED
-        self.events.emit("job_ended_without_this_node", reason=ended.reason)
+        self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=ended.reason)
         print(
             f"stalwart: job {self.cfg.run_id} ended without needing this node ({ended.reason})",
             file=sys.stderr,
@@ -584,7 +586,11 @@ class Supervisor:
             self._hangs.begin(info.round, ctx.pids(), dumps, ranks)
         for lr, pid in ctx.pids().items():
             self.events.emit(
-                "worker_spawn", attempt=info.round, local_rank=lr, rank=ranks[lr], worker_pid=pid
+                Event.WORKER_SPAWN,
+                attempt=info.round,
+                local_rank=lr,
+                rank=ranks[lr],
+                worker_pid=pid,
             )
         return ctx
 
@@ -632,11 +638,11 @@ class Supervisor:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
                 outcome = RoundOutcome.PEER_FAILURE
-                self.events.emit("peer_failure", attempt=info.round)
+                self.events.emit(Event.PEER_FAILURE, attempt=info.round)
             elif self._hangs is not None and (req := self._hangs.control_request(info.round)):
                 outcome = self._on_request(rdzv, info, req)
         self._emit_progress(info.round, ranks, final=True)
-        self.events.emit("workers_stopping", attempt=info.round, reason=outcome.value)
+        self.events.emit(Event.WORKERS_STOPPING, attempt=info.round, reason=outcome.value)
         if self._hangs is not None:
             self._hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
@@ -694,7 +700,7 @@ class Supervisor:
             keep.add(self._guardian.proc.pid)
         if self._warm is not None:
             keep |= self._warm.owned_pids()
-        posix.reap_orphans(keep)
+        procs.reap_orphans(keep)
 
     def _track_strays(self, ctx: ProcessContext, attempt: int) -> None:
         """Processes that left the workers' groups are reported once and handed to the
@@ -707,7 +713,7 @@ class Supervisor:
             self._tracked[pid] = started
             if self._guardian is not None:
                 self._guardian.track(pid, started)
-            self.events.emit("stray_process", attempt=attempt, pid=pid)
+            self.events.emit(Event.STRAY_PROCESS, attempt=attempt, pid=pid)
 
     def _completed_without(self, result: RunResult, info: RendezvousInfo) -> bool:
         """Under the all-failed policy, workers that completed finished the job without
@@ -720,7 +726,7 @@ class Supervisor:
         logger.warning(
             "attempt %d completed without rank(s) %s, which left the job", info.round, left
         )
-        self.events.emit("ranks_left", attempt=info.round, ranks=left)
+        self.events.emit(Event.RANKS_LEFT, attempt=info.round, ranks=left)
         return True
 
     def _await_peers(self, rdzv: Rendezvous, round_: int) -> RoundOutcome:
@@ -758,7 +764,7 @@ class Supervisor:
             if sent is None and sample.first_step != sample.step:
                 # Where this rank resumed, exactly, though sampled after a few steps.
                 self.events.emit(
-                    "progress",
+                    Event.PROGRESS,
                     attempt=round_,
                     local_rank=lr,
                     rank=ranks.get(lr),
@@ -767,7 +773,7 @@ class Supervisor:
                 )
             self._steps_sent[lr] = (sample, now)
             self.events.emit(
-                "progress",
+                Event.PROGRESS,
                 attempt=round_,
                 local_rank=lr,
                 rank=ranks.get(lr),
@@ -781,7 +787,7 @@ class Supervisor:
                 continue
             self._exits_seen.add(lr)
             self.events.emit(
-                "worker_exit",
+                Event.WORKER_EXIT,
                 attempt=round_,
                 local_rank=lr,
                 rank=rank,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.events import Event
 from stalwart.launch.goodput import CATEGORIES, Breakdown, account, last_step_end
 
 # Drawing order and colours shared by the page and the image.
@@ -69,18 +70,18 @@ def build(events: list[dict[str, Any]]) -> Timeline:
     faults = {f.attempt: f for f in b.faults}
     rows = {a.attempt: a for a in b.attempts}
     for a, evs in sorted(by_attempt.items()):
-        spawns = {int(e["rank"]): float(e["time"]) for e in evs if e["event"] == "worker_spawn"}
+        spawns = {int(e["rank"]): float(e["time"]) for e in evs if e["event"] == Event.WORKER_SPAWN}
         if not spawns:
             continue
         ranks.update(spawns)
         exits = {
             int(e["rank"]): float(e.get("exited_at") or e["time"])
             for e in evs
-            if e["event"] == "worker_exit" and e.get("rank") is not None
+            if e["event"] == Event.WORKER_EXIT and e.get("rank") is not None
         }
         samples: dict[int, list[tuple[float, int]]] = {}
         for e in evs:
-            if e["event"] == "progress" and e.get("rank") is not None:
+            if e["event"] == Event.PROGRESS and e.get("rank") is not None:
                 t = float(e.get("step_time", e["time"]))
                 samples.setdefault(int(e["rank"]), []).append((t, int(e["step"])))
         first = {r: min(t for t, _ in sm) for r, sm in samples.items()}
@@ -88,7 +89,7 @@ def build(events: list[dict[str, Any]]) -> Timeline:
             # Before the first spawn: the launcher's start, rendezvous, template warm-up.
             for r, spawned in spawns.items():
                 tl.segments.append(Segment(r, a, "startup", b.start, spawned, "launcher"))
-        hangs = {int(e["global_rank"]): e for e in evs if e["event"] == "hang_detected"}
+        hangs = {int(e["global_rank"]): e for e in evs if e["event"] == Event.HANG_DETECTED}
         fault = faults.get(a)
         row = rows.get(a)
         end = row.end if row is not None else b.end
@@ -135,14 +136,18 @@ def build(events: list[dict[str, Any]]) -> Timeline:
                     Segment(fault.rank, a, "detection", fault.at, max(fault.at, known))
                 )
         nxt = min(
-            (float(e["time"]) for e in by_attempt.get(a + 1, []) if e["event"] == "worker_spawn"),
+            (
+                float(e["time"])
+                for e in by_attempt.get(a + 1, [])
+                if e["event"] == Event.WORKER_SPAWN
+            ),
             default=None,
         )
         if row is not None and row.outcome == "failed" and nxt is not None:
             for r in spawns:
                 tl.segments.append(Segment(r, a, "restart", row.end, nxt))
         for e in evs:
-            if e["event"] == "checkpoint_commit" and e.get("rank") is not None:
+            if e["event"] == Event.CHECKPOINT_COMMIT and e.get("rank") is not None:
                 tl.markers.append(
                     Marker(
                         int(e["rank"]), a, "checkpoint", float(e["time"]), f"step {e.get('step')}"

@@ -27,7 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.launch import posix
+from stalwart.base import envvars, procs
+from stalwart.base.events import Event
 from stalwart.launch.runfiles import APPEND_FLAGS
 
 logger = logging.getLogger(__name__)
@@ -55,22 +56,12 @@ class ForkedProcess:
                     pid, status = os.waitpid(self.pid, os.WNOHANG)
                 except ChildProcessError:
                     # Not (or no longer) our child: treat a vanished process as killed.
-                    if not _exists(self.pid):
+                    if not procs.exists(self.pid):
                         self.returncode = -int(signal.SIGKILL)
                     return self.returncode
                 if pid == self.pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 class WarmPool:
@@ -115,7 +106,7 @@ class WarmPool:
             return
         self._proc, self._sock = self._launch(self._learned)
         self._ready = False
-        self.emit("template_start", template_pid=self._proc.pid, preload=self.preload)
+        self.emit(Event.TEMPLATE_START, template_pid=self._proc.pid, preload=self.preload)
 
     def _launch(self, learned: list[str]) -> tuple[subprocess.Popen[bytes], socket.socket]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -145,7 +136,7 @@ class WarmPool:
             stdout=log,
             stderr=log,
             start_new_session=True,  # terminal signals are the launcher's to forward
-            preexec_fn=lambda: posix.pdeathsig_then_check(parent),
+            preexec_fn=lambda: procs.pdeathsig_then_check(parent),
         )
         os.close(log)
         theirs.close()
@@ -177,7 +168,7 @@ class WarmPool:
         self._ready = True
         self._modules = set(info.get("modules") or []) | set(info.get("learned") or [])
         self.emit(
-            "template_ready",
+            Event.TEMPLATE_READY,
             template_pid=self._proc.pid,
             rss_bytes=info.get("rss"),
             import_s=info.get("import_s"),
@@ -188,7 +179,7 @@ class WarmPool:
     def _give_up(self, reason: str) -> bool:
         self.disabled_reason = reason
         logger.warning("warm start disabled, starting workers cold: %s", reason)
-        self.emit("template_unusable", reason=reason)
+        self.emit(Event.TEMPLATE_UNUSABLE, reason=reason)
         self._shutdown()
         return False
 
@@ -202,7 +193,7 @@ class WarmPool:
                 return False
             if self._proc is not None and not self._alive():
                 code = self._proc.returncode
-                self.emit("template_died", template_pid=self._proc.pid, exitcode=code)
+                self.emit(Event.TEMPLATE_DIED, template_pid=self._proc.pid, exitcode=code)
                 logger.warning("warm template died (exit %s); starting a new one", code)
                 self._shutdown()
                 self.start()
@@ -250,7 +241,9 @@ class WarmPool:
                     continue
                 self._next = (proc, sock)
                 self._rebuilds += 1
-            self.emit("template_learn", template_pid=proc.pid, learned=len(learned), new=new[:20])
+            self.emit(
+                Event.TEMPLATE_LEARN, template_pid=proc.pid, learned=len(learned), new=new[:20]
+            )
             self._adopt(proc, sock)
 
     def _adopt(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
@@ -290,10 +283,10 @@ class WarmPool:
                 "program imported is not usable (%s)",
                 info.get("error", "closed"),
             )
-            self.emit("template_learn_failed", reason=str(info.get("error", "closed")))
+            self.emit(Event.TEMPLATE_LEARN_FAILED, reason=str(info.get("error", "closed")))
             return
         self.emit(
-            "template_ready",
+            Event.TEMPLATE_READY,
             template_pid=proc.pid,
             rss_bytes=info.get("rss"),
             import_s=info.get("import_s"),
@@ -346,7 +339,7 @@ class WarmPool:
         ans = json.loads(reply)
         if not ans.get("ok"):
             logger.warning("warm spawn refused (%s); starting this worker cold", ans.get("error"))
-            self.emit("warm_spawn_refused", reason=ans.get("error"))
+            self.emit(Event.WARM_SPAWN_REFUSED, reason=ans.get("error"))
             return None
         return int(ans["pid"])
 
@@ -388,6 +381,6 @@ def _default_threads() -> int:
     """The intra-op thread count a cold worker without OMP_NUM_THREADS would get: the
     template imported torch with one thread (so that it can fork), the worker restores it."""
     torch = sys.modules.get("torch")
-    if torch is not None and "OMP_NUM_THREADS" not in os.environ:
+    if torch is not None and envvars.OMP_NUM_THREADS not in os.environ:
         return int(torch.get_num_threads())
     return len(os.sched_getaffinity(0))

@@ -29,13 +29,15 @@ from typing import Any
 
 import psutil
 
+from stalwart.base import envvars, procs
 from stalwart.launch import posix
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.errors import ProcessFailure, record
-from stalwart.launch.guardian import TOKEN_ENV, Guardian
+from stalwart.launch.guardian import Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
 from stalwart.launch.runfiles import APPEND_FLAGS
 from stalwart.launch.warm import ForkedProcess, WarmPool
+from stalwart.monitor import stacks
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +91,7 @@ def _function_child(
 ) -> None:
     """Body of a function worker (runs in the child)."""
     os.setpgid(0, 0)
-    posix.pdeathsig_then_check(parent)
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    procs.pdeathsig_then_check(parent)
     for fdno, path in ((1, stdout), (2, stderr)):
         target = path if path is not None else (None if console else os.devnull)
         if target is not None:
@@ -100,6 +99,9 @@ def _function_child(
             os.dup2(fd, fdno)
             os.close(fd)
     os.environ.update(env)
+    # After the env: the dump goes where this worker's STALWART_STACKS_FILE says, as a
+    # program worker's does.
+    stacks.install()
     ret = record(fn)(*args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -147,7 +149,6 @@ class ProcessContext:
         start_method: str = "spawn",
         run_token: str = "",
         guardian: Guardian | None = None,
-        inherit_env: bool = True,
         autoclose: bool = True,
         warm: WarmPool | None = None,
         warm_argv: list[str] | None = None,
@@ -160,7 +161,6 @@ class ProcessContext:
         self.start_method = start_method
         self.run_token = run_token
         self.guardian = guardian
-        self.inherit_env = inherit_env
         # False: poll() reports a result but leaves stopping the rest to the caller (the
         # supervisor first tells the hang monitor to stop judging the workers).
         self.autoclose = autoclose
@@ -186,13 +186,13 @@ class ProcessContext:
 
     # -- starting ---------------------------------------------------------------------
     def _env(self, spec: WorkerSpecEntry) -> dict[str, str]:
-        env = dict(os.environ) if self.inherit_env else {}
+        env = dict(os.environ)
         env.update(spec.env)
         if spec.logs.error_file is not None:
-            env["TORCHELASTIC_ERROR_FILE"] = str(spec.logs.error_file)
-        env["STALWART_LAUNCHER_PID"] = str(os.getpid())
+            env[envvars.ERROR_FILE] = str(spec.logs.error_file)
+        env[envvars.LAUNCHER_PID] = str(os.getpid())
         if self.run_token:
-            env[TOKEN_ENV] = self.run_token
+            env[envvars.RUN_TOKEN] = self.run_token
         return env
 
     def start(self) -> None:
@@ -260,7 +260,7 @@ class ProcessContext:
         def prepare() -> None:
             if cgroup is not None:
                 cgroup.join()
-            posix.pdeathsig_then_check(parent)
+            procs.pdeathsig_then_check(parent)
 
         try:
             proc = subprocess.Popen(
@@ -296,8 +296,9 @@ class ProcessContext:
             ),
             name=f"stalwart-worker-{spec.local_rank}",
         )
-        # spawn/forkserver children read os.environ at start: pass the token so even the
-        # window before the child applies *env* is covered by the guardian's sweep.
+        # The child applies *env* itself once running, which /proc/<pid>/environ (what the
+        # guardian's token sweep reads) never shows: a function worker is covered by its
+        # process group and parent-death signal, the programs it starts by the token.
         proc.start()
         send.close()
         assert proc.pid is not None
@@ -412,11 +413,11 @@ class ProcessContext:
                     os.kill(w.pid, sig)
                 except ProcessLookupError:
                     pass
-            posix.killpg_quiet(w.pid, sig)
+            procs.killpg_quiet(w.pid, sig)
         deadline = time.monotonic() + max(timeout, 0.0)
         self._wait_exit(workers, deadline)
         for w in workers:
-            posix.killpg_quiet(w.pid, signal.SIGKILL)
+            procs.killpg_quiet(w.pid, signal.SIGKILL)
         self._kill_strays(descendants)
         if not self._wait_exit(workers, time.monotonic() + KILL_WAIT):
             for w in workers:
@@ -518,7 +519,7 @@ class ProcessContext:
                 env = psutil.Process(child).environ()
             except psutil.Error:
                 continue
-            if env.get(TOKEN_ENV) == self.run_token:
+            if env.get(envvars.RUN_TOKEN) == self.run_token:
                 found.append(child)
         return found
 
@@ -573,7 +574,7 @@ def start_processes(
         )
     specs = [WorkerSpecEntry(lr, tuple(args[lr]), dict(envs[lr]), logs[lr]) for lr in sorted(args)]
     for s in specs:
-        rank = s.env.get("RANK")
+        rank = s.env.get(envvars.RANK)
         s.rank = int(rank) if rank is not None and rank.isdigit() else None
     ctx = ProcessContext(
         entrypoint, specs, start_method=start_method, run_token=run_token, guardian=guardian

@@ -191,13 +191,14 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
     deadline = time.monotonic() + 5.0
     while os.getppid() != launcher and time.monotonic() < deadline:
         time.sleep(0.0005)
-    from stalwart.launch.posix import pdeathsig_then_check
+    from stalwart.base import envvars
+    from stalwart.base.procs import pdeathsig_then_check
 
     pdeathsig_then_check(launcher)
     fresh_random_state()
     # The template imported torch with one OpenMP thread (any more and it could not fork);
     # the worker gets the count it asked for, or the one a cold start would have had.
-    threads = os.environ.get("OMP_NUM_THREADS") or str(req.get("threads") or "")
+    threads = os.environ.get(envvars.OMP_NUM_THREADS) or str(req.get("threads") or "")
     torch = sys.modules.get("torch")
     if torch is not None and threads.isdigit():
         torch.set_num_threads(int(threads))
@@ -316,8 +317,6 @@ def main() -> None:
     ns = ap.parse_args()
     # Imported here rather than after the fork: what workers report as their program's
     # modules is what they have beyond the template's.
-    import stalwart.launch.errors
-    import stalwart.launch.posix  # noqa: F401
     from stalwart.launch.bootstrap import set_title
 
     set_title([sys.executable, *(a for a in sys.orig_argv[1:] if not a.startswith("--title-room"))])
