@@ -1,8 +1,9 @@
 """Wrapper options: one dataclass, with type and ordering validation.
 
-Durations are seconds (float) or ``datetime.timedelta``; they are stored as
-float seconds.  Every violated rule is reported as a ``ConfigError`` naming the
-options involved.
+Each option is declared here once: ``Wrapper`` takes exactly these keywords (it
+is this dataclass plus ``__call__``).  Durations are seconds (float) or
+``datetime.timedelta``; they are stored as float seconds.  Every violated rule
+is reported as a ``ConfigError`` naming the options involved.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 from torch._C._distributed_c10d import Store
 
@@ -29,19 +30,6 @@ Initialize = Callable[[State], State | None]
 AbortHook = Callable[[State], State | None]
 Finalize = Callable[[State, BaseException | None], object]
 HealthCheck = Callable[[State, BaseException | None], object]
-
-_DURATIONS = (
-    "monitor_thread_interval",
-    "monitor_process_interval",
-    "progress_watchdog_interval",
-    "soft_timeout",
-    "hard_timeout",
-    "heartbeat_timeout",
-    "barrier_timeout",
-    "completion_timeout",
-    "last_call_wait",
-    "termination_grace_time",
-)
 
 # (smaller, larger): the first must be strictly below the second.
 _ORDER = (
@@ -68,9 +56,37 @@ def to_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
-@dataclasses.dataclass
+class Duration:
+    """A duration option: seconds or ``timedelta`` in (checked at once), float seconds out.
+
+    A descriptor, so that the dataclass's ``__init__`` accepts both forms while every
+    reader sees a float, with the option declared once."""
+
+    def __init__(self, default: float) -> None:
+        self.default = default
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> float: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> float: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> float:
+        if obj is None:  # the dataclass asks the class for the field's default
+            return self.default
+        value: float = obj.__dict__[self.name]
+        return value
+
+    def __set__(self, obj: object, value: Seconds) -> None:
+        obj.__dict__[self.name] = to_seconds(self.name, value)
+
+
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Options:
     store_factory: Callable[..., Store] = tcp_store
+    # None is accepted for both, as NVIDIA's Wrapper takes it: the default.
     store_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     initialize: Initialize | None = None
     abort: AbortHook | None = dataclasses.field(default_factory=AbortTorchDistributed)
@@ -78,23 +94,21 @@ class Options:
     health_check: HealthCheck | None = None
     rank_assignment: RankAssignment = dataclasses.field(default_factory=ShiftRanks)
     rank_filter: RankFilter | None = None
-    monitor_thread_interval: float = 0.5
-    monitor_process_interval: float = 0.5
-    progress_watchdog_interval: float = 0.5
-    soft_timeout: float = 60.0
-    hard_timeout: float = 90.0
-    heartbeat_timeout: float = 10.0
-    barrier_timeout: float = 120.0
-    completion_timeout: float = 120.0
-    last_call_wait: float = 1.0
-    termination_grace_time: float = 5.0
+    monitor_thread_interval: Duration = Duration(0.5)
+    monitor_process_interval: Duration = Duration(0.5)
+    progress_watchdog_interval: Duration = Duration(0.5)
+    soft_timeout: Duration = Duration(60.0)
+    hard_timeout: Duration = Duration(90.0)
+    heartbeat_timeout: Duration = Duration(10.0)
+    barrier_timeout: Duration = Duration(120.0)
+    completion_timeout: Duration = Duration(120.0)
+    last_call_wait: Duration = Duration(1.0)
+    termination_grace_time: Duration = Duration(5.0)
     monitor_process_logfile: str | None = None
     max_iterations: int | None = None
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        for name in _DURATIONS:
-            setattr(self, name, to_seconds(name, getattr(self, name)))
         if not callable(self.store_factory):
             raise ConfigError(f"store_factory must be callable, got {self.store_factory!r}")
         if self.store_kwargs is None:
@@ -102,7 +116,7 @@ class Options:
         if not isinstance(self.store_kwargs, dict):
             raise ConfigError(f"store_kwargs must be a dict or None, got {self.store_kwargs!r}")
         if self.rank_assignment is None:
-            raise ConfigError("rank_assignment must be callable, got None")
+            self.rank_assignment = ShiftRanks()
         for name in (
             "initialize",
             "abort",

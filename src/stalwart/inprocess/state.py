@@ -27,7 +27,6 @@ class Interruption(enum.Enum):
     EXCEPTION = "exception"
     SOFT_TIMEOUT = "soft_timeout"
     MISSING = "missing"  # heartbeat stopped: the rank vanished or froze
-    HEALTH_CHECK = "health_check"
     HOOK = "hook"
     BASE_EXCEPTION = "base_exception"
 
