@@ -7,6 +7,7 @@ into shared memory plus an asynchronous, atomic, checksummed write.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -30,7 +31,7 @@ from stalwart import runlog
 from . import layout
 from .identity import resolve_rank, resolve_world_size
 from .loader import Loaded
-from .manifest import default_algorithm
+from .manifest import DEFAULT_ALGORITHM
 from .process import CheckpointProcess, WriterProcessConfig
 from .ram import RamSegment, SnapshotTooLargeError, open_local
 from .staging import TENSOR_ALIGN, StagingPlan, plan
@@ -62,29 +63,25 @@ def _default_copy_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-@dataclass(frozen=True)
-class CheckpointerConfig:
+@dataclass(frozen=True, kw_only=True)
+class CheckpointerConfig(WriterProcessConfig):
+    """The writer process's settings (declared in ``WriterProcessConfig``) and the
+    checkpointer's own."""
+
+    # The checkpointer's own default; a bare CheckpointProcess waits 60 s.
+    init_timeout_s: float = 120.0
     staging: StagingMode = StagingMode.SYNC
     guard_optimizers: bool = True
     # BACKGROUND only: a global module forward pre-hook waits for staging.
     guard_modules: bool = True
     # The caller is blocked during a SYNC copy anyway, so use several cores.
     copy_threads: int = 0  # 0: min(4, cpu_count)
-    init_timeout_s: float = 120.0
-    shutdown_timeout_s: float = 30.0
-    write_timeout_s: float | None = None
-    checksum: str | None = None  # None: xxh3_64 if xxhash is installed, else crc32
-    # Size the staging buffer at start-up, off the training thread, so even the
-    # first save() only copies. 0: sized by the first save.
-    reserve_bytes: int = 0
+    checksum: str | None = None  # None: xxh3_64; "crc32" also accepted
     # With reserve_bytes=0: after an optimizer's first step, size the buffer in
     # the background for its parameters plus its state (what a resumable
     # checkpoint holds), so the first save does not fault in fresh memory. A
     # reservation larger than the first save needed is trimmed after it.
     auto_reserve: bool = True
-    # Niceness added to the writer child: training wins contended cores, and
-    # the writer still progresses (a large value starves it on a busy host).
-    writer_nice: int = 5
     # Write the file with O_DIRECT through a few reused aligned buffers where the
     # file system allows it (see docs/checkpoint.md); False: through the page cache.
     direct_io: bool = True
@@ -154,16 +151,11 @@ class AsyncCheckpointer:
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "keep_last": keep_last,
-                "algorithm": self.config.checksum or default_algorithm(),
+                "algorithm": self.config.checksum or DEFAULT_ALGORITHM,
                 "direct_io": self.config.direct_io,
             },
-            config=WriterProcessConfig(
-                init_timeout_s=self.config.init_timeout_s,
-                shutdown_timeout_s=self.config.shutdown_timeout_s,
-                write_timeout_s=self.config.write_timeout_s,
-                copy_threads=self.config.copy_threads or _default_copy_threads(),
-                reserve_bytes=self.config.reserve_bytes,
-                nice=self.config.writer_nice,
+            config=dataclasses.replace(
+                self.config, copy_threads=self.config.copy_threads or _default_copy_threads()
             ),
         )
         self._hooks: list[Any] = []

@@ -97,7 +97,7 @@ def _serve_write(
             released = True
             conn.send(Response(ResponseKind.RELEASED, seq))
 
-    state = view.unstage(payload.state) if payload.state is not None else payload.inline_state
+    state = view.unstage(payload.state)
     extra: dict[str, Any] = {"release": release} if takes_release else {}
     try:
         result = writer.write(path=payload.path, state_dict=state, **extra, **payload.kwargs)

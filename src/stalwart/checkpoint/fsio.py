@@ -13,15 +13,6 @@ import uuid
 from pathlib import Path
 
 
-def fsync_path(path: Path) -> None:
-    """Flush one file's data and metadata to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dir(path: Path) -> None:
     """Flush a directory so that entries created or renamed in it survive a crash."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import xxhash
 
 from .errors import CheckpointCorruptError
 from .layout import data_name, is_data_name
@@ -52,29 +53,15 @@ class _Crc32:
         return f"{self._value:08x}"
 
 
-def _have_xxhash() -> bool:
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def default_algorithm() -> str:
-    """xxh3_64 when the optional ``xxhash`` package is installed (≈10× faster), else crc32."""
-    return "xxh3_64" if _have_xxhash() else "crc32"
+#: What new checkpoints are checksummed with (≈10× faster than crc32, which stays
+#: readable and selectable).
+DEFAULT_ALGORITHM = "xxh3_64"
 
 
 def new_hasher(algorithm: str) -> Hasher:
     if algorithm == "crc32":
         return _Crc32()
     if algorithm == "xxh3_64":
-        try:
-            import xxhash
-        except ImportError as exc:
-            raise CheckpointCorruptError(
-                "manifest uses xxh3_64 but the 'xxhash' package is not installed"
-            ) from exc
         h: Hasher = xxhash.xxh3_64()
         return h
     raise CheckpointCorruptError(f"unknown checksum algorithm {algorithm!r}")

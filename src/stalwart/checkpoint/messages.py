@@ -41,9 +41,7 @@ class StagedState:
 @dataclass(frozen=True)
 class WritePayload:
     path: str
-    state: StagedState | None
-    # Only used when the state could not be staged (no buffer): a plain object.
-    inline_state: Any = None
+    state: StagedState
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 

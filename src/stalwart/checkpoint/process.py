@@ -29,9 +29,10 @@ from .staging import SharedBuffer, StagingPlan, plan
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriterProcessConfig:
-    """Timeouts and sizing of the writer subprocess."""
+    """Timeouts and sizing of the writer subprocess.  ``CheckpointerConfig`` extends it,
+    so each of these settings is declared here only."""
 
     init_timeout_s: float = 60.0
     shutdown_timeout_s: float = 30.0
@@ -39,11 +40,14 @@ class WriterProcessConfig:
     # running after this long gets its child killed and fails with TimeoutError.
     write_timeout_s: float | None = None
     copy_threads: int = 1
+    # Size the staging buffer at start-up, off the training thread, so even the
+    # first write only copies. 0: sized by the first write.
     reserve_bytes: int = 0
     log_level: int = logging.WARNING
     # Added to the writer's nice value: it then runs on spare cycles and the
-    # training processes win any contention for a core.
-    nice: int = 5
+    # training processes win any contention for a core (a large value starves it
+    # on a busy host; 0 turns it off).
+    writer_nice: int = 5
 
 
 @dataclass
@@ -446,7 +450,7 @@ class CheckpointProcess:
                 self._writer_factory,
                 self._writer_kwargs,
                 self.config.log_level,
-                self.config.nice,
+                self.config.writer_nice,
             ),
             name="stalwart-ckpt-writer",
             daemon=True,

@@ -23,7 +23,6 @@ import os
 import pickle
 import tempfile
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,11 +330,6 @@ def _run_copies(jobs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> 
             raise errors[0]
 
 
-def stage(state: Any, buffer: SharedBuffer) -> StagedState:
-    """Snapshot ``state`` into ``buffer`` synchronously."""
-    return buffer.copy_in(plan(state))
-
-
 class BufferView:
     """Child side: maps the inherited memory file and rebuilds tensors from it."""
 
@@ -385,6 +379,3 @@ class _SkeletonUnpickler(pickle.Unpickler):
             if pid.nbytes:
                 self._seen[pid.offset] = t
         return t
-
-
-CopyFn = Callable[[], StagedState]
