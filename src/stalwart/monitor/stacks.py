@@ -44,8 +44,3 @@ def install() -> None:
             target = sys.stderr
     faulthandler.register(STACK_SIGNAL, file=target, all_threads=True, chain=False)
     _installed_pid = pid
-
-
-def is_installed() -> bool:
-    """True when this very process registered the handler (a fork must install again)."""
-    return _installed_pid == os.getpid()
