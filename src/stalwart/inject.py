@@ -148,8 +148,8 @@ class _Injector:
     def __init__(self) -> None:
         spec = os.environ.get(ENV_VAR, "")
         self.faults = parse(spec) if spec else []
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.rank = int(os.environ.get(envvars.RANK, "0"))
+        self.attempt = int(os.environ.get(envvars.RESTART_COUNT, "0"))
 
     def step(self, step: int) -> None:
         for fault in self.faults:

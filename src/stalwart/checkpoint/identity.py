@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from stalwart.base import envvars
+
 
 @dataclass
 class RankInfo:
@@ -42,7 +44,7 @@ def _dist() -> tuple[int, int] | None:
 def resolve_rank(rank: int | None) -> int:
     if rank is not None:
         return rank
-    env = _from_env("RANK")
+    env = _from_env(envvars.RANK)
     if env is not None:
         return env
     d = _dist()
@@ -52,7 +54,7 @@ def resolve_rank(rank: int | None) -> int:
 def resolve_world_size(world_size: int | None) -> int:
     if world_size is not None:
         return world_size
-    env = _from_env("WORLD_SIZE")
+    env = _from_env(envvars.WORLD_SIZE)
     if env is not None:
         return env
     d = _dist()

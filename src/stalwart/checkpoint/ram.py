@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import xxhash
 
+from stalwart.base import envvars
 from stalwart.base.files import untrusted
 
 from . import ramlayout as rl
@@ -365,7 +366,7 @@ def open_local() -> tuple[RamSegment | None, str]:
     folder, why = ram_folder()
     if folder is None:
         return None, why
-    local = os.environ.get("LOCAL_RANK", "0")
+    local = os.environ.get(envvars.LOCAL_RANK, "0")
     try:
         return RamSegment.open(folder / rl.segment_name(int(local))), ""
     except (OSError, ValueError, CheckpointError) as exc:

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from stalwart.base import envvars
+
 from .errors import CheckpointError
 from .identity import resolve_rank, resolve_world_size
 from .loader import Loaded, complete_steps, load_step
@@ -89,7 +91,7 @@ class _StoreExchange:
         self._rank = rank
         self._world = world_size
         self._timeout = timedelta(seconds=timeout_s)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        restart = os.environ.get(envvars.RESTART_COUNT, "0")
         self._base = f"{STORE_PREFIX}/{restart}/{next(_calls)}"
         self._round = itertools.count()
 
@@ -108,8 +110,8 @@ class _StoreExchange:
 
 
 def _job_store(timeout_s: float) -> Any:
-    addr = os.environ.get("MASTER_ADDR")
-    port = os.environ.get("MASTER_PORT")
+    addr = os.environ.get(envvars.MASTER_ADDR)
+    port = os.environ.get(envvars.MASTER_PORT)
     if not addr or not port:
         return None
     from torch._C._distributed_c10d import TCPStore

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from stalwart.base import envvars
+
 from .errors import BarrierTimeout, RestartError
 from .state import State
 
@@ -45,7 +47,7 @@ class CudaHealthCheck:
         initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         if not (torch.cuda.is_available() and initialized):
             return state, train_ex
-        local_rank = os.environ.get("LOCAL_RANK")
+        local_rank = os.environ.get(envvars.LOCAL_RANK)
         device = torch.device(
             "cuda", int(local_rank) if local_rank is not None else torch.cuda.current_device()
         )

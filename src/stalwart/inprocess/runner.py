@@ -35,6 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 
 from .abort import destroy_process_groups
@@ -57,7 +58,7 @@ from .options import Options
 from .progress import Periodic, ProgressClock
 from .sockets import open_socket_fds
 from .state import Interruption, InterruptionRecord, Mode, State
-from .store import CoordStore, store_port
+from .store import ITERATION_ENV, CoordStore, store_port
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,11 @@ HOST_RANK = 0
 # Counts wrapped calls in this process; every rank makes the same calls in order.
 _CALLS = itertools.count()
 _EXPORTED_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "STALWART_INPROCESS_ITERATION",
+    envvars.RANK,
+    envvars.WORLD_SIZE,
+    envvars.MASTER_PORT,
+    envvars.USE_AGENT_STORE,
+    ITERATION_ENV,
 )
 
 
@@ -100,8 +101,8 @@ class Runner:
                 "inside the wrapped function"
             )
         self.opts = options
-        rank = _env_int("RANK")
-        world = _env_int("WORLD_SIZE")
+        rank = _env_int(envvars.RANK)
+        world = _env_int(envvars.WORLD_SIZE)
         self.state = State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
         self.main_tid = threading.get_ident()
         # The wrapper rewrites these per iteration; put the launcher's back at the end.
@@ -232,16 +233,16 @@ class Runner:
             )
         if opts.rank_filter is not None:
             state = opts.rank_filter(state)
-        os.environ["RANK"] = str(state.rank)
-        os.environ["WORLD_SIZE"] = str(state.world_size)
-        os.environ["STALWART_INPROCESS_ITERATION"] = str(iteration)
+        os.environ[envvars.RANK] = str(state.rank)
+        os.environ[envvars.WORLD_SIZE] = str(state.world_size)
+        os.environ[ITERATION_ENV] = str(iteration)
         if self.is_host:
             self.iteration_stores.close_before(iteration)
         port = self._iteration_port(iteration)
         if port is not None:
             # env:// connects as a client to this iteration's fresh store.
-            os.environ["MASTER_PORT"] = str(port)
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+            os.environ[envvars.MASTER_PORT] = str(port)
+            os.environ[envvars.USE_AGENT_STORE] = "True"
         state = dataclasses.replace(
             state,
             protected_fds=open_socket_fds(),
@@ -596,8 +597,8 @@ def run_wrapped(
 
 def run_plain(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Disabled wrapper: call once, with a detached ``Call`` if the function asks for one."""
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get(envvars.RANK, "0"))
+    world = int(os.environ.get(envvars.WORLD_SIZE, "1"))
     call = Call(State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world))
     call_args, call_kwargs = inject_call(fn, args, kwargs, call)
     return fn(*call_args, **call_kwargs)

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 
 from .errors import BarrierTimeout
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "stalwart/inprocess/"
 # Set by the wrapper while it runs: the environment no longer describes the launcher.
-_ITERATION_ENV = "STALWART_INPROCESS_ITERATION"
+#: The wrapper's iteration, exported while the wrapped function runs.
+ITERATION_ENV = "STALWART_INPROCESS_ITERATION"
 _HOSTED: dict[tuple[str, int], Store] = {}
 _POLL_MIN = 0.002
 _POLL_MAX = 0.02
@@ -56,18 +58,18 @@ def tcp_store(
     ``host_name`` and a ``timedelta`` timeout are accepted as NVIDIA's
     ``inprocess`` store takes them, so its ``store_kwargs`` carry over.
     """
-    addr = host or host_name or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    addr = host or host_name or os.environ.get(envvars.MASTER_ADDR, "127.0.0.1")
     if isinstance(timeout, datetime.timedelta):
         timeout = timeout.total_seconds()
     env_port = os.environ.get("STALWART_INPROCESS_PORT")
     agent = (
         port is None
         and not env_port
-        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and not os.environ.get(_ITERATION_ENV)
+        and os.environ.get(envvars.USE_AGENT_STORE) == "True"
+        and not os.environ.get(ITERATION_ENV)
     )
     if port is None:
-        port = int(env_port) if env_port else int(os.environ.get("MASTER_PORT", "29500"))
+        port = int(env_port) if env_port else int(os.environ.get(envvars.MASTER_PORT, "29500"))
     hosting = is_host and not agent
     if hosting and (addr, port) in _HOSTED:
         return _HOSTED[(addr, port)]
@@ -84,7 +86,7 @@ def tcp_store(
         # peer that connects early never meets a server about to go away.
         _HOSTED[(addr, port)] = store
     if agent:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = os.environ.get(envvars.RESTART_COUNT, "0")
         return PrefixStore(f"stalwart-inprocess/attempt{attempt}/", store)
     return store
 

@@ -26,6 +26,7 @@ from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from stalwart import progress
+from stalwart.base import envvars as base_env
 from stalwart.monitor import envvars, layout, stacks
 from stalwart.monitor.learned import (
     NVIDIA_STATE_KEY,
@@ -500,7 +501,7 @@ class RankMonitorClient:
             )
         if self._pipe is None or self._pipe.path != path:
             self._pipe = PipeWriter(path)
-        rank = os.environ.get(envvars.GLOBAL_RANK) or os.environ.get("RANK")
+        rank = os.environ.get(envvars.GLOBAL_RANK) or os.environ.get(base_env.RANK)
         msg = ControlMessage(os.getpid(), int(rank) if rank else None, action)
         try:
             self._pipe.write(encode(msg))

@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from stalwart.base import envvars as base_env
+
 STATE_KEY = "stalwart_monitor"
 STATE_VERSION = 1
 #: The key NVIDIA's RankMonitorClient.state_dict() puts its timeouts under.
@@ -182,11 +184,11 @@ def gather_json(payload: dict[str, Any], store: Any | None, seq: int) -> list[di
     dist = _initialised_dist()
     if dist is not None:
         return [json.loads(raw) for raw in _gather_bytes_dist(dist, data)]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get(base_env.WORLD_SIZE, "1"))
     if store is None and world > 1:
         store = _agent_store()
     if store is not None:
-        rank = int(os.environ.get("RANK", "0"))
+        rank = int(os.environ.get(base_env.RANK, "0"))
         prefix = f"stalwart/monitor/learn/{seq}"
         store.set(f"{prefix}/{rank}", data)
         return [json.loads(bytes(store.get(f"{prefix}/{r}"))) for r in range(world)]
@@ -203,9 +205,9 @@ _agent_store_cache: dict[tuple[int, str, int], Any] = {}
 
 def _agent_store() -> Any | None:
     """A client of the launcher-hosted job store, or None when there is none."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    if os.environ.get(base_env.USE_AGENT_STORE, "").lower() != "true":
         return None
-    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    host, port = os.environ.get(base_env.MASTER_ADDR), os.environ.get(base_env.MASTER_PORT)
     if not host or not port:
         return None
     key = (os.getpid(), host, int(port))
