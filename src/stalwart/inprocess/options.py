@@ -86,12 +86,12 @@ class Duration:
 @dataclasses.dataclass(eq=False, kw_only=True)
 class Options:
     store_factory: Callable[..., Store] = tcp_store
-    # None is accepted for both, as NVIDIA's Wrapper takes it: the default.
-    store_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    store_kwargs: dict[str, Any] | None = None
     initialize: Initialize | None = None
     abort: AbortHook | None = dataclasses.field(default_factory=AbortTorchDistributed)
     finalize: Finalize | None = None
     health_check: HealthCheck | None = None
+    # None (which NVIDIA's Wrapper also accepts) means ShiftRanks().
     rank_assignment: RankAssignment = dataclasses.field(default_factory=ShiftRanks)
     rank_filter: RankFilter | None = None
     monitor_thread_interval: Duration = Duration(0.5)
@@ -111,9 +111,7 @@ class Options:
     def __post_init__(self) -> None:
         if not callable(self.store_factory):
             raise ConfigError(f"store_factory must be callable, got {self.store_factory!r}")
-        if self.store_kwargs is None:
-            self.store_kwargs = {}
-        if not isinstance(self.store_kwargs, dict):
+        if self.store_kwargs is not None and not isinstance(self.store_kwargs, dict):
             raise ConfigError(f"store_kwargs must be a dict or None, got {self.store_kwargs!r}")
         if self.rank_assignment is None:
             self.rank_assignment = ShiftRanks()

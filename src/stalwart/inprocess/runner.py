@@ -122,13 +122,14 @@ class Runner:
         # A rank whose counter stands still this long is gone (local time only).
         self.liveness = CounterWatch[int](opts.heartbeat_timeout)
         call = next(_CALLS)
-        main_store = opts.store_factory(is_host=self.is_host, **opts.store_kwargs)
+        store_kwargs = opts.store_kwargs or {}
+        main_store = opts.store_factory(is_host=self.is_host, **store_kwargs)
         self.coord = CoordStore(main_store, rank, self.liveness, call)
         self.monitor_coord = CoordStore(
-            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
+            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call
         )
         heartbeat_coord = CoordStore(
-            opts.store_factory(is_host=False, **opts.store_kwargs), rank, self.liveness, call
+            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call
         )
         port = store_port(main_store)
         self.protected_ports = frozenset([port]) if port is not None else frozenset()
