@@ -2,10 +2,9 @@
 
 Runs as a separate interpreter (started by ``monitor_process.MonitorProcess``)
 with the standard library and ``stalwart.base`` only, so it starts in tens of
-milliseconds and keeps
-working while the rank's interpreter is stuck, even with the GIL held.  It
-reads the progress clock described in ``progress.py``; it exits when the clock
-is closed or its parent is gone.
+milliseconds and keeps working while the rank's interpreter is stuck, even with
+the GIL held.  It reads the progress clock described in ``progress.py``; it
+exits when the clock is closed or its parent is gone.
 """
 
 from __future__ import annotations
