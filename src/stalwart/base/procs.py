@@ -9,17 +9,26 @@ inprocess reaper, a bare interpreter, starts in tens of milliseconds.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import ctypes
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
-_libc = ctypes.CDLL(None, use_errno=True)
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    import ctypes  # on first use: the reaper, which never calls prctl, starts without it
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -157,7 +166,9 @@ def killpg_quiet(pgid: int, sig: int) -> bool:
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send *sig* to this process when its parent thread dies."""
-    if _libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+    if _libc().prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        import ctypes
+
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 
@@ -165,7 +176,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
 def set_child_subreaper() -> bool:
     """Orphaned descendants are re-parented to this process instead of init, so the
     launcher can still see (and kill) a worker's children after the worker died."""
-    return bool(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    return bool(_libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def pdeathsig_then_check(expected_parent: int, sig: int = signal.SIGKILL) -> None:

@@ -18,11 +18,10 @@ import signal
 import struct
 import sys
 import time
-from pathlib import Path
 
 # Started by path in an isolated interpreter (``-I``): the package this file belongs to
 # is importable from wherever it was loaded, installed or not.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))))
 
 from stalwart.base.procs import parent_is
 
