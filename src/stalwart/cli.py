@@ -59,16 +59,17 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     """argv, the environment, the ``--config`` file and the cluster -> the settings
     (and whether to log verbosely); the reading happens here, the rules in config."""
     from stalwart import cluster, inject
-    from stalwart.config import ConfigError, LaunchConfig
-    from stalwart.config import layers as L
+    from stalwart.config import ConfigError, LaunchConfig, layers
 
     ns = run_parser().parse_args(argv)
-    given = L.from_namespace(vars(ns))
-    yaml = L.load_yaml(ns.config) if ns.config is not None else {}
-    torch_env, our_env = L.from_environment(os.environ)
-    merged = L.merge(cluster.detect(os.environ)[1], L.from_yaml(yaml), torch_env, our_env, given)
-    kw = L.launch_kwargs(merged, given)
-    monitor = _monitor_config(L.monitor_settings(yaml, os.environ, given, merged))
+    given = layers.from_namespace(vars(ns))
+    yaml = layers.load_yaml(ns.config) if ns.config is not None else {}
+    torch_env, our_env = layers.from_environment(os.environ)
+    merged = layers.merge(
+        cluster.detect(os.environ)[1], layers.from_yaml(yaml), torch_env, our_env, given
+    )
+    kw = layers.launch_kwargs(merged, given)
+    monitor = _monitor_config(layers.monitor_settings(yaml, os.environ, given, merged))
     cfg = LaunchConfig(monitor=monitor, **kw)
     if cfg.inject:
         try:

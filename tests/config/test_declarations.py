@@ -83,7 +83,7 @@ def test_declared_names(name: str, env: str | None, yaml: str | None, target: st
     (f,) = [f for f in launch_flags() if name in f.spellings]
     assert f.env == env
     assert (f.key if f.yaml else None) == yaml
-    assert f.field == target
+    assert f.sets == target
 
 
 # Hang detection: flag -> (variable, MonitorConfig key)
@@ -98,7 +98,7 @@ _HANG = [
 @pytest.mark.parametrize(("name", "env", "key"), _HANG)
 def test_hang_flags_name_monitor_keys(name: str, env: str, key: str) -> None:
     (f,) = [f for f in HANG_FLAGS if name in f.spellings]
-    assert (f.env, f.field) == (env, key)
+    assert (f.env, f.sets) == (env, key)
 
 
 # torchrun's spellings, both forms where torchrun has both.

@@ -95,7 +95,7 @@ def launch_kwargs(merged: Mapping[str, Any], given: Mapping[str, Any]) -> dict[s
     kw: dict[str, Any] = {}
     for f in launch_flags():
         if f.key in merged:
-            kw[f.field] = f.value(merged[f.key])
+            kw[f.sets] = f.value(merged[f.key])
     args = kw.get("args", [])
     if args and args[0] == "--":
         kw["args"] = args[1:]
@@ -128,10 +128,10 @@ def monitor_settings(
     data: dict[str, Any] = {str(k).replace("-", "_"): v for k, v in part.items()}
     for f in HANG_FLAGS:
         if f.env is not None and f.env in environ:
-            data[f.field] = environ[f.env]
+            data[f.sets] = environ[f.env]
     for f in HANG_FLAGS:
         if f.key in given:
-            data[f.field] = f.value(given[f.key])
+            data[f.sets] = f.value(given[f.key])
     if "monitor_interval" in merged:
         data.setdefault("check_interval", merged["monitor_interval"])
     return data

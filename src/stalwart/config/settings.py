@@ -84,7 +84,8 @@ class Flag:
         return not self.names[0].startswith("-")
 
     @property
-    def field(self) -> str:
+    def sets(self) -> str:
+        """The name of what it sets (a LaunchConfig field, a MonitorConfig key)."""
         return self.target or self.key
 
     def value(self, raw: Any) -> Any:
@@ -138,13 +139,21 @@ def _one_line(parse: Callable[[str, str], Any]) -> Parse:
     return wrapped
 
 
+def _switch(value: Any, _name: str) -> bool:
+    return bool(value)
+
+
+def _as_given(value: Any, _name: str) -> Any:
+    return value
+
+
 _INT, _FLOAT = _typed(int), _typed(float)
 _HANG_GROUP = "hang detection (see docs/monitor.md)"
 
 
 def _hang(*names: str, **kw: Any) -> Flag:
     # Values stay as given: MonitorConfig.from_mapping parses (and names) them.
-    return flag(*names, yaml=False, parse=lambda v, _n: v, **kw)
+    return flag(*names, yaml=False, parse=_as_given, **kw)
 
 
 # The monitor's settings are YAML's ``monitor:`` mapping, keyed by MonitorConfig's names.
@@ -182,7 +191,7 @@ class LaunchConfig:
         ),
     )
     args: list[str] = setting(
-        factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=lambda v, _n: v)
+        factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=_as_given)
     )
     # The argparse dest and YAML key are "nnodes": the property below is the job's size.
     node_range: tuple[int, int] = setting(
@@ -214,7 +223,7 @@ class LaunchConfig:
             env=False,
             yaml=False,
             action="store_true",
-            parse=lambda v, _n: bool(v),
+            parse=_switch,
             help="single node, private rendezvous",
         ),
     )
@@ -283,7 +292,7 @@ class LaunchConfig:
             env=False,
             yaml=False,
             action="store_true",
-            parse=lambda v, _n: bool(v),
+            parse=_switch,
             help="run the entrypoint as a module",
         ),
     )
@@ -294,7 +303,7 @@ class LaunchConfig:
             env=False,
             yaml=False,
             action="store_true",
-            parse=lambda v, _n: bool(v),
+            parse=_switch,
             help="run the entrypoint as a program",
         ),
     )
@@ -305,7 +314,7 @@ class LaunchConfig:
             env=False,
             yaml=False,
             action="store_true",
-            parse=lambda v, _n: bool(v),
+            parse=_switch,
             help="accepted for torchrun compatibility",
         ),
     )
@@ -381,7 +390,7 @@ class LaunchConfig:
             env=False,
             yaml=False,
             action="store_true",
-            parse=lambda v, _n: bool(v),
+            parse=_switch,
         ),
     )
     # Derived once from the fields above (by __post_init__).
