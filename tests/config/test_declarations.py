@@ -233,3 +233,30 @@ def test_usage_error_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--max-restarts/--max_restarts: invalid int"):
         run_parser().parse_args(["--max-restarts", "x", "y.py"])
     assert isinstance(run_parser(), argparse.ArgumentParser)
+
+
+# A field's own check, declared with its flag: (argv, environment) -> the one-line error
+_CHECKS: list[tuple[list[str], dict[str, str], str]] = [
+    (["--metrics-port", "70000"], {}, "--metrics-port 70000: expected a port, 1..65535"),
+    (["--master-port", "0"], {}, "--master-port 0: expected 1..65535"),
+    (["--max-restarts", "-1"], {}, "--max-restarts -1: expected >= 0"),
+    (["--rdzv-backend", "zk"], {}, "--rdzv-backend 'zk': expected one of static, c10d, etcd"),
+    (["--restart-policy", "x"], {}, "--restart-policy 'x': expected one of any-failed, all-failed"),
+    (["--rdzv-id", "../x"], {}, "--rdzv-id '../x': expected letters, digits"),
+    (["--monitor-interval", "1e5"], {}, "--monitor-interval 100000.0: expected seconds > 0"),
+    (["--shutdown-timeout", "-1"], {}, "--shutdown-timeout -1.0: expected seconds >= 0"),
+    # The environment skips argparse's choices; the declared check still holds.
+    ([], {"STALWART_START_METHOD": "thread"}, "--start-method 'thread': expected spawn, fork"),
+    ([], {"STALWART_MASTER_PORT": "x"}, "--master-port 'x': expected int"),
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), _CHECKS)
+def test_declared_checks(
+    argv: list[str], env: dict[str, str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as info:
+        build_config([*argv, "x.py"])
+    assert str(info.value).startswith(message), str(info.value)

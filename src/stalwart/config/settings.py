@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 ENV_PREFIX = "STALWART_"
 
 Parse = Callable[[Any, str], Any]
+Check = Callable[[Any], str]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Flag:
     yaml: bool = True  # read from the --config file's top level
     torch_env: str | None = None  # torchrun's own variable (an empty value is unset)
     target: str = ""  # the LaunchConfig field or MonitorConfig key it sets ("": key)
+    check: Check | None = None  # the typed value -> "" when good, else what was expected
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -94,6 +96,14 @@ class Flag:
             return str(raw)
         return self.parse(raw, self.flag)
 
+    def problem(self, value: Any) -> str:
+        """One line naming a bad typed *value* and what was expected ("" when good)."""
+        why = self.check(value) if self.check is not None else ""
+        if not why:
+            return ""
+        shown = repr(value) if isinstance(value, str) else str(value)
+        return f"{self.flag} {shown}: {why}"
+
 
 def flag(
     *names: str,
@@ -117,6 +127,30 @@ def setting(default: Any = MISSING, f: Flag | None = None, *, factory: Any = MIS
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
+
+
+MAX_MONITOR_INTERVAL = 3600.0
+MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
+_RUN_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9._@+:-]{0,127}")
+# A bare interpreter with the launcher's environment needs tens of MiB; a torch worker
+# hundreds.  The floor keeps a typo (99999) from making 99,999 folders and processes.
+_WORKER_MEMORY = 64 << 20
+
+
+# any-failed: torchrun's rule, any worker failure restarts every worker.
+# all-failed: for jobs under stalwart.inprocess.Wrapper, whose survivors carry on without
+# a rank that left; processes restart only when every worker ended and none completed.
+RESTART_POLICIES = ("any-failed", "all-failed")
+
+RDZV_BACKENDS = ("static", "c10d", "etcd")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def _check(ok: Callable[[Any], bool], expected: str) -> Check:
+    def check(value: Any) -> str:
+        return "" if ok(value) else expected
+
+    return check
 
 
 def _typed(conv: Callable[[Any], Any]) -> Parse:
@@ -227,12 +261,31 @@ class LaunchConfig:
             help="single node, private rendezvous",
         ),
     )
-    rdzv_backend: str = setting("static", flag("--rdzv-backend", help="static, c10d or etcd"))
+    rdzv_backend: str = setting(
+        "static",
+        flag(
+            "--rdzv-backend",
+            help="static, c10d or etcd",
+            check=_check(
+                lambda b: b in RDZV_BACKENDS, f"expected one of {', '.join(RDZV_BACKENDS)}"
+            ),
+        ),
+    )
     rdzv_endpoint: str = setting(
         "", flag("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous store")
     )
     run_id: str = setting(
-        "", flag("--rdzv-id", key="run_id", target="run_id", help="job id shared by all nodes")
+        "",
+        flag(
+            "--rdzv-id",
+            key="run_id",
+            help="job id shared by all nodes",
+            check=_check(
+                lambda r: _RUN_ID.fullmatch(r) is not None,
+                "expected letters, digits and . _ - @ + : "
+                "(up to 128, not starting with . or -; it names the run's folder)",
+            ),
+        ),
     )
     rdzv_conf: RendezvousConf = setting(
         factory=RendezvousConf,
@@ -244,18 +297,50 @@ class LaunchConfig:
     )
     # "": localhost for one node, 127.0.0.1 for several (as torchrun)
     master_addr: str = setting("", flag("--master-addr"))
-    master_port: int = setting(29500, flag("--master-port", argtype=int, parse=_INT))
+    master_port: int = setting(
+        29500,
+        flag(
+            "--master-port",
+            argtype=int,
+            parse=_INT,
+            check=_check(lambda p: 0 < p < 65536, "expected 1..65535"),
+        ),
+    )
     # The address peers use to reach this node ("": the route to the store).
     local_addr: str = setting(
         "", flag("--local-addr", help="address other nodes use to reach this one")
     )
-    max_restarts: int = setting(0, flag("--max-restarts", argtype=int, parse=_INT))
+    max_restarts: int = setting(
+        0,
+        flag(
+            "--max-restarts",
+            argtype=int,
+            parse=_INT,
+            check=_check(lambda n: n >= 0, "expected >= 0"),
+        ),
+    )
     monitor_interval: float = setting(
         0.1,
-        flag("--monitor-interval", argtype=float, parse=_FLOAT, help="seconds between checks"),
+        flag(
+            "--monitor-interval",
+            argtype=float,
+            parse=_FLOAT,
+            help="seconds between checks",
+            # Bounded: waits longer than the platform's timer maximum raise OverflowError
+            # deep in a thread, and nan compares false with everything.
+            check=_check(
+                lambda s: 0 < s <= MAX_MONITOR_INTERVAL,
+                f"expected seconds > 0 and <= {MAX_MONITOR_INTERVAL:g}",
+            ),
+        ),
     )
     start_method: str = setting(
-        "spawn", flag("--start-method", choices=("spawn", "fork", "forkserver"))
+        "spawn",
+        flag(
+            "--start-method",
+            choices=START_METHODS,
+            check=_check(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
+        ),
     )
     log_dir: Path | None = setting(None, flag("--log-dir", parse=lambda v, _n: Path(str(v))))
     redirects: Std | dict[int, Std] = setting(
@@ -320,13 +405,25 @@ class LaunchConfig:
     )
     shutdown_timeout: float = setting(
         30.0,
-        flag("--shutdown-timeout", argtype=float, parse=_FLOAT, help="TERM -> KILL grace, seconds"),
+        flag(
+            "--shutdown-timeout",
+            argtype=float,
+            parse=_FLOAT,
+            help="TERM -> KILL grace, seconds",
+            check=_check(
+                lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
+                f"expected seconds >= 0 and <= {MAX_SHUTDOWN_TIMEOUT:g}",
+            ),
+        ),
     )
     restart_policy: str = setting(
         "any-failed",
         flag(
             "--restart-policy",
             help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
+            check=_check(
+                lambda p: p in RESTART_POLICIES, f"expected one of {', '.join(RESTART_POLICIES)}"
+            ),
         ),
     )
     # The flag turns it off; YAML ``warm: false`` and STALWART_WARM=0 too.
@@ -349,6 +446,7 @@ class LaunchConfig:
             parse=parse_size,
             help="memory per local rank for checkpoint snapshots that survive a worker "
             "restart (e.g. 2GiB; two snapshots are kept; default 0: off)",
+            check=_check(lambda n: n >= 0, "expected a size >= 0"),
         ),
     )
     preload: list[str] = setting(
@@ -375,8 +473,14 @@ class LaunchConfig:
         ),
     )
     metrics_port: int = setting(
-        0, flag("--metrics-port", parse=_INT, help="serve Prometheus /metrics on this port")
-    )  # 0: no /metrics endpoint
+        0,  # 0: no /metrics endpoint
+        flag(
+            "--metrics-port",
+            parse=_INT,
+            help="serve Prometheus /metrics on this port",
+            check=_check(lambda p: 0 <= p <= 65535, "expected a port, 1..65535"),
+        ),
+    )
     metrics_addr: str = setting(
         "0.0.0.0", flag("--metrics-addr", help="address for --metrics-port (0.0.0.0)")
     )
@@ -434,14 +538,14 @@ class LaunchConfig:
         return self.rdzv_conf.join_timeout
 
     def validate(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port}: expected a port, 1..65535")
+        """Each field's own check (declared with its flag), then the rules between fields."""
+        for f in fields(self):
+            declared = f.metadata.get("flag")
+            problem = declared.problem(getattr(self, f.name)) if declared else ""
+            if problem:
+                raise ConfigError(problem)
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
-        if self.rdzv_backend not in RDZV_BACKENDS:
-            raise ConfigError(
-                f"--rdzv-backend {self.rdzv_backend!r}: expected one of {', '.join(RDZV_BACKENDS)}"
-            )
         if self.min_nodes != self.max_nodes and self.rdzv_backend == "static":
             raise ConfigError(
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
@@ -454,27 +558,6 @@ class LaunchConfig:
             )
         if self.rdzv_endpoint:
             self._endpoints()
-        if self.ckpt_ram < 0:
-            raise ConfigError(f"--ckpt-ram {self.ckpt_ram}: expected a size >= 0")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
-        # Bounded: waits longer than the platform's timer maximum raise OverflowError deep
-        # in a thread, and nan compares false with everything (a grace that never ends).
-        if not 0 < self.monitor_interval <= MAX_MONITOR_INTERVAL:
-            raise ConfigError(
-                f"--monitor-interval {self.monitor_interval}: expected seconds > 0 and "
-                f"<= {MAX_MONITOR_INTERVAL:g}"
-            )
-        if not 0 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT:
-            raise ConfigError(
-                f"--shutdown-timeout {self.shutdown_timeout}: expected seconds >= 0 and "
-                f"<= {MAX_SHUTDOWN_TIMEOUT:g}"
-            )
-        if not _RUN_ID.fullmatch(self.run_id):
-            raise ConfigError(
-                f"--rdzv-id {self.run_id!r}: expected letters, digits and . _ - @ + : "
-                "(up to 128, not starting with . or -; it names the run's folder)"
-            )
         limit, why = max_local_workers()
         if self.nproc_per_node > limit:
             raise ConfigError(
@@ -487,21 +570,10 @@ class LaunchConfig:
             problem = _program_problem(self.entrypoint)
             if problem:
                 raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
-        if self.start_method not in ("spawn", "fork", "forkserver"):
-            raise ConfigError(
-                f"--start-method {self.start_method!r}: expected spawn, fork or forkserver"
-            )
-        if self.restart_policy not in RESTART_POLICIES:
-            raise ConfigError(
-                f"--restart-policy {self.restart_policy!r}: expected one of "
-                f"{', '.join(RESTART_POLICIES)}"
-            )
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
             )
-        if not 0 < self.master_port < 65536:
-            raise ConfigError(f"--master-port {self.master_port}: expected 1..65535")
 
     def _endpoints(self) -> None:
         """Parses ``--rdzv-endpoint`` once for the backend (and etcd's access with it)."""
@@ -535,14 +607,6 @@ class LaunchConfig:
 def launch_flags() -> list[Flag]:
     """`LaunchConfig`'s flags in ``--help`` order (the hang group not among them)."""
     return [f.metadata["flag"] for f in fields(LaunchConfig) if "flag" in f.metadata]
-
-
-MAX_MONITOR_INTERVAL = 3600.0
-MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
-_RUN_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9._@+:-]{0,127}")
-# A bare interpreter with the launcher's environment needs tens of MiB; a torch worker
-# hundreds.  The floor keeps a typo (99999) from making 99,999 folders and processes.
-_WORKER_MEMORY = 64 << 20
 
 
 def max_local_workers() -> tuple[int, str]:
@@ -587,11 +651,3 @@ def check_log_dir(path: Path) -> None:
         raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not writable")
-
-
-# any-failed: torchrun's rule, any worker failure restarts every worker.
-# all-failed: for jobs under stalwart.inprocess.Wrapper, whose survivors carry on without
-# a rank that left; processes restart only when every worker ended and none completed.
-RESTART_POLICIES = ("any-failed", "all-failed")
-
-RDZV_BACKENDS = ("static", "c10d", "etcd")
