@@ -228,6 +228,8 @@ class LaunchConfig:
         factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=_as_given)
     )
     # The argparse dest and YAML key are "nnodes": the property below is the job's size.
+    # No STALWART_NNODES: stalwart never read one (SLURM's and PET_NNODES come as the
+    # cluster's layer).
     node_range: tuple[int, int] = setting(
         (1, 1),
         flag(
@@ -449,6 +451,7 @@ class LaunchConfig:
             check=_check(lambda n: n >= 0, "expected a size >= 0"),
         ),
     )
+    # YAML or the flag only (no variable was ever read for it).
     preload: list[str] = setting(
         factory=list,
         f=flag(
