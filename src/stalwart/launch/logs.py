@@ -14,71 +14,23 @@ wrote is lost.  The local-ranks filter limits only what reaches the console.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import string
 import threading
 from dataclasses import dataclass
-from enum import IntFlag
 from pathlib import Path
 from typing import IO
 
-
-class Std(IntFlag):
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-_VALUE = re.compile(r"^[0-3]$")
-_MAP = re.compile(r"^\d+:[0-3](,\d+:[0-3])*$")
-
-
-def parse_std(value: str, flag: str = "--redirects") -> Std | dict[int, Std]:
-    """``"3"`` -> Std.ALL; ``"0:3,1:0"`` -> per-local-rank map; else a one-line ValueError."""
-    value = value.strip()
-    if _VALUE.match(value):
-        return Std(int(value))
-    if _MAP.match(value):
-        out: dict[int, Std] = {}
-        for item in value.split(","):
-            rank, std = item.split(":")
-            if int(rank) in out:
-                raise ValueError(
-                    f"{flag} {value!r}: local rank {int(rank)} is given twice "
-                    "(expected each rank at most once)"
-                )
-            out[int(rank)] = Std(int(std))
-        return out
-    raise ValueError(
-        f"{flag} {value!r}: expected 0..3 (0 none, 1 stdout, 2 stderr, 3 both) "
-        "or a per-local-rank map like 0:3,1:0"
-    )
+# The settings' vocabulary is config's; Std stays importable from here as before.
+from stalwart.config.output import DEFAULT_PREFIX
+from stalwart.config.output import Std as Std
 
 
 def std_map(spec: Std | dict[int, Std], nprocs: int) -> dict[int, Std]:
     if isinstance(spec, Std):
         return dict.fromkeys(range(nprocs), spec)
     return {r: spec.get(r, Std.NONE) for r in range(nprocs)}
-
-
-def parse_ranks_filter(value: str) -> set[int]:
-    try:
-        ranks = {int(x) for x in value.split(",") if x.strip()}
-    except ValueError:
-        raise ValueError(
-            f"--local-ranks-filter {value!r}: expected comma-separated local ranks like 0,2"
-        ) from None
-    if not ranks or min(ranks) < 0:
-        raise ValueError(f"--local-ranks-filter {value!r}: expected non-negative local ranks")
-    return ranks
-
-
-DEFAULT_PREFIX = "[${rank}]:"
-# Several nodes' consoles often end up in one place (SLURM's output file, a log shipper).
-MULTI_NODE_PREFIX = "[${hostname}:${rank}]:"
 
 
 def render_prefix(template: str, *, rank: int, local_rank: int, role: str, node_rank: int) -> str:

@@ -36,6 +36,7 @@ from stalwart.launch.events import EventLog, read_events
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
+from stalwart.launch.membership import rendezvous_for
 from stalwart.launch.metrics import MetricsServer
 from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.snapshots import SnapshotMemory
@@ -52,7 +53,6 @@ from stalwart.rendezvous import (
     RendezvousError,
     RendezvousInfo,
     StoreLost,
-    from_config,
 )
 from stalwart.runlog import EVENTS_FILE_ENV
 
@@ -252,7 +252,7 @@ class Supervisor:
                     segment_bytes=self._snapshots.segment_bytes,
                 )
             if self._rdzv is None:
-                self._rdzv = from_config(cfg)
+                self._rdzv = rendezvous_for(cfg)
             result = self._loop(self._rdzv)
         except SignalReceived as sig:
             result = self._interrupted(sig.sig)

@@ -1,10 +1,11 @@
 """Rendezvous: which nodes form the job this round, and where the workers' store lives.
 
 The supervisor talks to a ``Rendezvous`` only; a backend decides how nodes meet: static
-membership through node 0's c10d ``TCPStore``, or elastic ``MIN:MAX`` membership with
-keep-alive on a ``TCPStore`` or an etcd cluster.  Rounds are job-wide: round *n* is
-attempt *n* on every node, so ``TORCHELASTIC_RESTART_COUNT`` and the restart budget agree
-across nodes.
+membership through node 0's c10d ``TCPStore`` (`StaticRendezvous`), or elastic
+``MIN:MAX`` membership with keep-alive on a ``TCPStore`` or an etcd cluster
+(`ElasticRendezvous`).  Rounds are job-wide: round *n* is attempt *n* on every node, so
+``TORCHELASTIC_RESTART_COUNT`` and the restart budget agree across nodes.  This package
+knows nothing of the launcher's settings: ``launch/membership.py`` translates them.
 """
 
 from stalwart.rendezvous.api import (
@@ -15,12 +16,10 @@ from stalwart.rendezvous.api import (
     RendezvousInfo,
     StoreLost,
 )
-from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
-from stalwart.rendezvous.factory import from_config
+from stalwart.rendezvous.static import StaticRendezvous, StoreEndpoint
 
 __all__ = [
-    "C10dRendezvous",
     "ElasticRendezvous",
     "ElasticSettings",
     "FailureRecord",
@@ -28,7 +27,7 @@ __all__ = [
     "Rendezvous",
     "RendezvousError",
     "RendezvousInfo",
+    "StaticRendezvous",
     "StoreEndpoint",
     "StoreLost",
-    "from_config",
 ]

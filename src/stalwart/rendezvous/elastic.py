@@ -40,8 +40,7 @@ from stalwart.rendezvous.api import (
     RendezvousInfo,
     StoreLost,
 )
-from stalwart.rendezvous.c10d import parse_address
-from stalwart.rendezvous.kv import KV, host_store, read_failures
+from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
 
 logger = logging.getLogger(__name__)
 

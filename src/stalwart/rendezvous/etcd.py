@@ -10,8 +10,8 @@ Several comma-separated endpoints may be given (the members of an etcd cluster);
 request that cannot reach one tries the next, so the loss of one etcd member or of any
 launcher loses no rendezvous state.
 
-Access control is etcd's own: ``username``/``password`` (or ``password_file``) through
-``--rdzv-conf`` take a token from ``/v3/auth/authenticate`` and send it with every
+Access control is etcd's own (`EtcdAccess`, which the launcher makes from
+``--rdzv-conf``): a username and password take a token from ``/v3/auth/authenticate`` and send it with every
 request (a new one is taken when etcd says it expired); ``protocol=https`` (or
 ``https://`` endpoints) with ``cacert`` and, for client-certificate auth, ``cert`` and
 ``key`` — the key names torch's etcd rendezvous uses.
@@ -28,8 +28,7 @@ import random
 import ssl
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.rendezvous.api import RendezvousError, StoreLost
@@ -45,53 +44,13 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
 
 
-# --rdzv-conf keys that configure access to etcd.
-ACCESS_KEYS = ("protocol", "cacert", "cert", "key", "username", "password", "password_file")
-
-
 @dataclass(frozen=True)
 class EtcdAccess:
     """How to reach etcd: plain or TLS, anonymous or as a user."""
 
     tls: ssl.SSLContext | None = None
     username: str = ""
-    password: str = ""
-
-
-def access_from_conf(conf: dict[str, str], endpoint: str) -> EtcdAccess:
-    """The access ``--rdzv-conf`` asks for; a one-line ``ValueError`` for a bad one."""
-    protocol = conf.get("protocol", "https" if "https://" in endpoint else "http").lower()
-    if protocol not in ("http", "https"):
-        raise ValueError(f"--rdzv-conf protocol={protocol!r}: expected http or https")
-    if protocol == "http" and "https://" in endpoint:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r}: https endpoints with protocol=http")
-    cert, key = conf.get("cert", ""), conf.get("key", "")
-    if bool(cert) != bool(key):
-        raise ValueError("--rdzv-conf cert and key: expected both (a client certificate)")
-    tls: ssl.SSLContext | None = None
-    if protocol == "https":
-        try:
-            tls = ssl.create_default_context(cafile=conf.get("cacert") or None)
-            if cert:
-                tls.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as err:
-            raise ValueError(f"--rdzv-conf TLS files: {err}") from None
-    elif any(conf.get(k) for k in ("cacert", "cert", "key")):
-        raise ValueError("--rdzv-conf cacert/cert/key: expected protocol=https")
-    username = conf.get("username", "")
-    password = conf.get("password", "")
-    if conf.get("password_file"):
-        if password:
-            raise ValueError("--rdzv-conf: expected password or password_file, not both")
-        try:
-            password = Path(conf["password_file"]).read_text().rstrip("\n")
-        except OSError as err:
-            raise ValueError(
-                f"--rdzv-conf password_file={conf['password_file']!r}: {err.strerror}"
-            ) from None
-    if password and not username:
-        raise ValueError("--rdzv-conf password: expected a username too")
-    return EtcdAccess(tls, username, password)
+    password: str = field(default="", repr=False)
 
 
 class EtcdKV:
@@ -345,23 +304,3 @@ class EtcdKV:
 
 class _TokenRejected(RendezvousError):
     """etcd no longer accepts the token (expired, or the server restarted)."""
-
-
-def parse_endpoints(value: str, default_port: int = 2379) -> list[tuple[str, int]]:
-    """``"h1:2379,h2"`` (or with ``http://``/``https://``) -> ``[("h1", 2379), ("h2", 2379)]``
-    (TLS is ``access_from_conf``'s business)."""
-    out = []
-    for item in filter(None, (p.strip() for p in value.split(","))):
-        item = item.removeprefix("http://").removeprefix("https://")
-        host, sep, port = item.rpartition(":")
-        if not sep:
-            host, port = item, str(default_port)
-        try:
-            out.append((host.strip("[]"), int(port)))
-        except ValueError:
-            raise ValueError(
-                f"--rdzv-endpoint {value!r}: expected HOST[:PORT][,HOST[:PORT]...]"
-            ) from None
-    if not out:
-        raise ValueError(f"--rdzv-endpoint {value!r}: expected HOST[:PORT][,HOST[:PORT]...]")
-    return out

@@ -315,3 +315,20 @@ def read_failures(
             continue
         out.append(rec)
     return out
+
+
+def parse_count(raw: bytes | None, key: str) -> int:
+    """A node's worker count from the store: a positive integer, or a one-line error."""
+    text = (raw or b"").decode(errors="replace")
+    if not text.isdigit() or int(text) < 1:
+        raise RendezvousError(f"rendezvous store key {key} holds {text[:40]!r}: expected a count")
+    return int(text)
+
+
+def parse_address(raw: bytes | None, key: str) -> tuple[str, int]:
+    """``host:port`` from the store, validated, or a one-line error."""
+    text = (raw or b"").decode(errors="replace")
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RendezvousError(f"rendezvous store key {key} holds {text[:80]!r}: expected HOST:PORT")
+    return host, int(port)

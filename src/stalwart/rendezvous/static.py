@@ -1,4 +1,4 @@
-"""Rendezvous over torch's c10d ``TCPStore``, hosted by a launcher.
+"""Static membership: a fixed count of nodes meeting through one c10d ``TCPStore``.
 
 One launcher hosts the job's store (the only one for a single node, node rank 0 for a
 static multi-node job); the others connect to it.  Keys are namespaced per round
@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stalwart.rendezvous.api import FailureRecord, RendezvousError, RendezvousInfo
-from stalwart.rendezvous.kv import C10dKV, check_run_id, host_store, read_failures
+from stalwart.rendezvous.kv import (
+    C10dKV,
+    check_run_id,
+    host_store,
+    parse_address,
+    parse_count,
+    read_failures,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -25,24 +32,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _POLL = 0.005  # store round trips are ~0.1 ms; keep joins snappy without spinning
-# Bounds one store call: static jobs have no keep-alive, so a cut link shows up here.
-_OP_TIMEOUT = 30.0
+# Bounds one store call (torch's read_timeout): static jobs have no keep-alive, so a cut
+# link shows up here.
+OP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
 class StoreEndpoint:
     host: str
     port: int
-
-    @classmethod
-    def parse(cls, value: str, default_port: int = 29400) -> StoreEndpoint:
-        host, sep, port = value.rpartition(":")
-        if not sep:
-            return cls(value, default_port)
-        try:
-            return cls(host.strip("[]"), int(port))
-        except ValueError:
-            raise ValueError(f"--rdzv-endpoint {value!r}: expected HOST[:PORT]") from None
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -57,24 +55,7 @@ def _is_loopback_name(host: str) -> bool:
         return False
 
 
-def parse_count(raw: bytes | None, key: str) -> int:
-    """A node's worker count from the store: a positive integer, or a one-line error."""
-    text = (raw or b"").decode(errors="replace")
-    if not text.isdigit() or int(text) < 1:
-        raise RendezvousError(f"rendezvous store key {key} holds {text[:40]!r}: expected a count")
-    return int(text)
-
-
-def parse_address(raw: bytes | None, key: str) -> tuple[str, int]:
-    """``host:port`` from the store, validated, or a one-line error."""
-    text = (raw or b"").decode(errors="replace")
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise RendezvousError(f"rendezvous store key {key} holds {text[:80]!r}: expected HOST:PORT")
-    return host, int(port)
-
-
-class C10dRendezvous:
+class StaticRendezvous:
     """Static-membership rendezvous of *nnodes* launchers through one ``TCPStore``."""
 
     elastic = False
@@ -90,6 +71,7 @@ class C10dRendezvous:
         master_addr: str,
         join_timeout: float = 600.0,
         exit_barrier_timeout: float = 30.0,
+        op_timeout: float = OP_TIMEOUT,
     ) -> None:
         self.run_id = run_id
         self.nnodes = nnodes
@@ -105,7 +87,7 @@ class C10dRendezvous:
             endpoint.port,
             is_host=host_store,
             connect_timeout=join_timeout,
-            op_timeout=_OP_TIMEOUT,
+            op_timeout=op_timeout,
         )
         self.endpoint = StoreEndpoint(endpoint.host, self.kv.port)
         check_run_id(self.kv, run_id, host_store, join_timeout, str(self.endpoint))

@@ -1,0 +1,62 @@
+"""The launcher's settings: the bottom layer, importing nothing else of stalwart.
+
+Every setting is declared once (`settings.LaunchConfig`: a field and its `Flag`); the
+command-line parser, the ``STALWART_*`` variables, the YAML keys and the precedence
+between them are derived from those declarations (`layers`).  Values are parsed and
+checked here, once: downstream code gets typed values (`Std`, `Endpoint`,
+`RendezvousConf`), never text to parse again.
+"""
+
+from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
+from stalwart.config.output import (
+    DEFAULT_PREFIX,
+    MULTI_NODE_PREFIX,
+    Std,
+    parse_ranks_filter,
+    parse_std,
+)
+from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
+from stalwart.config.settings import (
+    HANG_FLAGS,
+    RDZV_BACKENDS,
+    RESTART_POLICIES,
+    Flag,
+    LaunchConfig,
+    check_log_dir,
+    launch_flags,
+    max_local_workers,
+)
+from stalwart.config.values import (
+    ConfigError,
+    parse_kv,
+    parse_nnodes,
+    parse_nproc,
+    parse_size,
+)
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "HANG_FLAGS",
+    "MULTI_NODE_PREFIX",
+    "RDZV_BACKENDS",
+    "RESTART_POLICIES",
+    "ConfigError",
+    "Endpoint",
+    "EtcdAccessConf",
+    "Flag",
+    "LaunchConfig",
+    "RendezvousConf",
+    "Std",
+    "check_log_dir",
+    "etcd_access",
+    "launch_flags",
+    "max_local_workers",
+    "parse_endpoint",
+    "parse_endpoints",
+    "parse_kv",
+    "parse_nnodes",
+    "parse_nproc",
+    "parse_ranks_filter",
+    "parse_size",
+    "parse_std",
+]

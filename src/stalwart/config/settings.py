@@ -1,0 +1,656 @@
+"""Every launcher setting, declared once: a `LaunchConfig` field with its `Flag` beside it.
+
+A field's `Flag` (its dataclass metadata) carries all of the setting's spellings: the
+command-line names (torchrun's, each ``--a-b`` also as ``--a_b``), the help text, the
+parser from text (or a YAML value), the ``STALWART_<KEY>`` environment name and the YAML
+key.  ``config.layers`` derives the argparse parser, the precedence merge and the typed
+values from these declarations; the fields are in ``--help`` order.  Hang detection's
+flags are declared in `HANG_FLAGS`: their values make the monitor's own ``MonitorConfig``,
+which the command line builds and hands in (this layer imports nothing of the monitor).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
+from stalwart.config.output import (
+    DEFAULT_PREFIX,
+    MULTI_NODE_PREFIX,
+    Std,
+    parse_ranks_filter,
+    parse_std,
+)
+from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
+from stalwart.config.values import (
+    ConfigError,
+    is_false,
+    parse_list,
+    parse_nnodes,
+    parse_nproc,
+    parse_size,
+)
+
+if TYPE_CHECKING:
+    from stalwart.monitor.config import MonitorConfig
+
+ENV_PREFIX = "STALWART_"
+
+Parse = Callable[[Any, str], Any]
+Check = Callable[[Any], str]
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one setting is spelled on the command line, in the environment and in YAML."""
+
+    names: tuple[str, ...]  # as torchrun spells them; "--a-b" also gets "--a_b"
+    key: str  # the YAML key, the environment's suffix and argparse's dest
+    help: str | None = None
+    parse: Parse | None = None  # (value, flag name) -> typed value; None: str()
+    argtype: Callable[[str], Any] | None = None  # argparse's own check (int, float, Path)
+    action: str | None = None  # store_true, store_const, append; None: takes a value
+    const: Any = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    nargs: str | None = None
+    env: str | None = None  # the environment variable; None: none
+    yaml: bool = True  # read from the --config file's top level
+    torch_env: str | None = None  # torchrun's own variable (an empty value is unset)
+    target: str = ""  # the LaunchConfig field or MonitorConfig key it sets ("": key)
+    check: Check | None = None  # the typed value -> "" when good, else what was expected
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        out: list[str] = []
+        for name in self.names:
+            out.append(name)
+            if name.startswith("--") and "-" in name[2:]:
+                out.append("--" + name[2:].replace("-", "_"))  # torchrun's other spelling
+        return tuple(out)
+
+    @property
+    def flag(self) -> str:
+        """The spelling errors name: the first long one."""
+        return next((n for n in self.names if n.startswith("--")), self.names[0])
+
+    @property
+    def positional(self) -> bool:
+        return not self.names[0].startswith("-")
+
+    @property
+    def sets(self) -> str:
+        """The name of what it sets (a LaunchConfig field, a MonitorConfig key)."""
+        return self.target or self.key
+
+    def value(self, raw: Any) -> Any:
+        """*raw* (text, or a YAML scalar or list) as the setting's type."""
+        if self.parse is None:
+            return str(raw)
+        return self.parse(raw, self.flag)
+
+    def problem(self, value: Any) -> str:
+        """One line naming a bad typed *value* and what was expected ("" when good)."""
+        why = self.check(value) if self.check is not None else ""
+        if not why:
+            return ""
+        shown = repr(value) if isinstance(value, str) else str(value)
+        return f"{self.flag} {shown}: {why}"
+
+
+def flag(
+    *names: str,
+    key: str = "",
+    env: bool = True,
+    yaml: bool = True,
+    **kw: Any,
+) -> Flag:
+    """A `Flag`; its key is the first long name's (``--max-restarts``: ``max_restarts``),
+    its variable ``STALWART_<KEY>`` unless *env* is False."""
+    long = next((n for n in names if n.startswith("--")), names[0])
+    key = key or long.lstrip("-").replace("-", "_")
+    return Flag(
+        names=names, key=key, env=ENV_PREFIX + key.upper() if env else None, yaml=yaml, **kw
+    )
+
+
+def setting(default: Any = MISSING, f: Flag | None = None, *, factory: Any = MISSING) -> Any:
+    """A `LaunchConfig` field: its default and its `Flag`."""
+    meta = {"flag": f} if f is not None else {}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+MAX_MONITOR_INTERVAL = 3600.0
+MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
+_RUN_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9._@+:-]{0,127}")
+# A bare interpreter with the launcher's environment needs tens of MiB; a torch worker
+# hundreds.  The floor keeps a typo (99999) from making 99,999 folders and processes.
+_WORKER_MEMORY = 64 << 20
+
+
+# any-failed: torchrun's rule, any worker failure restarts every worker.
+# all-failed: for jobs under stalwart.inprocess.Wrapper, whose survivors carry on without
+# a rank that left; processes restart only when every worker ended and none completed.
+RESTART_POLICIES = ("any-failed", "all-failed")
+
+RDZV_BACKENDS = ("static", "c10d", "etcd")
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def _check(ok: Callable[[Any], bool], expected: str) -> Check:
+    def check(value: Any) -> str:
+        return "" if ok(value) else expected
+
+    return check
+
+
+def _typed(conv: Callable[[Any], Any]) -> Parse:
+    def parse(value: Any, name: str) -> Any:
+        try:
+            return conv(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} {value!r}: expected {conv.__name__}") from None
+
+    return parse
+
+
+def _one_line(parse: Callable[[str, str], Any]) -> Parse:
+    def wrapped(value: Any, name: str) -> Any:
+        try:
+            return parse(str(value), name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    return wrapped
+
+
+def _switch(value: Any, _name: str) -> bool:
+    return bool(value)
+
+
+def _as_given(value: Any, _name: str) -> Any:
+    return value
+
+
+_INT, _FLOAT = _typed(int), _typed(float)
+_HANG_GROUP = "hang detection (see docs/monitor.md)"
+
+
+def _hang(*names: str, **kw: Any) -> Flag:
+    # Values stay as given: MonitorConfig.from_mapping parses (and names) them.
+    return flag(*names, yaml=False, parse=_as_given, **kw)
+
+
+# The monitor's settings are YAML's ``monitor:`` mapping, keyed by MonitorConfig's names.
+HANG_FLAGS: tuple[Flag, ...] = (
+    _hang("--hb-timeout", help="max seconds between heartbeats, or auto"),
+    _hang("--hb-initial-timeout", help="max seconds to the first heartbeat"),
+    _hang(
+        "--section-timeout",
+        target="section_timeouts",
+        action="append",
+        metavar="NAME=SECS",
+        help="max seconds a named section may stay open (repeatable); auto learns the others",
+    ),
+    _hang("--out-of-section-timeout", help="max seconds with no section open, or auto"),
+    _hang("--safety-factor", help="learned timeout = max observed x this"),
+    _hang("--hang-signal", target="term_signal", help="signal sent to a hung rank (default TERM)"),
+    _hang("--stack-dump-wait", help="seconds to let a hung rank dump stacks"),
+    _hang("--auto-warmup-steps", help="heartbeats seen before auto applies"),
+    _hang("--auto-warmup-seconds", help="seconds seen before auto applies"),
+    _hang("--auto-percentile", help="observed interval auto uses (100=max)"),
+    _hang("--auto-floor", help="shortest timeout auto may learn (seconds)"),
+    _hang("--straggler-factor", help="slower than the others by this: named"),
+    _hang("--straggler-window", help="seconds each straggler verdict spans"),
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """What ``stalwart run`` was asked to do, each value parsed and checked once."""
+
+    entrypoint: str = setting(
+        MISSING,
+        flag(
+            "entrypoint", env=False, yaml=False, help="script, module (-m) or program (--no-python)"
+        ),
+    )
+    args: list[str] = setting(
+        factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=_as_given)
+    )
+    # The argparse dest and YAML key are "nnodes": the property below is the job's size.
+    # No STALWART_NNODES: stalwart never read one (SLURM's and PET_NNODES come as the
+    # cluster's layer).
+    node_range: tuple[int, int] = setting(
+        (1, 1),
+        flag(
+            "--nnodes",
+            env=False,
+            target="node_range",
+            help="N or MIN:MAX nodes (default 1)",
+            parse=lambda v, _n: parse_nnodes(str(v)),
+        ),
+    )
+    nproc_per_node: int = setting(
+        1,
+        flag(
+            "--nproc-per-node",
+            help="workers per node: N, auto, cpu or gpu",
+            parse=lambda v, _n: parse_nproc(str(v)),
+        ),
+    )
+    node_rank: int | None = setting(
+        0,
+        flag("--node-rank", argtype=int, parse=_INT, help="this node's rank (static rendezvous)"),
+    )
+    standalone: bool = setting(
+        False,
+        flag(
+            "--standalone",
+            env=False,
+            yaml=False,
+            action="store_true",
+            parse=_switch,
+            help="single node, private rendezvous",
+        ),
+    )
+    rdzv_backend: str = setting(
+        "static",
+        flag(
+            "--rdzv-backend",
+            help="static, c10d or etcd",
+            check=_check(
+                lambda b: b in RDZV_BACKENDS, f"expected one of {', '.join(RDZV_BACKENDS)}"
+            ),
+        ),
+    )
+    rdzv_endpoint: str = setting(
+        "", flag("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous store")
+    )
+    run_id: str = setting(
+        "",
+        flag(
+            "--rdzv-id",
+            key="run_id",
+            help="job id shared by all nodes",
+            check=_check(
+                lambda r: _RUN_ID.fullmatch(r) is not None,
+                "expected letters, digits and . _ - @ + : "
+                "(up to 128, not starting with . or -; it names the run's folder)",
+            ),
+        ),
+    )
+    rdzv_conf: RendezvousConf = setting(
+        factory=RendezvousConf,
+        f=flag(
+            "--rdzv-conf",
+            help="key=value,... (join_timeout, is_host)",
+            parse=lambda v, _n: RendezvousConf.parse(v),
+        ),
+    )
+    # "": localhost for one node, 127.0.0.1 for several (as torchrun)
+    master_addr: str = setting("", flag("--master-addr"))
+    master_port: int = setting(
+        29500,
+        flag(
+            "--master-port",
+            argtype=int,
+            parse=_INT,
+            check=_check(lambda p: 0 < p < 65536, "expected 1..65535"),
+        ),
+    )
+    # The address peers use to reach this node ("": the route to the store).
+    local_addr: str = setting(
+        "", flag("--local-addr", help="address other nodes use to reach this one")
+    )
+    max_restarts: int = setting(
+        0,
+        flag(
+            "--max-restarts",
+            argtype=int,
+            parse=_INT,
+            check=_check(lambda n: n >= 0, "expected >= 0"),
+        ),
+    )
+    monitor_interval: float = setting(
+        0.1,
+        flag(
+            "--monitor-interval",
+            argtype=float,
+            parse=_FLOAT,
+            help="seconds between checks",
+            # Bounded: waits longer than the platform's timer maximum raise OverflowError
+            # deep in a thread, and nan compares false with everything.
+            check=_check(
+                lambda s: 0 < s <= MAX_MONITOR_INTERVAL,
+                f"expected seconds > 0 and <= {MAX_MONITOR_INTERVAL:g}",
+            ),
+        ),
+    )
+    start_method: str = setting(
+        "spawn",
+        flag(
+            "--start-method",
+            choices=START_METHODS,
+            check=_check(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
+        ),
+    )
+    log_dir: Path | None = setting(None, flag("--log-dir", parse=lambda v, _n: Path(str(v))))
+    redirects: Std | dict[int, Std] = setting(
+        Std.NONE,
+        flag("-r", "--redirects", parse=_one_line(parse_std), help="0..3 or map like 0:3,1:0"),
+    )
+    tee: Std | dict[int, Std] = setting(
+        Std.NONE,
+        flag("-t", "--tee", parse=_one_line(parse_std), help="0..3 or map like 0:3,1:0"),
+    )
+    local_ranks_filter: set[int] | None = setting(
+        None,
+        flag(
+            "--local-ranks-filter",
+            parse=_one_line(lambda v, _n: parse_ranks_filter(v)),
+            help="local ranks shown on the console",
+        ),
+    )
+    # "": torchrun's, or with the host for several nodes
+    log_line_prefix_template: str = setting(
+        "",
+        flag(
+            "--log-line-prefix-template",
+            torch_env="TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+            help=f"default {DEFAULT_PREFIX!r}; {MULTI_NODE_PREFIX!r} for several nodes",
+        ),
+    )
+    role: str = setting("default", flag("--role"))
+    module: bool = setting(
+        False,
+        flag(
+            "-m",
+            "--module",
+            env=False,
+            yaml=False,
+            action="store_true",
+            parse=_switch,
+            help="run the entrypoint as a module",
+        ),
+    )
+    no_python: bool = setting(
+        False,
+        flag(
+            "--no-python",
+            env=False,
+            yaml=False,
+            action="store_true",
+            parse=_switch,
+            help="run the entrypoint as a program",
+        ),
+    )
+    run_path: bool = setting(
+        False,
+        flag(
+            "--run-path",
+            env=False,
+            yaml=False,
+            action="store_true",
+            parse=_switch,
+            help="accepted for torchrun compatibility",
+        ),
+    )
+    shutdown_timeout: float = setting(
+        30.0,
+        flag(
+            "--shutdown-timeout",
+            argtype=float,
+            parse=_FLOAT,
+            help="TERM -> KILL grace, seconds",
+            check=_check(
+                lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
+                f"expected seconds >= 0 and <= {MAX_SHUTDOWN_TIMEOUT:g}",
+            ),
+        ),
+    )
+    restart_policy: str = setting(
+        "any-failed",
+        flag(
+            "--restart-policy",
+            help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
+            check=_check(
+                lambda p: p in RESTART_POLICIES, f"expected one of {', '.join(RESTART_POLICIES)}"
+            ),
+        ),
+    )
+    # The flag turns it off; YAML ``warm: false`` and STALWART_WARM=0 too.
+    warm: bool = setting(
+        True,
+        flag(
+            "--no-warm",
+            key="warm",
+            action="store_const",
+            const=False,
+            parse=lambda v, _n: not is_false(v),
+            help="start every worker cold (no template)",
+        ),
+    )
+    # Bytes of launcher-owned memory per local rank and snapshot (two are kept); 0: off.
+    ckpt_ram: int = setting(
+        0,
+        flag(
+            "--ckpt-ram",
+            parse=parse_size,
+            help="memory per local rank for checkpoint snapshots that survive a worker "
+            "restart (e.g. 2GiB; two snapshots are kept; default 0: off)",
+            check=_check(lambda n: n >= 0, "expected a size >= 0"),
+        ),
+    )
+    # YAML or the flag only (no variable was ever read for it).
+    preload: list[str] = setting(
+        factory=list,
+        f=flag(
+            "--preload",
+            env=False,
+            parse=lambda v, _n: parse_list(v),
+            help="modules the warm template imports, e.g. numpy,mylib",
+        ),
+    )
+    # Checked by the command line: the spec is ``stalwart.inject``'s language.
+    inject: str = setting("", flag("--inject", help="fault spec, e.g. crash:rank=1,step=30"))
+    config_file: Path | None = setting(
+        None,
+        flag(
+            "--config",
+            target="config_file",
+            env=False,
+            yaml=False,
+            argtype=Path,
+            parse=lambda v, _n: Path(str(v)),
+            help="YAML file of settings",
+        ),
+    )
+    metrics_port: int = setting(
+        0,  # 0: no /metrics endpoint
+        flag(
+            "--metrics-port",
+            parse=_INT,
+            help="serve Prometheus /metrics on this port",
+            check=_check(lambda p: 0 <= p <= 65535, "expected a port, 1..65535"),
+        ),
+    )
+    metrics_addr: str = setting(
+        "0.0.0.0", flag("--metrics-addr", help="address for --metrics-port (0.0.0.0)")
+    )
+    # Hang detection: the HANG_FLAGS group, built into the monitor's own record.
+    monitor: MonitorConfig = field(metadata={"group": (_HANG_GROUP, HANG_FLAGS)})
+    verbose: bool = setting(
+        False,
+        flag(
+            "-v",
+            "--verbose",
+            env=False,
+            yaml=False,
+            action="store_true",
+            parse=_switch,
+        ),
+    )
+    # Derived once from the fields above (by __post_init__).
+    store_endpoints: tuple[Endpoint, ...] = field(init=False, default=())
+    etcd_access: EtcdAccessConf | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.run_id in ("", "none"):
+            # One node can pick its own id; several must share one, as with torchrun.
+            self._set("run_id", uuid.uuid4().hex[:12] if self.max_nodes == 1 else "none")
+        if not self.log_line_prefix_template:
+            self._set(
+                "log_line_prefix_template",
+                MULTI_NODE_PREFIX if self.max_nodes > 1 else DEFAULT_PREFIX,
+            )
+        self.validate()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: only while being made
+
+    @property
+    def min_nodes(self) -> int:
+        return self.node_range[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.node_range[1]
+
+    @property
+    def nnodes(self) -> int:
+        return self.max_nodes
+
+    @property
+    def effective_master_addr(self) -> str:
+        if self.master_addr:
+            return self.master_addr
+        return "localhost" if self.max_nodes == 1 else "127.0.0.1"
+
+    @property
+    def join_timeout(self) -> float:
+        return self.rdzv_conf.join_timeout
+
+    def validate(self) -> None:
+        """Each field's own check (declared with its flag), then the rules between fields."""
+        for f in fields(self):
+            declared = f.metadata.get("flag")
+            problem = declared.problem(getattr(self, f.name)) if declared else ""
+            if problem:
+                raise ConfigError(problem)
+        if self.module and self.no_python:
+            raise ConfigError("--module and --no-python cannot be used together")
+        if self.min_nodes != self.max_nodes and self.rdzv_backend == "static":
+            raise ConfigError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
+                "--rdzv-backend c10d or etcd (static membership is a fixed count)"
+            )
+        if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
+            raise ConfigError(
+                "--rdzv-backend etcd: expected --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
+                "of the etcd cluster"
+            )
+        if self.rdzv_endpoint:
+            self._endpoints()
+        limit, why = max_local_workers()
+        if self.nproc_per_node > limit:
+            raise ConfigError(
+                f"--nproc-per-node {self.nproc_per_node}: more workers than this machine "
+                f"can run (at most {limit}: {why})"
+            )
+        if self.log_dir is not None:
+            check_log_dir(self.log_dir)
+        if self.no_python:
+            problem = _program_problem(self.entrypoint)
+            if problem:
+                raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
+            )
+
+    def _endpoints(self) -> None:
+        """Parses ``--rdzv-endpoint`` once for the backend (and etcd's access with it)."""
+        try:
+            if self.rdzv_backend == "etcd":
+                endpoints = tuple(parse_endpoints(self.rdzv_endpoint))
+                lowest = 1
+                access = etcd_access(self.rdzv_conf, self.rdzv_endpoint)
+                access.tls_context()  # unreadable TLS files: said now, not at the first join
+                self._set("etcd_access", access)
+            else:
+                # A static job's endpoint defaults to --master-port, c10d's to torchrun's.
+                port = self.master_port if self.rdzv_backend == "static" else None
+                endpoints = (
+                    parse_endpoint(self.rdzv_endpoint)
+                    if port is None
+                    else parse_endpoint(self.rdzv_endpoint, port),
+                )
+                lowest = 0  # 0: the host picks a free port (--standalone)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        for _, port in endpoints:
+            if not lowest <= port <= 65535:
+                raise ConfigError(
+                    f"--rdzv-endpoint {self.rdzv_endpoint!r}: port {port} is not a TCP "
+                    f"port (expected {lowest}..65535)"
+                )
+        self._set("store_endpoints", endpoints)
+
+
+def launch_flags() -> list[Flag]:
+    """`LaunchConfig`'s flags in ``--help`` order (the hang group not among them)."""
+    return [f.metadata["flag"] for f in fields(LaunchConfig) if "flag" in f.metadata]
+
+
+def max_local_workers() -> tuple[int, str]:
+    """How many workers this machine could start at all, and why that many."""
+    import resource
+
+    import psutil
+
+    mem = psutil.virtual_memory().total
+    limit = max(1, mem // _WORKER_MEMORY)
+    why = f"{mem / (1 << 30):.0f} GiB of memory at {_WORKER_MEMORY >> 20} MiB per worker"
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if soft != resource.RLIM_INFINITY and soft < limit:
+        limit, why = max(1, soft), f"the process limit RLIMIT_NPROC is {soft}"
+    return int(limit), why
+
+
+def _program_problem(program: str) -> str:
+    """Why *program* cannot be executed ("" when it can), as ``execvp`` would find it."""
+    if os.sep not in program:
+        return "" if shutil.which(program) else "no such program on PATH"
+    path = Path(program)
+    if not path.exists():
+        return "no such file"
+    if path.is_dir():
+        return "is a folder, expected an executable program"
+    if not os.access(path, os.X_OK):
+        return "not executable (chmod +x, or run it through its interpreter)"
+    return ""
+
+
+def check_log_dir(path: Path) -> None:
+    """A one-line error now rather than a traceback when the run folder is made."""
+    if str(path) == os.devnull:
+        return
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not writable")
