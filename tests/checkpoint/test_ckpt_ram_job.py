@@ -20,8 +20,8 @@ pytestmark = pytest.mark.timeout(240)
 JOB = Path(__file__).parent / "scripts" / "ram_job.py"
 
 
-def _run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    return stalwart(*args, timeout=200)
+def _run(*args: str | Path, timeout: float = 200) -> subprocess.CompletedProcess[str]:
+    return stalwart(*args, timeout=timeout)
 
 
 def _results(out: Path) -> list[dict[str, object]]:
