@@ -26,12 +26,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
 from common import fmt, machine, med, ratio, show  # noqa: E402
-
-from tests.multinode.netns import (  # noqa: E402
+from netns import (  # noqa: E402
     TRAIN,
     Host,
     Network,

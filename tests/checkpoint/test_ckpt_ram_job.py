@@ -6,39 +6,22 @@ Real launcher, real worker crashes and restarts, real store / gloo process group
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from stalwart.checkpoint import ramlayout as rl
+from tests.helpers import ROOT, clean_env, events, stalwart, stalwart_argv, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).parent / "scripts" / "ram_job.py"
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    env.pop("OMP_NUM_THREADS", None)
-    env.update(extra)
-    return env
-
-
 def _run(*args: str | Path, timeout: float = 200) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=_env(),
-        cwd=ROOT,
-    )
+    return stalwart(*args, timeout=timeout)
 
 
 def _results(out: Path) -> list[dict[str, object]]:
@@ -74,12 +57,7 @@ def test_a_restarted_job_resumes_from_ram_without_the_disk(tmp_path: Path, warm:
     # Nothing was ever persisted: the state came from the launcher's memory alone.
     assert not list(ckpt.glob("step_*"))
     # The launcher said where it reserved the memory, and freed it when the job ended.
-    (events,) = (tmp_path / "logs").glob("*/events.jsonl")
-    reserved = [
-        e
-        for e in map(json.loads, events.read_text().splitlines())
-        if e["event"] == "ckpt_ram_reserved"
-    ]
+    reserved = [e for e in events(tmp_path / "logs") if e["event"] == "ckpt_ram_reserved"]
     assert len(reserved) == 1 and reserved[0]["bytes_per_rank"] == 4 << 20
     assert not Path(reserved[0]["folder"]).exists()
 
@@ -137,38 +115,28 @@ def test_the_guardian_frees_snapshot_memory_after_a_launcher_sigkill(tmp_path: P
     script.write_text(_SLEEPER)
     seen = tmp_path / "ramdir.txt"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
-            "--ckpt-ram",
-            "1MiB",
-            "--log-dir",
-            str(tmp_path / "logs"),
-            str(script),
-            str(seen),
-            rl.RAM_DIR_ENV,
-        ],
+        stalwart_argv(
+            "--ckpt-ram", "1MiB", "--log-dir", tmp_path / "logs", script, seen, rl.RAM_DIR_ENV
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=_env(),
+        env=clean_env(),
         cwd=ROOT,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not (seen.exists() and seen.read_text()):
+
+        def started() -> bool:
+            if seen.exists() and seen.read_text():
+                return True
             assert proc.poll() is None, "launcher exited early"
-            assert time.monotonic() < deadline, "worker never started"
-            time.sleep(0.05)
+            return False
+
+        wait_for(started, 120, "the worker to start", interval=0.05)
         folder = Path(seen.read_text())
         assert folder.is_dir() and (folder / rl.segment_name(0)).is_file()
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-        deadline = time.monotonic() + 30
-        while folder.exists():
-            assert time.monotonic() < deadline, f"{folder} outlived the launcher"
-            time.sleep(0.05)
+        wait_for(lambda: not folder.exists(), 30, f"{folder} to go with the launcher", 0.05)
     finally:
         proc.kill()
         proc.wait()

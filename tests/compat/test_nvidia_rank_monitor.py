@@ -6,17 +6,14 @@ error name is catchable."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stalwart.monitor import RankMonitorClient, RankMonitorClientError, RankMonitorError, envvars
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, clean_env, read_events, stalwart_argv
 
 # What NVIDIA's RankMonitorClient.state_dict() returns after calculate_and_set_*_timeouts.
 NVIDIA_STATE: dict[str, Any] = {
@@ -59,21 +56,16 @@ client.shutdown_workload_monitoring()
 def test_nvidia_state_dict_keeps_a_slow_rank_alive_under_stalwart_run(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     logs = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
+        stalwart_argv("--nproc-per-node", "1",
          "--max-restarts", "0", "--rdzv-id", "nvidia-state", "--log-dir", str(logs),
          "--hb-timeout", "1", "--section-timeout", "step=1", "--section-timeout", "eval=7",
          "--out-of-section-timeout", "1", "--redirects", "1",
-         str(script), json.dumps(NVIDIA_STATE)],
-        capture_output=True, text=True, timeout=100, env=env, cwd=ROOT,
+         script, json.dumps(NVIDIA_STATE)),
+        capture_output=True, text=True, timeout=100, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
-    events = [
-        json.loads(x)
-        for x in (logs / "nvidia-state" / "events.jsonl").read_text().splitlines()
-        if x.strip()
-    ]
+    events = read_events(logs / "nvidia-state" / "events.jsonl")
     names = [e["event"] for e in events]
     assert proc.returncode == 0, (names, proc.stderr[-3000:])
     assert "hang_detected" not in names

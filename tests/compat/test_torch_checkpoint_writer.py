@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import ROOT, clean_env, stalwart_argv
+
 PROGRAM = Path(__file__).parent / "programs" / "torch_ckpt_process.py"
-ROOT = Path(__file__).resolve().parents[2]
 TORCH_IMPORT = (
     "from torch.distributed.checkpoint._experimental.checkpoint_process import "
     "CheckpointProcess, CheckpointProcessConfig"
@@ -22,12 +22,6 @@ TORCH_IMPORT = (
 TORCH_IMPORT_2 = "from torch.distributed.checkpoint._experimental.types import RankInfo"
 STALWART_IMPORT = "from stalwart.checkpoint import CheckpointProcess, CheckpointProcessConfig"
 STALWART_IMPORT_2 = "from stalwart.checkpoint import RankInfo"
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    env.pop("OMP_NUM_THREADS", None)
-    return env
 
 
 def _check_outputs(out: Path, world_size: int) -> None:
@@ -61,11 +55,11 @@ def test_torch_style_writer_runs_under_stalwart_with_only_the_import_changed(
     assert len(changed) == 2
     out = tmp_path / "out"
     res = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2", program, out],
+        stalwart_argv("--nproc-per-node", "2", program, out),
         capture_output=True,
         text=True,
         timeout=150,
-        env=_env(),
+        env=clean_env(),
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -91,7 +85,7 @@ def test_the_program_is_valid_for_torchs_own_checkpoint_process(tmp_path: Path) 
             capture_output=True,
             text=True,
             timeout=45,
-            env={**_env(), "RANK": "0", "WORLD_SIZE": "1"},
+            env=clean_env(RANK="0", WORLD_SIZE="1"),
             check=False,
         )
         if res.returncode == 0:

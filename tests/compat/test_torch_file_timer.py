@@ -4,18 +4,16 @@ signal the worker is reaped and the job restarts."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import ROOT, clean_env, read_events, stalwart_argv
+
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # A training script written for torchrun with TORCHELASTIC_ENABLE_FILE_TIMER=1.
 SCRIPT = """
@@ -41,19 +39,18 @@ def run(
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    env["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
+    env = clean_env(TORCHELASTIC_ENABLE_FILE_TIMER="1")
     logs = tmp_path / "logs"
     run_id = f"torch-timer-{signal if signal >= 0 else 'default'}"
     proc = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
-         "--max-restarts", "1", "--rdzv-id", run_id, "--log-dir", str(logs),
-         str(script), str(signal)],
+        stalwart_argv("--nproc-per-node", "1",
+         "--max-restarts", "1", "--rdzv-id", run_id, "--log-dir", logs,
+         script, str(signal)),
         capture_output=True, text=True, timeout=100, env=env, cwd=ROOT,
     )  # fmt: skip
     events_file = logs / run_id / "events.jsonl"
     assert events_file.exists(), proc.stderr[-3000:]
-    return proc, [json.loads(x) for x in events_file.read_text().splitlines() if x.strip()]
+    return proc, read_events(events_file)
 
 
 @pytest.mark.timeout(120)

@@ -5,16 +5,15 @@ resume from the checkpoint the framework itself wrote, and finish."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.helpers import ROOT, clean_env, stalwart_argv
+
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
 STEPS, CKPT_EVERY, FAULT_AT = 12, 4, 7
 SAVED = FAULT_AT // CKPT_EVERY * CKPT_EVERY  # the last checkpoint before the fault
 
@@ -22,13 +21,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def run(script: str, work: Path, fault: str) -> tuple[subprocess.CompletedProcess[str], list[Any]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(work / "hf_home"))
+    env = clean_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(work / "hf_home"))
     proc = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2",
+        stalwart_argv("--nproc-per-node", "2",
          "--max-restarts", "1", "--inject", f"{fault}:rank=1,step={FAULT_AT}",
-         "--log-dir", str(work / "logs"), str(HERE / script), str(work), str(STEPS),
-         str(CKPT_EVERY)],
+         "--log-dir", work / "logs", HERE / script, work, str(STEPS), str(CKPT_EVERY)),
         capture_output=True, text=True, timeout=170, env=env, cwd=ROOT,
     )  # fmt: skip
     progress = work / "p.jsonl"

@@ -284,7 +284,7 @@ def test_default_abort_aborts_nccl_before_destroying_groups(
 
 def test_store_kwargs_in_nvidia_spelling() -> None:
     from stalwart.inprocess.store import tcp_store
-    from tests.inprocess.harness import free_port
+    from tests.helpers import free_port
 
     port = free_port()
     host = tcp_store(

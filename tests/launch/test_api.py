@@ -12,9 +12,10 @@ import pytest
 
 from stalwart.launch.logs import LogSpec, Std
 from stalwart.launch.workers import start_processes
+from tests.helpers import alive
 
 from . import funcs
-from .helpers import SCRIPTS, alive
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from stalwart.launch.cgroup import _own_path, _parent_dir, _v2_mount
+from tests.helpers import alive, clean_env, stalwart, start_stalwart, wait_for, warm_and_cold
 
-from .helpers import SCRIPTS, alive, clean_env, stalwart, start_stalwart, wait_for
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -66,6 +67,7 @@ def _leftover_cgroups() -> list[Path]:
     return [] if parent is None else sorted(parent.glob("stalwart-*"))
 
 
+@warm_and_cold
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_dies_at_normal_exit(tmp_path: Path, mode: str) -> None:
     before = _leftover_cgroups()
@@ -80,6 +82,7 @@ def test_daemon_dies_at_normal_exit(tmp_path: Path, mode: str) -> None:
     assert _leftover_cgroups() == before
 
 
+@warm_and_cold
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_dies_at_each_restart(tmp_path: Path, mode: str) -> None:
     proc = stalwart(
@@ -95,6 +98,7 @@ def test_daemon_dies_at_each_restart(tmp_path: Path, mode: str) -> None:
     wait_for(lambda: not any(alive(p) for p in first + second), 5, "the daemons to die")
 
 
+@warm_and_cold
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_dies_when_launcher_is_sigkilled(tmp_path: Path, mode: str) -> None:
     before = _leftover_cgroups()

@@ -9,8 +9,9 @@ import pytest
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.launch.logs import Std
+from tests.helpers import clean_env, stalwart
 
-from .helpers import SCRIPTS, clean_env, stalwart
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,14 +10,16 @@ import pytest
 from stalwart.launch.errors import ProcessFailure
 from stalwart.launch.hangs import annotate
 from stalwart.monitor import HangKind, HangReport
+from tests.helpers import events, stalwart, warm_and_cold
 
-from .helpers import SCRIPTS, events, stalwart
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(90)
 
 INTERVAL = 0.5  # --monitor-interval; the old code waited 1.0 s for a report on signal deaths
 
 
+@warm_and_cold
 @pytest.mark.parametrize("spec", ["sigkill:rank=1,step=3", "exit:rank=1,step=3,code=4"])
 def test_teardown_starts_within_one_monitor_interval(tmp_path: Path, spec: str) -> None:
     proc = stalwart(
@@ -43,6 +45,7 @@ def test_teardown_starts_within_one_monitor_interval(tmp_path: Path, spec: str) 
     assert 0 <= latency < INTERVAL, latency
 
 
+@warm_and_cold
 def test_late_hang_report_still_explains_the_failure(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node",

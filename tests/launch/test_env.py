@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SCRIPTS, clean_env, stalwart
+from tests.helpers import clean_env, stalwart, warm_and_cold
 
-pytestmark = pytest.mark.timeout(90)
+from .helpers import SCRIPTS
+
+pytestmark = [pytest.mark.timeout(90), warm_and_cold]
 
 
 def _load(d: Path, n: int) -> dict[int, dict[str, str]]:

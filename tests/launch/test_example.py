@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, stalwart
+from tests.helpers import ROOT, stalwart, warm_and_cold
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), warm_and_cold]
 
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from stalwart import inject
+from tests.helpers import clean_env, events, stalwart, warm_and_cold
 
-from .helpers import SCRIPTS, clean_env, events, stalwart
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -18,6 +19,7 @@ def _exit_of(log_dir: Path, rank: int) -> dict:
     return exits[0]
 
 
+@warm_and_cold
 @pytest.mark.parametrize(
     ("spec", "exitcode", "sig"),
     [
@@ -46,6 +48,7 @@ def test_fault_kinds(tmp_path: Path, spec: str, exitcode: int, sig: str | None) 
         assert "InjectedFault: injected fault at step 3" in proc.stderr
 
 
+@warm_and_cold
 def test_fault_only_on_chosen_attempt_and_from_environment(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node",

@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.logs import MAX_BACKLOG, Tee
+from tests.helpers import events, run_dir, stalwart, warm_and_cold
 
-from .helpers import SCRIPTS, events, run_dir, stalwart
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(60)
 
 
+@warm_and_cold
 def test_redirect_captures_python_fd_and_child_output(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node", "2", "-r", "3", "--log-dir", tmp_path, SCRIPTS / "output.py"
@@ -28,6 +30,7 @@ def test_redirect_captures_python_fd_and_child_output(tmp_path: Path) -> None:
     assert "py-out" not in proc.stdout  # redirected, not tee'd
 
 
+@warm_and_cold
 def test_tee_prefixes_filter_and_crash_mid_line(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node",
@@ -52,6 +55,7 @@ def test_tee_prefixes_filter_and_crash_mid_line(tmp_path: Path) -> None:
     assert "unterminated rank=0" in (d / "0" / "stdout.log").read_text()  # ... but in its file
 
 
+@warm_and_cold
 def test_default_prefix_is_global_rank(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node", "2", "-t", "1", "--log-dir", tmp_path, SCRIPTS / "output.py"
@@ -63,6 +67,7 @@ def test_default_prefix_is_global_rank(tmp_path: Path) -> None:
     assert not Path(ipc).exists()  # nothing left in /tmp after a normal run
 
 
+@warm_and_cold
 def test_attempt_folders_per_restart(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node",

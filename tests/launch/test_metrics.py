@@ -9,18 +9,14 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .helpers import SCRIPTS, stalwart, start_stalwart, wait_for
+from tests.helpers import cold_only, free_port, stalwart, start_stalwart, wait_for
+
+from .helpers import SCRIPTS
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.parametrize("start_mode", ["cold"], indirect=True),
+    cold_only,
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[str, float] | None:
@@ -38,7 +34,7 @@ def scrape(port: int) -> dict[str, float] | None:
 
 
 def test_metrics_move_with_the_run(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = start_stalwart(
         "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", tmp_path / "logs",
         "--metrics-port", str(port), "--metrics-addr", "127.0.0.1",

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from .helpers import SCRIPTS, events, stalwart, start_stalwart
+from tests.helpers import events, free_port, stalwart, start_stalwart, warm_and_cold
 
-pytestmark = pytest.mark.timeout(180)
+from .helpers import SCRIPTS
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = [pytest.mark.timeout(180), warm_and_cold]
 
 
 def test_two_nodes_restart_together_with_job_wide_count(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    port = str(_free_port())
+    port = str(free_port())
     common = [
         "--nnodes",
         "2",
@@ -74,7 +69,7 @@ def test_two_nodes_restart_together_with_job_wide_count(tmp_path: Path) -> None:
 
 
 def test_mismatched_job_id_is_a_clear_error(tmp_path: Path) -> None:
-    port = str(_free_port())
+    port = str(free_port())
     common = [
         "--nnodes",
         "2",
@@ -161,7 +156,7 @@ def test_unreachable_endpoint_is_a_clear_error(tmp_path: Path) -> None:
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "--rdzv-conf",
         "join_timeout=2",
         "--log-dir",

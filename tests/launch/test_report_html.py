@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, SCRIPTS, STALWART, clean_env, stalwart
+from tests.helpers import ROOT, STALWART, clean_env, cold_only, stalwart
+
+from .helpers import SCRIPTS
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.parametrize("start_mode", ["cold"], indirect=True),
+    cold_only,
 ]
 
 

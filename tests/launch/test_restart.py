@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.errors import ProcessFailure, root_cause
+from tests.helpers import events, kinds, stalwart, warm_and_cold
 
-from .helpers import SCRIPTS, events, kinds, stalwart
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(240)
 
 
+@warm_and_cold
 def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -45,6 +47,7 @@ def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
     assert kinds(evs)[-2:] == ["job_succeeded", "launcher_exit"]
 
 
+@warm_and_cold
 def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -70,6 +73,7 @@ def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
     assert evs[-1] == {**evs[-1], "event": "launcher_exit", "exit_code": 1}
 
 
+@warm_and_cold
 def test_summary_names_root_cause_exception_and_error_file(tmp_path: Path) -> None:
     proc = stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
     assert proc.returncode == 1
@@ -81,6 +85,7 @@ def test_summary_names_root_cause_exception_and_error_file(tmp_path: Path) -> No
     assert "root_cause.py" in data["message"]["extraInfo"]["py_callstack"]
 
 
+@warm_and_cold
 def test_error_file_readable_by_torch_elastic(tmp_path: Path) -> None:
     stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchFailure

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, SCRIPTS, events, kinds, stalwart
+from tests.helpers import ROOT, events, kinds, stalwart, warm_and_cold
 
-pytestmark = pytest.mark.timeout(120)
+from .helpers import SCRIPTS
+
+pytestmark = [pytest.mark.timeout(120), warm_and_cold]
 
 
 def test_a_rank_leaving_does_not_stop_the_others(tmp_path: Path) -> None:

@@ -10,23 +10,26 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.goodput import CATEGORIES
-
-from .helpers import (
+from tests.helpers import (
     ROOT,
-    SCRIPTS,
     STALWART,
     clean_env,
+    cold_only,
     events,
     kinds,
     run_dir,
     stalwart,
     start_stalwart,
     wait_for,
+    warm_and_cold,
 )
+
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(90)
 
 
+@warm_and_cold
 def test_run_folder_printed_at_start_without_log_dir(tmp_path: Path) -> None:
     env = clean_env(TMPDIR=str(tmp_path))
     proc = stalwart("--nproc-per-node", "1", SCRIPTS / "steps.py", tmp_path, "2", env=env)
@@ -38,6 +41,7 @@ def test_run_folder_printed_at_start_without_log_dir(tmp_path: Path) -> None:
     assert f"run folder: {folder}" in proc.stderr  # and again in the closing block
 
 
+@warm_and_cold
 def test_failure_summary_names_only_files_that_exist(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = stalwart(
@@ -58,6 +62,7 @@ def test_failure_summary_names_only_files_that_exist(tmp_path: Path) -> None:
     assert all(Path(p).is_file() for p in paths)
 
 
+@warm_and_cold
 def test_ctrl_c_is_recorded_as_stopped_with_its_attempt(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = start_stalwart(
@@ -82,6 +87,7 @@ def test_ctrl_c_is_recorded_as_stopped_with_its_attempt(tmp_path: Path) -> None:
     assert [a["outcome"] for a in run["attempts"]] == ["stopped"]
 
 
+@warm_and_cold
 def test_worker_exit_is_written_when_it_happens(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = stalwart(
@@ -97,7 +103,7 @@ def test_worker_exit_is_written_when_it_happens(tmp_path: Path) -> None:
     assert lingered["time"] - crashed["time"] > 1.5
 
 
-@pytest.mark.parametrize("start_mode", ["cold"], indirect=True)
+@cold_only
 def test_hung_ranks_stacks_go_to_their_folders_and_events(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = stalwart(
@@ -118,6 +124,7 @@ def test_hung_ranks_stacks_go_to_their_folders_and_events(tmp_path: Path) -> Non
     assert "hang_both.py" not in proc.stderr and "most recent call first" not in proc.stderr
 
 
+@warm_and_cold
 def test_injected_fault_that_never_fired_is_recorded_and_reported(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = stalwart(
@@ -133,6 +140,7 @@ def test_injected_fault_that_never_fired_is_recorded_and_reported(tmp_path: Path
     assert set(evs[-1]["goodput"]) == {*CATEGORIES, "ratio"}
 
 
+@warm_and_cold
 def test_report_lists_every_run_of_a_log_dir(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     for rid in ("first", "second"):

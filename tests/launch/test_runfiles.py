@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import SCRIPTS, stalwart
+from tests.helpers import stalwart
+
+from .helpers import SCRIPTS
 
 
 def one_line_error(stderr: str) -> str:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.cgroup import _parent_dir
+from tests.helpers import alive, events, kinds, start_stalwart, wait_for, warm_and_cold
 
-from .helpers import SCRIPTS, alive, events, kinds, start_stalwart, wait_for
+from .helpers import SCRIPTS
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), warm_and_cold]
 
 
 def _pids(out: Path, n: int) -> list[tuple[int, int]]:

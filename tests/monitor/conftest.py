@@ -1,31 +1,20 @@
-"""Fixtures for monitor tests: a started NodeMonitor, worker subprocesses, deadline polling."""
+"""Fixtures for monitor tests: a started NodeMonitor and worker subprocesses."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from stalwart.monitor import MonitorConfig, NodeMonitor
+from tests.helpers import wait_for
 
 WORKER = Path(__file__).with_name("worker.py")
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 class Harness:

@@ -15,8 +15,9 @@ from stalwart.monitor import HangKind, HangReport, MonitorConfig, NodeMonitor
 from stalwart.monitor.auto import AutoSettings, Rhythm, from_rhythms, learn, merge
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
 from stalwart.monitor.learned import LearnedTimeouts
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ from stalwart.launch.errors import ProcessFailure, root_cause
 from stalwart.launch.hangs import _blame_first
 from stalwart.monitor import HangKind, HangReport
 from stalwart.monitor.judge import Stalled, blame
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 from .test_hangs import fast
 
 
@@ -69,7 +70,7 @@ def test_sleeping_rank_blamed_in_every_run(harness: Harness, run: int) -> None:
 
 
 def sleeping_rank_blamed(harness: Harness) -> None:
-    from .test_learned import free_port
+    from tests.helpers import free_port
 
     mon = harness.start(fast(hb_timeout=1.0, check_interval=0.1), nranks=2)
     port = str(free_port())

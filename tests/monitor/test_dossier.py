@@ -19,8 +19,9 @@ from stalwart.monitor.dossier import (
     request_flight_recorder_dump,
 )
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 from .test_hangs import fast
 
 ZERO = (0.0,) * MAX_SECTIONS

@@ -4,33 +4,30 @@ restarts and finishes. Reads the run's events.jsonl."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, clean_env, read_events, stalwart_argv
+
 JOB = Path(__file__).with_name("e2e_job.py")
 
 
 def run_job(
     tmp_path: Path, mode: str, *flags: str, pause: float = 0.02
 ) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     logs = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2",
-         "--max-restarts", "2", "--rdzv-id", f"e2e-{mode}", "--log-dir", str(logs),
-         "--hb-initial-timeout", "60", *flags, str(JOB), mode, "12", str(pause)],
-        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT,
+        stalwart_argv("--nproc-per-node", "2",
+         "--max-restarts", "2", "--rdzv-id", f"e2e-{mode}", "--log-dir", logs,
+         "--hb-initial-timeout", "60", *flags, JOB, mode, "12", str(pause)),
+        capture_output=True, text=True, timeout=150, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
     events_file = logs / f"e2e-{mode}" / "events.jsonl"
     assert events_file.exists(), proc.stderr[-3000:]
-    events = [json.loads(line) for line in events_file.read_text().splitlines() if line.strip()]
-    return proc, events
+    return proc, read_events(events_file)
 
 
 def check(

@@ -5,14 +5,12 @@ exist (issue 10 item 4): nothing is signalled, the job is not stopped, it succee
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT, clean_env, read_events, stalwart_argv
 
 RANK = """
 import json, os, subprocess, sys, time
@@ -53,16 +51,14 @@ sys.exit(0 if all(alive.values()) else 3)
 def test_requests_against_the_launcher_side_are_refused(tmp_path: Path) -> None:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
     logs = tmp_path / "logs"
     proc = subprocess.run(
-        [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
-         "--max-restarts", "0", "--rdzv-id", "untrusted", "--log-dir", str(logs),
-         "--redirects", "1", str(script)],
-        capture_output=True, text=True, timeout=100, env=env, cwd=ROOT,
+        stalwart_argv("--nproc-per-node", "1",
+         "--max-restarts", "0", "--rdzv-id", "untrusted", "--log-dir", logs,
+         "--redirects", "1", script),
+        capture_output=True, text=True, timeout=100, env=clean_env(), cwd=ROOT,
     )  # fmt: skip
-    events_file = logs / "untrusted" / "events.jsonl"
-    events = [json.loads(x) for x in events_file.read_text().splitlines() if x.strip()]
+    events = read_events(logs / "untrusted" / "events.jsonl")
     names = [e["event"] for e in events]
     assert proc.returncode == 0, (names, proc.stderr[-3000:])
     out = "".join(p.read_text() for p in logs.rglob("stdout.log"))

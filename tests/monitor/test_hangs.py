@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from stalwart.monitor import HangKind, HangReport, MonitorConfig
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 
 
 def fast(**settings: Any) -> MonitorConfig:
@@ -150,7 +151,7 @@ def test_no_false_positive_when_healthy_or_torn_down(harness: Harness) -> None:
 
 @pytest.mark.timeout(90)
 def test_rank_blocked_in_gloo_collective(harness: Harness) -> None:
-    from .test_learned import free_port
+    from tests.helpers import free_port
 
     mon = harness.start(fast(hb_timeout=2.0), nranks=2)
     port = str(free_port())

@@ -21,8 +21,9 @@ from stalwart.monitor import ControlAction, MonitorConfig, NodeMonitor, TimerCli
 from stalwart.monitor import timer as timer_mod
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import PIPE_BUF, ControlMessage, TimerMessage, encode
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +10,9 @@ import pytest
 
 from stalwart.monitor import MonitorConfig, RankMonitorClient, envvars, layout
 from stalwart.monitor.learned import Observations, gather_json, merge_max
+from tests.helpers import free_port
 
 from .conftest import Harness
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(90)

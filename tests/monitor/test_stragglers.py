@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from stalwart.monitor.judge import stragglers
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 from .test_hangs import fast
 
 

@@ -17,8 +17,9 @@ from stalwart.monitor import ControlAction, HangKind, MonitorConfig, TimerClient
 from stalwart.monitor.pipe import PipeError
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import PIPE_BUF, MessageTooLarge, TimerMessage, decode, encode
+from tests.helpers import wait_for
 
-from .conftest import Harness, wait_for
+from .conftest import Harness
 
 
 @pytest.fixture

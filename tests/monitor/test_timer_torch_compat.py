@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import clean_env, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,13 +35,9 @@ def test_torch_server_reaps_a_worker_whose_timer_expired(tmp_path: Path) -> None
     pipe = tmp_path / "watchdog"
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(pipe)])
     try:
-        deadline = time.monotonic() + 30
-        while not pipe.exists():
-            assert time.monotonic() < deadline, "torch's timer server did not create its pipe"
-            time.sleep(0.02)
+        wait_for(pipe.exists, 30, "torch's timer server to create its pipe")
         ready = tmp_path / "ready"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("STALWART_")}
-        env.update(TORCHELASTIC_TIMER_FILE=str(pipe), READY=str(ready))
+        env = clean_env(TORCHELASTIC_TIMER_FILE=str(pipe), READY=str(ready))
         t0 = time.monotonic()
         worker = subprocess.Popen([sys.executable, "-c", WORKER], env=env)
         code = worker.wait(25)

@@ -1,4 +1,4 @@
-"""Fixtures for the multi-node tests: simulated hosts (``netns.py``) and an etcd server."""
+"""Fixtures for the multi-node tests: simulated hosts (``bench/netns.py``) and an etcd server."""
 
 from __future__ import annotations
 
@@ -8,20 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from .netns import (
-    ROOT,
+from bench.netns import (
     TRAIN,
     Etcd,
     Host,
     Network,
     etcd_binary,
-    free_port,
     netns_usable,
     start_etcd,
     stop_etcd,
 )
 
-__all__ = ["ROOT", "TRAIN", "Etcd", "Host", "Network", "free_port"]
+__all__ = ["TRAIN", "Etcd", "Host", "Network"]
 
 _SKIP = netns_usable()
 

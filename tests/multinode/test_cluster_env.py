@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from stalwart.cluster import detect, first_slurm_host
-
-from .conftest import ROOT, free_port
+from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
 
 ENVDUMP = ROOT / "tests" / "launch" / "scripts" / "envdump.py"
 
@@ -59,10 +56,7 @@ def test_two_slurm_nodes_form_one_job_from_the_environment(tmp_path: Path) -> No
     port = str(free_port())
     procs = []
     for node in (0, 1):
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "SLURM_", "PET_"))
-        }
-        env.update(
+        env = clean_env(
             SLURM_JOB_ID="4242",
             SLURM_NNODES="2",
             SLURM_NODEID=str(node),
@@ -70,20 +64,16 @@ def test_two_slurm_nodes_form_one_job_from_the_environment(tmp_path: Path) -> No
         )
         procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "stalwart.cli",
-                    "run",
+                stalwart_argv(
                     "--nproc-per-node",
                     "2",
                     "--master-port",
                     port,
                     "--log-dir",
-                    str(tmp_path / f"logs{node}"),
-                    str(ENVDUMP),
-                    str(tmp_path),
-                ],
+                    tmp_path / f"logs{node}",
+                    ENVDUMP,
+                    tmp_path,
+                ),
                 env=env,
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
@@ -132,20 +122,11 @@ def test_bad_rendezvous_settings_are_one_line_errors(
     args: list[str], needle: str, tmp_path: Path
 ) -> None:
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
-            *args,
-            "--log-dir",
-            str(tmp_path),
-            str(ENVDUMP),
-            str(tmp_path),
-        ],
+        stalwart_argv(*args, "--log-dir", tmp_path, ENVDUMP, tmp_path),
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=clean_env(),
         timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
@@ -157,23 +138,12 @@ def test_bad_rendezvous_settings_are_one_line_errors(
 def test_cluster_node_index_is_ignored_by_a_one_node_launch(tmp_path: Path) -> None:
     """An indexed Job's pod 5 running a one-node job must not be told its rank is out
     of range: the cluster's index only matters to multi-node launches."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "SLURM_", "PET_"))}
-    env["JOB_COMPLETION_INDEX"] = "5"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
-            "--log-dir",
-            str(tmp_path / "l"),
-            str(ENVDUMP),
-            str(tmp_path),
-        ],
+        stalwart_argv("--log-dir", tmp_path / "l", ENVDUMP, tmp_path),
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=env,
+        env=clean_env(JOB_COMPLETION_INDEX="5"),
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT
-from .netns import etcd_binary, free_port
+from bench.netns import etcd_binary
+from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,11 +86,7 @@ def etcd_with_auth(tmp_path: Path) -> Iterator[str]:
 
 def _run(endpoint: str, conf: str, tmp_path: Path, run_id: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
+        stalwart_argv(
             "--nnodes",
             "1:2",
             "--rdzv-backend",
@@ -103,10 +98,11 @@ def _run(endpoint: str, conf: str, tmp_path: Path, run_id: str) -> subprocess.Co
             "--rdzv-conf",
             f"last_call_timeout=0.5,join_timeout=30,{conf}".rstrip(","),
             "--log-dir",
-            str(tmp_path / "logs"),
-            str(SCRIPT),
-        ],
+            tmp_path / "logs",
+            SCRIPT,
+        ),
         cwd=ROOT,
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=90,

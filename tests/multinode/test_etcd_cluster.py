@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.netns import etcd_binary
 from stalwart.rendezvous.api import StoreLost
 from stalwart.rendezvous.etcd import EtcdKV
-
-from .netns import etcd_binary, free_port
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

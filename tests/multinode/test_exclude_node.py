@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, free_port
+from tests.helpers import ROOT, clean_env, events, free_port, kinds, stalwart_argv, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,11 +17,7 @@ WORKER = Path(__file__).parent / "exclude_worker.py"
 
 def _launch(tmp_path: Path, name: str, node_rank: int, args: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
+        stalwart_argv(
             "--nproc-per-node",
             "1",
             "--max-restarts",
@@ -30,10 +25,11 @@ def _launch(tmp_path: Path, name: str, node_rank: int, args: list[str]) -> subpr
             "--node-rank",
             str(node_rank),
             "--log-dir",
-            str(tmp_path / name),
+            tmp_path / name,
             *args,
-        ],
+        ),
         cwd=ROOT,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -42,23 +38,19 @@ def _launch(tmp_path: Path, name: str, node_rank: int, args: list[str]) -> subpr
 
 def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
     """Node 0 is started first and hosts the store once it listens."""
-    import time
 
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None:
+    def listening() -> bool:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError("node 0 never hosted the rendezvous store")
+                return True
+        assert proc.poll() is None, "node 0 exited before it hosted the rendezvous store"
+        return False
+
+    wait_for(listening, 60, "node 0 to host the rendezvous store", interval=0.05)
 
 
 def _events(log_dir: Path) -> list[str]:
-    import json
-
-    (run,) = [d for d in log_dir.iterdir() if d.is_dir()]
-    lines = (run / "events.jsonl").read_text().splitlines()
-    return [json.loads(x)["event"] for x in lines if x.strip()]
+    return kinds(events(log_dir))
 
 
 @pytest.mark.parametrize("excluder", [1, 0], ids=["joiner", "store-host"])
@@ -101,7 +93,6 @@ def test_elastic_job_goes_on_without_the_excluded_node(tmp_path: Path, excluder:
 
 def test_excluded_store_host_stops_serving_on_a_signal(tmp_path: Path) -> None:
     import signal
-    import time
 
     port = free_port()
     (tmp_path / "hold").touch()
@@ -113,18 +104,22 @@ def test_excluded_store_host_stops_serving_on_a_signal(tmp_path: Path) -> None:
     log = tmp_path / "host.log"
     with open(log, "wb") as fh:
         host = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "1",
-             "--max-restarts", "1", "--node-rank", "0", "--log-dir", str(tmp_path / "n0"), *args],
-            cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
+            stalwart_argv("--nproc-per-node", "1",
+             "--max-restarts", "1", "--node-rank", "0", "--log-dir", tmp_path / "n0", *args),
+            cwd=ROOT, env=clean_env(), stdout=fh, stderr=subprocess.STDOUT,
         )  # fmt: skip
     other = None
     try:
         _wait_listening(port, host)
         other = _launch(tmp_path, "n1", 1, args)
-        deadline = time.monotonic() + 90
-        while "serving it until the job ends" not in log.read_text():
-            assert time.monotonic() < deadline and host.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.05)
+
+        def serving() -> bool:
+            if "serving it until the job ends" in log.read_text():
+                return True
+            assert host.poll() is None, log.read_text()[-3000:]
+            return False
+
+        wait_for(serving, 90, "the excluded host to keep serving the store", interval=0.05)
         # The host serves the store for the other node, which runs attempt 1 meanwhile.
         host.send_signal(signal.SIGTERM)
         host.wait(timeout=15)

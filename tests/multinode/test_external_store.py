@@ -11,18 +11,16 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from .conftest import ROOT, TRAIN
+from tests.helpers import ROOT, clean_env, stalwart_argv
+
+from .conftest import TRAIN
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _run(port: int, tmp_path: Path, name: str, steps: str = "20") -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
+        stalwart_argv(
             "--nnodes",
             "2",
             "--rdzv-backend",
@@ -34,12 +32,13 @@ def _run(port: int, tmp_path: Path, name: str, steps: str = "20") -> subprocess.
             "--rdzv-conf",
             "is_host=0,join_timeout=60,keep_alive_interval=0.5",
             "--log-dir",
-            str(tmp_path / name),
-            str(TRAIN),
+            tmp_path / name,
+            TRAIN,
             steps,
-            str(tmp_path),
-        ],
+            tmp_path,
+        ),
         cwd=ROOT,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -13,12 +13,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from .conftest import TRAIN, Etcd, Host, Network, free_port
+from tests.helpers import clean_env, free_port, read_events, stalwart_argv, wait_for
+
+from .conftest import TRAIN, Etcd, Host, Network
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -72,18 +75,33 @@ def launch(
 def wait_for_step(
     out: Path, step: int, procs: list[subprocess.Popen[str]], timeout: float = 90
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def reached() -> bool:
         try:
             _, got = (out / "progress").read_text().split()
             if int(got) >= step:
-                return
+                return True
         except (FileNotFoundError, ValueError):
             pass
         for p in procs:
             assert p.poll() is None, f"a launcher exited early ({p.returncode})"
-        time.sleep(0.05)
-    raise AssertionError(f"the job did not reach step {step} within {timeout}s")
+        return False
+
+    wait_for(reached, timeout, f"the job to reach step {step}", interval=0.05)
+
+
+def wait_while_alive(
+    cond: Callable[[], bool], proc: subprocess.Popen[str], out: Path, name: str, what: str
+) -> None:
+    """Until ``cond()``; host ``name``'s launcher exiting first fails with its output."""
+
+    def done() -> bool:
+        if cond():
+            return True
+        assert proc.poll() is None, text(out, name)[-2000:]
+        return False
+
+    wait_for(done, 60, what, interval=0.05)
 
 
 def attempts(out: Path) -> list[dict[str, int | str]]:
@@ -121,7 +139,7 @@ def text(out: Path, name: str) -> str:
 
 def events(out: Path, name: str) -> list[dict[str, object]]:
     files = list((out / f"logs-{name}").glob("*/events.jsonl"))
-    return [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    return [e for f in files for e in read_events(f)]
 
 
 def test_two_nodes_then_one_killed(
@@ -181,10 +199,9 @@ def test_spare_node_is_used_after_a_fault(
     wait_for_step(tmp_path, 3, [pa, pb])
     pc = launch(c, tmp_path, nnodes="1:2", name="c", step_s=0.25, **kw)
     # The spare registers for the next round without disturbing the running one.
-    deadline = time.monotonic() + 60
-    while "waiting as a spare" not in text(tmp_path, "c"):
-        assert time.monotonic() < deadline and pc.poll() is None, text(tmp_path, "c")[-2000:]
-        time.sleep(0.05)
+    wait_while_alive(
+        lambda: "waiting as a spare" in text(tmp_path, "c"), pc, tmp_path, "c", "the spare"
+    )
     # ... and keeps waiting for longer than last_call_timeout (3 s = 12 steps of 0.25 s):
     # the next round must still wait for the survivors, not start with the spare alone.
     step_now = int((tmp_path / "progress").read_text().split()[1])
@@ -242,11 +259,7 @@ def test_etcd_job_survives_losing_any_launcher(
 def test_etcd_unreachable_is_a_clear_error(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "stalwart.cli",
-            "run",
+        stalwart_argv(
             "--nnodes",
             "2",
             "--rdzv-backend",
@@ -259,8 +272,9 @@ def test_etcd_unreachable_is_a_clear_error(tmp_path: Path) -> None:
             "x",
             TRAIN,
             "1",
-            str(tmp_path),
-        ],
+            tmp_path,
+        ),
+        env=clean_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -282,10 +296,10 @@ def test_below_min_waits_for_a_replacement(network: Network, tmp_path: Path) -> 
     pb.send_signal(signal.SIGKILL)
     pb.wait()
     # The survivor notices, stops its worker and waits for a second node.
-    deadline = time.monotonic() + 60
-    while not any(e["event"] == "restart" for e in events(tmp_path, "a")):
-        assert time.monotonic() < deadline and pa.poll() is None, text(tmp_path, "a")[-2000:]
-        time.sleep(0.05)
+    wait_while_alive(
+        lambda: any(e["event"] == "restart" for e in events(tmp_path, "a")),
+        pa, tmp_path, "a", "the survivor's restart",
+    )  # fmt: skip
     pc = launch(c, tmp_path, name="c", **kw)
     assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
     assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]

@@ -23,7 +23,8 @@ import psutil
 import pytest
 
 from stalwart.launch.cgroup import _parent_dir
-from tests.launch.helpers import ROOT, SCRIPTS, STALWART, clean_env, wait_for
+from tests.helpers import ROOT, STALWART, clean_env, wait_for
+from tests.launch.helpers import SCRIPTS
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
 

@@ -24,8 +24,9 @@ import pytest
 
 from stalwart.monitor import ControlAction, HangKind, HangReport, MonitorConfig, layout
 from stalwart.monitor.wire import PIPE_BUF, ControlMessage, TimerMessage, encode
+from tests.helpers import wait_for
 
-from ..monitor.conftest import Harness, wait_for
+from ..monitor.conftest import Harness
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(180)]
 

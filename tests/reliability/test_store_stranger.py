@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launch.helpers import ROOT, STALWART, clean_env, events, kinds, wait_for
+from tests.helpers import ROOT, STALWART, clean_env, events, kinds, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(120)]
 

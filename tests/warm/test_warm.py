@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.helpers import alive, clean_env, events, stalwart, start_stalwart, wait_for
+from tests.helpers import alive, clean_env, events, stalwart, start_stalwart, wait_for
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,7 @@
 """Simulated hosts: network namespaces on one bridge, each running a ``stalwart run``.
 
-Used by the multi-node tests (``conftest.py``) and by ``bench/bench_multinode.py``.
+Used by ``bench/bench_multinode.py`` and by the multi-node tests (``tests/multinode/conftest.py``
+imports it as ``bench.netns``; it lives here because the benchmarks never import ``tests/``).
 
 Every namespace gets its own ``eth0`` (a veth pair into a bridge in the root namespace)
 with a private address, so launchers and gloo really talk over separate network stacks
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
+ROOT = HERE.parent
 TRAIN = HERE / "elastic_train.py"
 
 
