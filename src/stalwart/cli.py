@@ -125,6 +125,8 @@ def run_parser() -> argparse.ArgumentParser:
     _flag(hang, "--auto-floor", default=None, help="shortest timeout auto may learn (seconds)")
     _flag(hang, "--straggler-factor", default=None, help="slower than the others by this: named")
     _flag(hang, "--straggler-window", default=None, help="seconds each straggler verdict spans")
+    _flag(hang, "--straggler-restart", action="store_const", const=True, default=None,
+          help="restart the job without a straggler's node (elastic --nnodes MIN:MAX)")  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("entrypoint", help="script, module (-m) or program (--no-python)")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -194,6 +196,7 @@ _MONITOR_FLAGS = {
     "auto_floor": "auto_floor",
     "straggler_factor": "straggler_factor",
     "straggler_window": "straggler_window",
+    "straggler_restart": "straggler_restart",
 }
 
 

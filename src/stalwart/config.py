@@ -178,6 +178,11 @@ class LaunchConfig:
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
                 "--rdzv-backend c10d or etcd (static membership is a fixed count)"
             )
+        if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
+            raise ConfigError(
+                f"--straggler-restart with --nnodes {self.max_nodes}: expected an elastic "
+                "--nnodes MIN:MAX (a job of fixed membership cannot go on without a node)"
+            )
         if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
             raise ConfigError(
                 "--rdzv-backend etcd: expected --rdzv-endpoint HOST:PORT[,HOST:PORT...] "
