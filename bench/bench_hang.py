@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--healthy-seconds", type=float, default=600.0)
     ap.add_argument("--slow-every", type=int, default=50, help="steps between extra slow steps")
     ap.add_argument("--skip-idle", action="store_true", help="leave out the unconfigured run")
+    ap.add_argument("--only", default=None, help="run only launchers whose name has this")
+    ap.add_argument("--keep", type=Path, default=None, help="keep each run's folder under here")
     ns = ap.parse_args()
     t = str(TIMEOUT)
     vs = [
@@ -154,12 +156,20 @@ def main() -> None:
                 repeats=1,
             )
         )
+    if ns.only:
+        vs = [v for v in vs if ns.only in v.name]
     for i in range(ns.repeats):
         for v in vs:
             if v.repeats is not None and v.runs >= v.repeats:
                 continue
             with tempfile.TemporaryDirectory(prefix="bench_hang_") as d:
                 run_once(v, Path(d), ns.idle_cap if v.repeats == 1 else 90.0)
+                if ns.keep is not None:
+                    import shutil
+
+                    shutil.copytree(
+                        d, ns.keep / f"{len(v.detected)}-{i}-{v.name[:24]}".replace(" ", "_")
+                    )
             print(
                 f"[{i + 1}/{ns.repeats}] {v.name}: finished {v.finished}/{v.runs}", file=sys.stderr
             )

@@ -83,11 +83,14 @@ PositiveSeconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
 class NodeRhythm(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One node's straggler window: seconds per step of each of its ranks that moved."""
+    """One node's straggler window: seconds per step of each of its ranks that moved.
+    seq counts the node's windows in the round (clocks of two hosts are never compared:
+    a reader notes when it saw seq change, on its own clock)."""
 
     host: str
     window: PositiveSeconds
     step_times: dict[Annotated[int, msgspec.Meta(ge=0)], PositiveSeconds]
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def encode(self) -> str:
         return msgspec.json.encode(self).decode()
@@ -128,6 +131,23 @@ def decode_rhythm(raw: bytes) -> NodeRhythm:
     if not all(math.isfinite(v) for v in (rhythm.window, *rhythm.step_times.values())):
         raise ValueError("a number that is not finite")
     return rhythm
+
+
+@dataclasses.dataclass
+class Freshness:
+    """Which other nodes' windows are recent enough to compare with: one whose ``seq``
+    has not moved for `stale_after` seconds (its ranks finished or stopped: the hang
+    checks' business) is left out, so nobody is compared with a time long gone."""
+
+    stale_after: float
+    seen: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+
+    def fresh(self, node: int, seq: int, now: float) -> bool:
+        last = self.seen.get(node)
+        if last is None or last[0] != seq:
+            self.seen[node] = (seq, now)
+            return True
+        return now - last[1] <= self.stale_after
 
 
 def pool_rhythms(

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from stalwart.monitor import auto, dossier, envvars, jobsync, layout, procs
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
@@ -181,6 +183,8 @@ class NodeMonitor:
         self._sync_round: int | None = None
         self._job_known = LearnedTimeouts()
         self._seen_version = -1
+        self._window_seq = 0
+        self._freshness = jobsync.Freshness(2 * config.straggler_window)
         self._window: _Window | None = None  # the last window, for the sync thread
         self._sync_warned: set[str] = set()
         self._exclusion_asked = False  # --straggler-restart: once per attempt
@@ -646,6 +650,15 @@ class NodeMonitor:
             log.warning(fmt, *args)
 
     def _sync_once(self, peers: JobPeers) -> None:
+        if peers.round != self._sync_round:  # a new round's keys: publish again, read again
+            self._sync_round, self._job_known, self._seen_version = (
+                peers.round,
+                LearnedTimeouts(),
+                -1,
+            )
+            self._window_seq = 0
+            # Two windows without news: that node is not compared with any more.
+            self._freshness = jobsync.Freshness(2 * self.config.straggler_window)
         if self.config.any_auto:
             self._sync_learned(peers)
         with self._lock:
@@ -653,12 +666,38 @@ class NodeMonitor:
         if window is not None:
             self._sync_window(peers, window)
 
+    def _sync_window(self, peers: JobPeers, window: _Window) -> None:
+        """Publishes this node's straggler window, compares it with the other nodes'
+        latest ones, and names this node's stragglers. A window in which no rank of
+        this node moved (finished, or hung: the hang checks' business) is not published:
+        the others keep comparing with the last one that measured something."""
+        store, r = peers.store, peers.round
+        if not window.rhythm.step_times:
+            return
+        self._window_seq += 1
+        mine = msgspec.structs.replace(window.rhythm, seq=self._window_seq)
+        store.set(jobsync.rhythm_key(r, peers.node_rank), mine.encode())
+        nodes = [n for n in range(peers.nnodes) if n != peers.node_rank]
+        keys = [jobsync.rhythm_key(r, n) for n in nodes]
+        others: list[tuple[int, NodeRhythm]] = []
+        now = time.monotonic()
+        for node, key, raw in zip(nodes, keys, store.get_many(keys), strict=True):
+            if raw is None:
+                continue
+            try:
+                other = jobsync.decode_rhythm(raw)
+                if self._freshness.fresh(node, other.seq, now):
+                    others.append((node, other))
+            except ValueError as exc:
+                self._sync_warn(key, "ignoring a straggler window at store key %s: %s", key, exc)
+        steps, hosts = jobsync.pool_rhythms(window.rhythm, peers.node_rank, others)
+        verdicts = stragglers(steps, self.config.straggler_factor)
+        self._report_stragglers(verdicts, steps, hosts, window, peers, 1 + len(others))
+
     def _sync_learned(self, peers: JobPeers) -> None:
         """Publishes this node's learned timeouts when they changed; reads the others'
         when any changed (one counter read per poll otherwise) and applies the maximum."""
         store, r = peers.store, peers.round
-        if r != self._sync_round:  # a new round's keys: publish again, read again
-            self._sync_round, self._job_known, self._seen_version = r, LearnedTimeouts(), -1
         with self._lock:
             mine = self._learned
         if auto.merge(self._job_known, mine) != self._job_known:
@@ -680,25 +719,6 @@ class NodeMonitor:
                 self._sync_warn(key, "ignoring learned timeouts at store key %s: %s", key, exc)
         self._job_known = auto.merge(self._job_known, job)
         self._fold_learned(job, "job")
-
-    def _sync_window(self, peers: JobPeers, window: _Window) -> None:
-        """Publishes this node's straggler window, compares it with the other nodes'
-        latest ones, and names this node's stragglers."""
-        store, r = peers.store, peers.round
-        store.set(jobsync.rhythm_key(r, peers.node_rank), window.rhythm.encode())
-        nodes = [n for n in range(peers.nnodes) if n != peers.node_rank]
-        keys = [jobsync.rhythm_key(r, n) for n in nodes]
-        others: list[tuple[int, NodeRhythm]] = []
-        for node, key, raw in zip(nodes, keys, store.get_many(keys), strict=True):
-            if raw is None:
-                continue
-            try:
-                others.append((node, jobsync.decode_rhythm(raw)))
-            except ValueError as exc:
-                self._sync_warn(key, "ignoring a straggler window at store key %s: %s", key, exc)
-        steps, hosts = jobsync.pool_rhythms(window.rhythm, peers.node_rank, others)
-        verdicts = stragglers(steps, self.config.straggler_factor)
-        self._report_stragglers(verdicts, steps, hosts, window, peers, 1 + len(others))
 
     # -- learned (auto) timeouts -------------------------------------------------------
     def _config_for(self, rhythm: auto.Rhythm, now: float) -> MonitorConfig:
