@@ -35,6 +35,7 @@ from stalwart.monitor.judge import (
     Verdict,
     blame,
     judge,
+    next_deadline,
     problems,
     stragglers,
 )
@@ -61,6 +62,10 @@ CONTROL_GRACE = 5.0
 #: Largest learned-timeouts file read back from the run folder.
 MAX_LEARNED_BYTES = jobsync.MAX_VALUE_BYTES
 LEARNED_NAME = "learned_timeouts.json"
+#: The scanner looks this soon after a rank's deadline (a timestamp written a moment
+#: late must not make it look twice), and never more often than every DEADLINE_MIN_WAIT.
+DEADLINE_SLACK = 0.002
+DEADLINE_MIN_WAIT = 0.005
 #: A rank is named a straggler on the console at most this often (seconds).
 STRAGGLER_LOG_EVERY = 60.0
 
@@ -79,6 +84,7 @@ class _Rank:
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
+    due: float | None = None  # when its earliest deadline passes, as of the last read
     # (monotonic time, iteration) whenever the iteration moved: the straggler check's input
     progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
@@ -431,12 +437,24 @@ class NodeMonitor:
                 self._run_due()
             except Exception:
                 log.exception("monitor scan failed")
-            wait = interval
+            wait = self._until_next_deadline(interval)
             with self._lock:
                 if self._schedule:
                     wait = max(0.0, min(wait, self._schedule[0][0] - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _until_next_deadline(self, interval: float) -> float:
+        """How long the scanner may sleep: the check interval, or less when a rank's
+        deadline passes sooner (then it looks just after it, not up to an interval
+        later). Deadlines already past (a rank being handled, or one that exited) do
+        not count, and the scanner never looks more often than DEADLINE_MIN_WAIT."""
+        now = time.monotonic()
+        with self._lock:
+            ahead = [r.due for r in self._ranks.values() if r.judged and r.due and r.due > now]
+        if not ahead:
+            return interval
+        return min(interval, max(DEADLINE_MIN_WAIT, min(ahead) - now + DEADLINE_SLACK))
 
     def scan_once(self) -> None:
         """Judges every armed rank once (the scanner thread calls this each interval)."""
@@ -514,6 +532,7 @@ class NodeMonitor:
             if rhythm.observe(snap, rank.names, now, relearn=warm):
                 log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
             config = self._config_for(rhythm, now)
+        rank.due = next_deadline(snap, rank.names, config, now, self._floor)
         return judge(snap, rank.names, config, now, self._floor), snap.pid
 
     # -- stragglers -------------------------------------------------------------------
