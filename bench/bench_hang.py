@@ -112,7 +112,9 @@ def main() -> None:
     ap.add_argument("--healthy-seconds", type=float, default=600.0)
     ap.add_argument("--slow-every", type=int, default=50, help="steps between extra slow steps")
     ap.add_argument("--skip-idle", action="store_true", help="leave out the unconfigured run")
-    ap.add_argument("--only", default=None, help="run only launchers whose name has this")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated: run only launchers whose name has one"
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep each run's folder under here")
     ns = ap.parse_args()
     t = str(TIMEOUT)
@@ -157,7 +159,7 @@ def main() -> None:
             )
         )
     if ns.only:
-        vs = [v for v in vs if ns.only in v.name]
+        vs = [v for v in vs if any(part in v.name for part in ns.only.split(","))]
     for i in range(ns.repeats):
         for v in vs:
             if v.repeats is not None and v.runs >= v.repeats:
