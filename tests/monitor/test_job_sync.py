@@ -99,6 +99,7 @@ def learned_file(tmp: Path, node: int) -> dict[str, Any] | None:
     return dict(json.loads(path.read_text()))
 
 
+@pytest.mark.slow
 def test_learned_timeouts_agree_across_nodes(tmp_path: Path) -> None:
     """Node 1's rank has three 0.4 s steps in its warm-up (learned from); node 0's steps
     are all 20 ms. Both nodes end with node 1's learned heartbeat timeout, in their
@@ -137,6 +138,7 @@ def straggler_events(tmp: Path, node: int) -> list[dict[str, Any]]:
     return [e for e in events(tmp, node) if e["event"] == "straggler"]
 
 
+@pytest.mark.slow
 def test_straggler_on_another_node_is_named(tmp_path: Path) -> None:
     """One rank per node: neither node can tell a straggler from its own ranks alone.
     Node 1's rank sleeps 3x the step of node 0's; node 1 names it against the job."""
@@ -157,6 +159,7 @@ def test_straggler_on_another_node_is_named(tmp_path: Path) -> None:
     assert (tmp_path / "done_0_1").exists()  # information only: nothing was restarted
 
 
+@pytest.mark.slow
 def test_healthy_job_names_no_straggler(tmp_path: Path) -> None:
     port = free_port()
     plan = {"seconds": 6, "step": 0.03}
@@ -169,6 +172,7 @@ def test_healthy_job_names_no_straggler(tmp_path: Path) -> None:
         assert straggler_events(tmp_path, n) == []
 
 
+@pytest.mark.slow
 def test_straggler_restart_goes_on_without_its_node(tmp_path: Path) -> None:
     port = free_port()
     plan = {"steps": 2000, "step": 0.03, "slow_node": 1, "slow_factor": 3.0, "then_steps": 5}
