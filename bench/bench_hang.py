@@ -24,6 +24,7 @@ hang reports (goal: none).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, run_job, show, spread
+from common import fmt, machine, med, run_job, show, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -56,6 +57,50 @@ class Variant:
     finished: int = 0
     runs: int = 0
     notes: set[str] = field(default_factory=set)
+    # Where the time goes (stalwart only): stage name -> seconds, per run.
+    stages: dict[str, list[float]] = field(default_factory=dict)
+
+
+#: The stages of hang -> resumed, each measured from the one before (stalwart's events).
+STAGES = (
+    "hang -> detected",
+    "detected -> hung rank exited",
+    "-> restart decided",
+    "-> workers spawned",
+    "-> first resumed step",
+)
+
+
+def stage_times(events: list[dict[str, object]], t_hang: float, t_resumed: float) -> list[float]:
+    """Seconds spent in each of STAGES, from one run's events (empty if one is missing)."""
+
+    def first(name: str, **match: object) -> dict[str, object] | None:
+        return next(
+            (
+                e
+                for e in events
+                if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+            ),
+            None,
+        )
+
+    hang = first("hang_detected", attempt=0, waiting_on=None) or first("hang_detected", attempt=0)
+    restart = first("restart", attempt=0)
+    spawn = first("worker_spawn", attempt=1)
+    if hang is None or restart is None or spawn is None:
+        return []
+    exit_ = first("worker_exit", attempt=0, local_rank=hang["local_rank"])
+    if exit_ is None or exit_.get("exited_at") is None:
+        return []
+    marks = [
+        t_hang,
+        float(hang["detected_at"]),  # type: ignore[arg-type]
+        float(exit_["exited_at"]),  # type: ignore[arg-type]
+        float(restart["time"]),  # type: ignore[arg-type]
+        float(spawn["time"]),  # type: ignore[arg-type]
+        t_resumed,
+    ]
+    return [b - a for a, b in itertools.pairwise(marks)]
 
 
 def run_once(v: Variant, work: Path, deadline: float) -> None:
@@ -90,14 +135,18 @@ def run_once(v: Variant, work: Path, deadline: float) -> None:
         v.notes.add(f"attempt 0 ended before the hang (at step {reached}): a false positive?")
         return
     t_hang = last[0]["time"]
-    for ev_file in logs.glob("*/events.jsonl"):
-        for line in ev_file.read_text().splitlines():
-            ev = json.loads(line)
-            if ev["event"] == "hang_detected" and ev.get("attempt") == 0:
-                v.detected.append(ev["detected_at"] - t_hang)
-                break
+    events = [
+        json.loads(line)
+        for ev_file in logs.glob("*/events.jsonl")
+        for line in ev_file.read_text().splitlines()
+    ]
+    detected = [e for e in events if e["event"] == "hang_detected" and e.get("attempt") == 0]
+    if detected:
+        v.detected.append(min(e["detected_at"] for e in detected) - t_hang)
     if after:
         v.resumed.append(after[0]["time"] - t_hang)
+        for name, secs in zip(STAGES, stage_times(events, t_hang, after[0]["time"]), strict=False):
+            v.stages.setdefault(name, []).append(secs)
     if code == 0 and any(r["step"] == STEPS - 1 for r in after):
         v.finished += 1
     elif code not in (0, None):
@@ -112,6 +161,10 @@ def main() -> None:
     ap.add_argument("--healthy-seconds", type=float, default=600.0)
     ap.add_argument("--slow-every", type=int, default=50, help="steps between extra slow steps")
     ap.add_argument("--skip-idle", action="store_true", help="leave out the unconfigured run")
+    ap.add_argument(
+        "--only", default=None, help="comma-separated: run only launchers whose name has one"
+    )
+    ap.add_argument("--keep", type=Path, default=None, help="keep each run's folder under here")
     ns = ap.parse_args()
     t = str(TIMEOUT)
     vs = [
@@ -154,12 +207,20 @@ def main() -> None:
                 repeats=1,
             )
         )
+    if ns.only:
+        vs = [v for v in vs if any(part in v.name for part in ns.only.split(","))]
     for i in range(ns.repeats):
         for v in vs:
             if v.repeats is not None and v.runs >= v.repeats:
                 continue
             with tempfile.TemporaryDirectory(prefix="bench_hang_") as d:
                 run_once(v, Path(d), ns.idle_cap if v.repeats == 1 else 90.0)
+                if ns.keep is not None:
+                    import shutil
+
+                    shutil.copytree(
+                        d, ns.keep / f"{len(v.detected)}-{i}-{v.name[:24]}".replace(" ", "_")
+                    )
             print(
                 f"[{i + 1}/{ns.repeats}] {v.name}: finished {v.finished}/{v.runs}", file=sys.stderr
             )
@@ -183,6 +244,14 @@ def main() -> None:
         f"Goals: detection <= timeout + 0.2 s = {TIMEOUT + 0.2:.1f} s; resumed <= timeout + 1.5 s = {TIMEOUT + 1.5:.1f} s; "
         "auto: resumed <= 1.0 s with no timeout set"
     )
+    staged = [v for v in vs if v.stages]
+    if staged:
+        show(
+            "Where hang -> resumed goes (stalwart's events; median of each stage, seconds)",
+            ["launcher", *STAGES],
+            [[v.name, *(fmt(med(v.stages.get(s, [])), "") for s in STAGES)] for v in staged],
+            ns.markdown,
+        )
     if not nvidia_available():
         print("ft_launcher: skipped (nvidia-resiliency-ext not installed)")
     if ns.healthy_seconds > 0:

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from stalwart.monitor import HangKind, HangReport, MonitorConfig, NodeMonitor
-from stalwart.monitor.auto import AutoSettings, Rhythm, from_rhythms, learn, merge
+from stalwart.monitor.auto import (
+    AutoSettings,
+    Rhythm,
+    from_rhythms,
+    learn,
+    longest_gap,
+    merge,
+)
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
 from stalwart.monitor.learned import LearnedTimeouts
 from tests.helpers import wait_for
@@ -229,3 +236,42 @@ def test_first_half_of_warm_up_is_not_learned_from() -> None:
     for t in (1.0, 5.0, 5.1, 5.2, 5.3):
         r.observe(snap(last_hb=t, it=int(t * 10)), [], t, relearn=False)
     assert list(r.hb_gaps) == [pytest.approx(0.1)] * 3
+
+
+@pytest.mark.parametrize(
+    ("total", "beats", "shortest", "expected"),
+    [
+        (0.3, 1, 0.05, 0.3),  # one gap: exactly what was seen
+        (0.3, 0, 0.05, 0.3),  # no count: the whole stretch
+        (0.3, 3, None, 0.3),  # no gap seen alone yet: the whole stretch
+        (0.12, 2, 0.057, pytest.approx(0.063)),  # two steady steps: one step, not the stretch
+        (0.5, 2, 0.05, pytest.approx(0.45)),  # a slow step among fast ones keeps its length
+        (0.3, 3, 0.2, pytest.approx(0.1)),  # never below the mean of the gaps
+    ],
+)
+def test_longest_gap_table(total: float, beats: int, shortest: Any, expected: Any) -> None:
+    assert longest_gap(total, beats, shortest) == expected
+
+
+def counted(last_hb: float, beats: int) -> SlotSnapshot:
+    return dataclasses.replace(snap(last_hb=last_hb), beats=beats)
+
+
+def test_steps_shorter_than_the_scan_are_learned_as_steps() -> None:
+    """57 ms steps read every ~0.1 s: two beats fall between most reads. The samples are
+    about one step (so the learned timeout follows the job), and a slow step among them
+    keeps its full length."""
+    r = Rhythm()
+    t, beats = 1.0, 1
+    r.observe(counted(t, beats), [], t, relearn=False)
+    for i in range(20):
+        # alternately one and two beats between reads, the second at +57 ms
+        step = 1 if i % 2 == 0 else 2
+        t += 0.057 * step
+        beats += step
+        r.observe(counted(t, beats), [], t + 0.01, relearn=False)
+    assert r.shortest == pytest.approx(0.057)
+    assert max(r.hb_gaps) == pytest.approx(0.057)  # not the 0.114 s stretch
+    t += 0.057 + 0.3  # a slow step (0.357 s) then a fast one, read together
+    r.observe(counted(t, beats + 2), [], t + 0.01, relearn=False)
+    assert r.hb_gaps[-1] == pytest.approx(0.3)

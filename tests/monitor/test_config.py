@@ -42,6 +42,35 @@ def test_bad_values_are_named(kwargs: dict[str, object], message: str) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"safety_factor": 0}, "safety_factor must be > 0, got 0"),
+        ({"safety_factor": float("nan")}, "safety_factor must be > 0, got nan"),
+        ({"straggler_factor": -2}, "straggler_factor must be > 0, got -2"),
+        ({"auto_percentile": 0}, "auto_percentile must be > 0, got 0"),
+        ({"safety_factor": "0"}, "safety_factor must be > 0, got 0.0"),
+        ({"safety_factor": "big"}, "safety_factor must be a number, got 'big'"),
+        ({"straggler_factor": "x"}, "straggler_factor must be a number, got 'x'"),
+        ({"auto_percentile": "p99"}, "auto_percentile must be a number, got 'p99'"),
+    ],
+)
+def test_factors_are_not_seconds(data: dict[str, object], message: str) -> None:
+    """A factor or percentile has no unit: its error must not speak of seconds (numbers
+    go to the constructor, strings through from_mapping as YAML/env/flags do)."""
+    with pytest.raises(ValueError) as info:
+        if isinstance(next(iter(data.values())), str):
+            MonitorConfig.from_mapping(data)
+        else:
+            MonitorConfig(**data)  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_inf_hb_timeout_is_accepted_and_never_fires() -> None:
+    cfg = MonitorConfig.from_mapping({"hb_timeout": "inf"})
+    assert cfg.hb_timeout == float("inf") and cfg.enabled
+
+
 def test_parse_section_timeout() -> None:
     assert parse_section_timeout("fwd=2.5") == ("fwd", 2.5)
     assert parse_section_timeout(" data = 10 ") == ("data", 10.0)

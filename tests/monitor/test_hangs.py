@@ -196,3 +196,39 @@ def test_reattached_client_is_judged_by_its_own_section_names(harness: Harness) 
     report = _one_hang(harness, 10)
     assert report.kind is HangKind.SECTION and report.section == "strict"
     proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_scanner_looks_when_the_deadline_passes(harness: Harness) -> None:
+    """With a check interval of 1 s and a 1.5 s timeout, the hang is found just after
+    its deadline, not up to an interval later (the scanner sleeps until it)."""
+    mon = harness.start(fast(hb_timeout=1.5, check_interval=1.0))
+    proc = harness.spawn(0, "stop_heartbeat")
+    mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 20)
+    age = report.last_heartbeat_age
+    assert age is not None and 1.5 <= age < 1.5 + 0.25, age
+    mon.end_attempt()
+
+
+def test_scanner_wait_follows_the_nearest_deadline(harness: Harness) -> None:
+    from stalwart.monitor.node import DEADLINE_MIN_WAIT, DEADLINE_SLACK, _Rank
+
+    mon = harness.start(fast(hb_timeout=30.0, check_interval=0.5))
+    now = time.monotonic()
+    ranks = {i: _Rank(i, i, 1, None, None) for i in range(4)}
+    ranks[0].due = now + 0.2
+    ranks[1].due = now - 1.0  # past: a rank being handled or gone
+    ranks[2].due, ranks[2].judged = now + 0.05, False  # already reported
+    ranks[3].due = None
+    with mon._lock:
+        mon._ranks = ranks
+    wait = mon._until_next_deadline(0.5)
+    assert 0.2 - 0.05 < wait <= 0.2 + DEADLINE_SLACK
+    ranks[0].due = now + 5.0
+    assert mon._until_next_deadline(0.5) == 0.5  # never longer than the interval
+    ranks[0].due = time.monotonic() + 1e-4
+    assert mon._until_next_deadline(0.5) == DEADLINE_MIN_WAIT
+    with mon._lock:
+        mon._ranks = {}

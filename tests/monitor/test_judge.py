@@ -8,7 +8,7 @@ import math
 import pytest
 
 from stalwart.monitor import HangKind, MonitorConfig
-from stalwart.monitor.judge import judge, problems
+from stalwart.monitor.judge import judge, next_deadline, problems
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
 
 ZERO = (0.0,) * MAX_SECTIONS
@@ -107,3 +107,36 @@ def test_in_range_values_are_believed() -> None:
     assert judge(snap, [], cfg, 111.0, floor=50.0) is None and problems(snap, 50.0, 111.0) == []
     v = judge(slot(last_hb=60.0, hb_override=0.5), [], cfg, 111.0, floor=50.0)
     assert v is not None and v.timeout == 0.5
+
+
+@pytest.mark.parametrize(
+    ("snap", "names", "cfg", "due"),
+    [
+        (slot(), [], MonitorConfig(hb_timeout=2, hb_initial_timeout=10), 110.0),
+        (slot(last_hb=110.0), [], MonitorConfig(hb_timeout=2), 112.0),
+        (slot(last_hb=110.0, hb_override=0.5), [], MonitorConfig(hb_timeout=2), 110.5),
+        (slot(last_hb=110.0, hb_override=math.inf), [], MonitorConfig(hb_timeout=2), None),
+        (slot(last_hb=110.0), [], MonitorConfig(), None),
+        (
+            slot(last_hb=110.0, name_count=2, open_times=opened(1, 110.5)),
+            ["io", "fwd"],
+            MonitorConfig(hb_timeout=5, section_timeouts={"fwd": 1}, out_of_section_timeout=0.1),
+            111.5,  # the section's; out-of-section is not judged while one is open
+        ),
+        (
+            slot(last_hb=110.0, name_count=1, oos_start=110.2),
+            ["fwd"],
+            MonitorConfig(hb_timeout=5, out_of_section_timeout=0.3),
+            110.5,
+        ),
+        (slot(pid=0), [], MonitorConfig(hb_timeout=2), None),
+    ],
+)
+def test_next_deadline_is_when_judge_first_finds_a_hang(
+    snap: SlotSnapshot, names: list[str], cfg: MonitorConfig, due: float | None
+) -> None:
+    got = next_deadline(snap, names, cfg, 110.0, floor=1.0)
+    assert got == (pytest.approx(due) if due is not None else None)
+    if due is not None:
+        assert judge(snap, names, cfg, due - 1e-6, floor=1.0) is None
+        assert judge(snap, names, cfg, due + 1e-6, floor=1.0) is not None

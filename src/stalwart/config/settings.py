@@ -211,6 +211,12 @@ HANG_FLAGS: tuple[Flag, ...] = (
     _hang("--auto-floor", help="shortest timeout auto may learn (seconds)"),
     _hang("--straggler-factor", help="slower than the others by this: named"),
     _hang("--straggler-window", help="seconds each straggler verdict spans"),
+    _hang(
+        "--straggler-restart",
+        action="store_const",
+        const=True,
+        help="restart the job without a straggler's node (elastic --nnodes MIN:MAX)",
+    ),
 )
 
 
@@ -553,6 +559,11 @@ class LaunchConfig:
             raise ConfigError(
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
                 "--rdzv-backend c10d or etcd (static membership is a fixed count)"
+            )
+        if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
+            raise ConfigError(
+                f"--straggler-restart with --nnodes {self.max_nodes}: expected an elastic "
+                "--nnodes MIN:MAX (a job of fixed membership cannot go on without a node)"
             )
         if self.rdzv_backend == "etcd" and not self.rdzv_endpoint:
             raise ConfigError(

@@ -29,6 +29,7 @@ from stalwart.monitor import (
     NodeMonitor,
 )
 from stalwart.monitor import envvars as monitor_env
+from stalwart.monitor.jobsync import JobPeers
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +71,17 @@ class HangWatch:
         return env
 
     def begin(
-        self, attempt: int, pids: dict[int, int], stderr: dict[int, Path], ranks: dict[int, int]
+        self,
+        attempt: int,
+        pids: dict[int, int],
+        stderr: dict[int, Path],
+        ranks: dict[int, int],
+        peers: JobPeers | None = None,
     ) -> None:
+        """peers: the round's other nodes, shared with through the job's store
+        (``monitor_sync.job_peers``)."""
         self._hangs = {}
+        self.monitor.join_job(peers)
         self.monitor.begin_attempt(attempt, pids, stderr_paths=stderr, global_ranks=ranks)
 
     def end(self) -> None:
@@ -111,6 +120,7 @@ class HangWatch:
                 action=req.action.value,
                 rank=req.global_rank,
                 worker_pid=req.pid,
+                **({"reason": req.reason} if req.reason else {}),
             )
             if req.action is ControlAction.SHUTDOWN_WORKLOAD:
                 if chosen is None or chosen.action is not ControlAction.SHUTDOWN_WORKLOAD:

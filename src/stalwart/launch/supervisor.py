@@ -38,6 +38,7 @@ from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.membership import rendezvous_for
 from stalwart.launch.metrics import MetricsServer
+from stalwart.launch.monitor_sync import job_peers
 from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.summary import end_block, never_fired
@@ -102,6 +103,8 @@ def control_outcome(action: ControlAction, elastic: bool) -> RoundOutcome | None
 def control_reason(req: ControlRequest, outcome: RoundOutcome, node_rank: int) -> str:
     """The one line a control request ends up as (events, the console, the peers)."""
     who = f"rank {req.global_rank if req.global_rank is not None else '?'}"
+    if req.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
+        return f"{req.reason}: excluding node {node_rank} ({socket.gethostname()})"
     if req.action is ControlAction.SHUTDOWN_WORKLOAD:
         return f"{who} asked to shut the workload down"
     if outcome is RoundOutcome.NODE_EXCLUDED:
@@ -583,7 +586,8 @@ class Supervisor:
             raise SignalReceived(self._deferred_signal)
         if self._hangs is not None:
             dumps = stacks or {lr: p for lr in range(n) if (p := logs[lr].stderr) is not None}
-            self._hangs.begin(info.round, ctx.pids(), dumps, ranks)
+            peers = job_peers(self._rdzv, info)
+            self._hangs.begin(info.round, ctx.pids(), dumps, ranks, peers)
         for lr, pid in ctx.pids().items():
             self.events.emit(
                 Event.WORKER_SPAWN,

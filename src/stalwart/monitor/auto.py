@@ -3,8 +3,12 @@
 The scanner already reads every rank's slot each `check_interval`; `Rhythm` keeps what
 those reads show about one rank of one attempt: the gaps between the heartbeats it saw
 change, how long each section was seen open, how long the rank stayed out of sections.
-A scan misses the beats between two reads, so each observed gap covers one or more real
-gaps and is never shorter than any of them: learned values err on the long side.
+A scan misses the beats between two reads, so an observed gap may cover several real
+gaps. Where the slot's heartbeat count says how many (k), the sample is the longest
+those k gaps can have been given the shortest gap ever seen alone (`longest_gap`), not
+the whole stretch: with steps shorter than the check interval the stretch is about the
+check interval, and the timeout learned from it would be set by how often the monitor
+looks, not by the job. Without a count the whole stretch is the sample (the long side).
 
 `learn` (pure) turns samples into a timeout: a percentile (100 = the maximum) times the
 safety factor, never below the floor. `AutoLearner` holds the node's learned values:
@@ -45,6 +49,15 @@ def learn(samples: Sequence[float], percentile: float, factor: float, floor: flo
     return max(floor, ordered[min(rank, len(ordered)) - 1] * factor)
 
 
+def longest_gap(total: float, beats: int, shortest: float | None) -> float:
+    """The longest of `beats` consecutive heartbeat gaps that add up to `total`: each of
+    the others lasted at least `shortest` (the shortest gap seen on its own), and the
+    longest is at least their mean. Without a known shortest gap, `total` itself."""
+    if beats <= 1 or shortest is None:
+        return total
+    return max(total / beats, total - (beats - 1) * shortest)
+
+
 def _bounded() -> deque[float]:
     return deque(maxlen=MAX_SAMPLES)
 
@@ -58,6 +71,7 @@ class Rhythm:
     last_hb: float = 0.0
     last_iteration: int = -1
     last_count: int = 0  # the slot's heartbeat count at the last change seen
+    shortest: float | None = None  # the shortest gap seen with one beat between reads
     # Steps at the start whose intervals are not learned (process start-up, first
     # compilations, a first checkpoint's set-up): half the warm-up.
     settle: int = 0
@@ -76,15 +90,22 @@ class Rhythm:
             self.warm_since = now
         learning = self.beats >= self.settle
         if snap.last_hb > 0 and snap.last_hb != self.last_hb:
-            if self.last_hb > 0 and snap.last_hb > self.last_hb and learning:
-                self.hb_gaps.append(snap.last_hb - self.last_hb)
+            counted = 0 < snap.beats - self.last_count <= MAX_BEATS_PER_READ and self.last_count > 0
+            if self.last_hb > 0 and snap.last_hb > self.last_hb:
+                gap = snap.last_hb - self.last_hb
+                between = snap.beats - self.last_count if counted else 0
+                if between == 1:
+                    self.shortest = gap if self.shortest is None else min(self.shortest, gap)
+                if learning:
+                    sample = longest_gap(gap, between, self.shortest) if between else gap
+                    self.hb_gaps.append(sample)
             self.last_hb = snap.last_hb
             # Several beats may fall between two reads: count steps where they are known
             # (iterations, else the slot's heartbeat count; a count that went backwards or
             # jumped absurdly, as anything in the slot can, counts as one).
             if self.last_iteration >= 0 and snap.iteration > self.last_iteration:
                 advanced = snap.iteration - self.last_iteration
-            elif 0 < snap.beats - self.last_count <= MAX_BEATS_PER_READ and self.last_count > 0:
+            elif counted:
                 advanced = snap.beats - self.last_count
             else:
                 advanced = 1

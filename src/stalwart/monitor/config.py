@@ -27,6 +27,24 @@ def _positive(name: str, value: float | None) -> None:
         raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
 
 
+def _positive_number(name: str, value: float) -> None:
+    """Like `_positive` for settings that are plain numbers (factors, percentiles)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def parse_number(name: str, text: str | float | int) -> float:
+    """Parses a positive plain number (no unit), naming `name` in the error."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {text!r}") from None
+    _positive_number(name, value)
+    return value
+
+
 def parse_seconds(name: str, text: str | float | int) -> float:
     """Parses a positive number of seconds, naming `name` in the error."""
     try:
@@ -91,6 +109,8 @@ class MonitorConfig:
     straggler_factor: a rank whose seconds per step are this many times the median of
         the node's other ranks over a window is reported as a straggler (information).
     straggler_window: seconds of progress each straggler verdict looks at.
+    straggler_restart: a straggler's node leaves the job and the others restart without
+        it (elastic membership only); otherwise stragglers are information only.
     """
 
     hb_timeout: float | None = None
@@ -111,6 +131,7 @@ class MonitorConfig:
     auto_floor: float = 0.5
     straggler_factor: float = 2.0
     straggler_window: float = 30.0
+    straggler_restart: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.auto_warmup_steps, bool) or not isinstance(self.auto_warmup_steps, int):
@@ -125,12 +146,12 @@ class MonitorConfig:
             raise ValueError(
                 f"auto_warmup_seconds must be >= 0 seconds, got {self.auto_warmup_seconds!r}"
             )
-        _positive("auto_percentile", self.auto_percentile)
+        _positive_number("auto_percentile", self.auto_percentile)
         if self.auto_percentile > 100:
             raise ValueError(f"auto_percentile must be in (0, 100], got {self.auto_percentile!r}")
         _positive("auto_floor", self.auto_floor)
         _positive("straggler_window", self.straggler_window)
-        _positive("straggler_factor", self.straggler_factor)
+        _positive_number("straggler_factor", self.straggler_factor)
         if self.straggler_factor <= 1:
             raise ValueError(f"straggler_factor must be > 1, got {self.straggler_factor!r}")
         _positive("hb_timeout", self.hb_timeout)
@@ -146,7 +167,7 @@ class MonitorConfig:
             )
         if math.isnan(self.stack_dump_wait) or self.stack_dump_wait < 0:
             raise ValueError(f"stack_dump_wait must be >= 0 seconds, got {self.stack_dump_wait!r}")
-        _positive("safety_factor", self.safety_factor)
+        _positive_number("safety_factor", self.safety_factor)
         if self.safety_factor < 1:
             raise ValueError(f"safety_factor must be >= 1, got {self.safety_factor!r}")
         if (
@@ -218,7 +239,7 @@ class MonitorConfig:
                 kwargs[key], auto = _parse_sections(raw)
                 if auto:
                     kwargs["section_auto"] = True
-            elif key in ("hb_auto", "section_auto", "oos_auto"):
+            elif key in ("hb_auto", "section_auto", "oos_auto", "straggler_restart"):
                 kwargs[key] = _parse_bool(key, raw)
             elif key == "auto_warmup_steps":
                 try:
@@ -234,11 +255,8 @@ class MonitorConfig:
                     raise ValueError(
                         f"auto_warmup_seconds must be a number of seconds, got {raw!r}"
                     ) from None
-            elif key == "auto_percentile":
-                try:
-                    kwargs[key] = float(raw)
-                except (TypeError, ValueError):
-                    raise ValueError(f"auto_percentile must be a number, got {raw!r}") from None
+            elif key in _PLAIN_NUMBERS:
+                kwargs[key] = parse_number(key, raw)
             elif key == "term_signal":
                 kwargs[key] = parse_signal(raw)
             elif key == "stack_dump_wait":
@@ -259,6 +277,9 @@ class MonitorConfig:
         out["section_timeouts"] = dict(self.section_timeouts)
         return out
 
+
+#: Settings that are numbers without a unit (not seconds).
+_PLAIN_NUMBERS = ("safety_factor", "auto_percentile", "straggler_factor")
 
 #: The value that asks for a learned timeout instead of a number.
 AUTO = "auto"

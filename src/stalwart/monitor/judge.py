@@ -173,6 +173,50 @@ def judge(
     return None
 
 
+def next_deadline(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float = 0.0,
+) -> float | None:
+    """The earliest monotonic time at which `judge` would find this slot hung if it
+    stays as it is (None: no deadline runs), so that the scanner can look then rather
+    than up to a check interval later. Mirrors `judge` check for check."""
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return None
+
+    def ts(value: float) -> float | None:
+        return value if value > 0 and timestamp_ok(value, floor, now) else None
+
+    due: list[float] = []
+    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
+    if snap.last_hb == 0.0:
+        limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
+        if limit is not None and attach is not None:
+            due.append(attach + limit)
+    elif last_hb is not None:
+        limit = effective(snap.hb_override, config.hb_timeout)
+        if limit is not None:
+            due.append(last_hb + limit)
+    any_open = False
+    for idx in range(max(0, min(snap.name_count, len(names)))):
+        raw = snap.open_times[idx]
+        if raw == 0.0:
+            continue
+        any_open = True
+        opened = ts(raw)
+        limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
+        if opened is not None and limit is not None:
+            due.append(opened + limit)
+    oos_start = ts(snap.oos_start)
+    if not any_open and oos_start is not None:
+        limit = effective(snap.oos_override, config.out_of_section_timeout)
+        if limit is not None:
+            due.append(oos_start + limit)
+    return min(due) if due else None
+
+
 def stragglers(step_times: dict[int, float], factor: float) -> dict[int, float]:
     """Ranks whose seconds per step are at least `factor` x the median of the others'.
 

@@ -25,22 +25,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.base.files import untrusted
-from stalwart.monitor import auto, dossier, envvars, layout
+from stalwart.monitor import auto, dossier, envvars, jobsync, layout
 from stalwart.monitor.config import MonitorConfig
+from stalwart.monitor.jobsync import JobPeers, NodeRhythm
 from stalwart.monitor.judge import (
     Stalled,
     Verdict,
     blame,
     judge,
-    override_ok,
+    next_deadline,
     problems,
     stragglers,
 )
 from stalwart.monitor.learned import LearnedTimeouts
-from stalwart.monitor.reports import ControlRequest, HangKind, HangReport
+from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
 
@@ -60,8 +63,12 @@ MAX_PENDING_CONTROLS = 64
 #: Seconds a control request from a live, not yet registered pid waits for its attempt.
 CONTROL_GRACE = 5.0
 #: Largest learned-timeouts file read back from the run folder.
-MAX_LEARNED_BYTES = 64 * 1024
+MAX_LEARNED_BYTES = jobsync.MAX_VALUE_BYTES
 LEARNED_NAME = "learned_timeouts.json"
+#: The scanner looks this soon after a rank's deadline (a timestamp written a moment
+#: late must not make it look twice), and never more often than every DEADLINE_MIN_WAIT.
+DEADLINE_SLACK = 0.002
+DEADLINE_MIN_WAIT = 0.005
 #: A rank is named a straggler on the console at most this often (seconds).
 STRAGGLER_LOG_EVERY = 60.0
 
@@ -80,8 +87,18 @@ class _Rank:
     names: list[str] = dataclasses.field(default_factory=list)
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
+    due: float | None = None  # when its earliest deadline passes, as of the last read
     # (monotonic time, iteration) whenever the iteration moved: the straggler check's input
     progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """A straggler window of this node, waiting to be compared with the job's."""
+
+    rhythm: NodeRhythm
+    local_ranks: dict[int, int]  # global -> local rank
+    attempt: int | None
 
 
 @dataclasses.dataclass
@@ -164,6 +181,22 @@ class NodeMonitor:
         # The hang dossier of the current attempt: every rank's state and stack offsets.
         self._dossier: dict[int, dossier.RankEntry] | None = None
         self._learned = LearnedTimeouts()
+        self._learned_lock = threading.Lock()  # one writer of the learned-timeouts file
+        # Sharing with the job's other nodes (see monitor.jobsync): set per round.
+        self._peers: JobPeers | None = None
+        self._sync_wake = threading.Event()
+        self._syncer: threading.Thread | None = None
+        # Sync thread only: the round it shares in, what the job's store is known to hold
+        # in it (ours and others' values; ours is published only when it adds to that),
+        # and the store's change counter when last read.
+        self._sync_round: int | None = None
+        self._job_known = LearnedTimeouts()
+        self._seen_version = -1
+        self._window_seq = 0
+        self._freshness = jobsync.Freshness(2 * config.straggler_window)
+        self._window: _Window | None = None  # the last window, for the sync thread
+        self._sync_warned: set[str] = set()
+        self._exclusion_asked = False  # --straggler-restart: once per attempt
         self._rhythms: dict[int, auto.Rhythm] = {}
         self._auto = auto.AutoSettings(
             hb=config.hb_auto,
@@ -205,9 +238,15 @@ class NodeMonitor:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._sync_wake.set()
         if self._scanner is not None:
             self._scanner.join(timeout=5)
             self._scanner = None
+        if self._syncer is not None:
+            # A store call that hangs is bounded by the store's own timeout; the thread
+            # is a daemon and cannot hold the launcher's exit.
+            self._syncer.join(timeout=5)
+            self._syncer = None
         self._run_due(force=True)
         self._timers.stop(remove=True)
         if self._mm is not None:
@@ -245,6 +284,22 @@ class NodeMonitor:
             ),
         }
 
+    def join_job(self, peers: JobPeers | None) -> None:
+        """The job's other nodes for the round about to start (call before its
+        begin_attempt): learned timeouts and straggler windows are shared with them
+        through `peers.store` from now on. None, or a one-node round: nothing is shared."""
+        if peers is not None and peers.nnodes < 2:
+            peers = None
+        with self._lock:
+            self._peers = peers
+            self._window = None
+        if peers is not None and self._syncer is None and not self._stop.is_set():
+            self._syncer = threading.Thread(
+                target=self._sync_loop, name="stalwart-monitor-sync", daemon=True
+            )
+            self._syncer.start()
+        self._sync_wake.set()
+
     def begin_attempt(
         self,
         attempt: int,
@@ -255,6 +310,7 @@ class NodeMonitor:
         """Starts judging the workers of a fresh attempt (local_rank -> pid)."""
         stderr_paths = stderr_paths or {}
         with self._lock:
+            self._exclusion_asked = False
             self._refused_pids.clear()
             self._not_ours.clear()
             self._stalled = []
@@ -384,12 +440,24 @@ class NodeMonitor:
                 self._run_due()
             except Exception:
                 log.exception("monitor scan failed")
-            wait = interval
+            wait = self._until_next_deadline(interval)
             with self._lock:
                 if self._schedule:
                     wait = max(0.0, min(wait, self._schedule[0][0] - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _until_next_deadline(self, interval: float) -> float:
+        """How long the scanner may sleep: the check interval, or less when a rank's
+        deadline passes sooner (then it looks just after it, not up to an interval
+        later). Deadlines already past (a rank being handled, or one that exited) do
+        not count, and the scanner never looks more often than DEADLINE_MIN_WAIT."""
+        now = time.monotonic()
+        with self._lock:
+            ahead = [r.due for r in self._ranks.values() if r.judged and r.due and r.due > now]
+        if not ahead:
+            return interval
+        return min(interval, max(DEADLINE_MIN_WAIT, min(ahead) - now + DEADLINE_SLACK))
 
     def scan_once(self) -> None:
         """Judges every armed rank once (the scanner thread calls this each interval)."""
@@ -467,12 +535,14 @@ class NodeMonitor:
             if rhythm.observe(snap, rank.names, now, relearn=warm):
                 log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
             config = self._config_for(rhythm, now)
+        rank.due = next_deadline(snap, rank.names, config, now, self._floor)
         return judge(snap, rank.names, config, now, self._floor), snap.pid
 
     # -- stragglers -------------------------------------------------------------------
     def _check_stragglers(self, ranks: list[_Rank]) -> None:
-        """Every straggler_window: compares the ranks' seconds per step over the window
-        just ended; names the slow ones (event each window, console rate-limited)."""
+        """Every straggler_window: measures the ranks' seconds per step over the window
+        just ended; compares them with the node's other ranks, or, when the job has
+        other nodes, hands them to the sync thread to compare with the job's."""
         now = time.monotonic()
         window = self.config.straggler_window
         if self._straggler_due == 0.0:
@@ -481,7 +551,7 @@ class NodeMonitor:
             return
         self._straggler_due = now + window
         step_times: dict[int, float] = {}
-        by_rank = {}
+        local: dict[int, int] = {}
         for rank in ranks:
             recent = [p for p in rank.progress if p[0] >= now - window]
             rank.progress = recent[-1:]  # the window's last point starts the next one
@@ -489,30 +559,188 @@ class NodeMonitor:
                 step_times[rank.global_rank] = (recent[-1][0] - recent[0][0]) / (
                     recent[-1][1] - recent[0][1]
                 )
-                by_rank[rank.global_rank] = rank
-        for global_rank, ratio in stragglers(step_times, self.config.straggler_factor).items():
-            rank = by_rank[global_rank]
+                local[rank.global_rank] = rank.local_rank
+        mine = NodeRhythm(socket.gethostname(), window, step_times)
+        with self._lock:
+            shared = self._peers is not None
+            if shared:
+                self._window = _Window(mine, local, self._attempt)
+        if shared:
+            self._sync_wake.set()
+            return
+        self._report_stragglers(
+            stragglers(step_times, self.config.straggler_factor),
+            step_times,
+            dict.fromkeys(step_times, mine.host),
+            _Window(mine, local, self._attempt),
+            None,
+        )
+
+    def _report_stragglers(
+        self,
+        verdicts: dict[int, float],
+        step_times: dict[int, float],
+        hosts: dict[int, str],
+        mine: _Window,
+        peers: JobPeers | None,
+        nodes: int = 1,
+    ) -> None:
+        """Names this node's ranks among `verdicts` (event each window, console
+        rate-limited); with ``straggler_restart`` asks once to exclude this node."""
+        now = time.monotonic()
+        window = mine.rhythm.window
+        scope = "the node's" if peers is None else "the job's"
+        for global_rank, ratio in sorted(verdicts.items()):
+            if global_rank not in mine.local_ranks:
+                continue  # another node's rank: that node names it
             fields = {
                 "global_rank": global_rank,
-                "local_rank": rank.local_rank,
-                "host": socket.gethostname(),
+                "local_rank": mine.local_ranks[global_rank],
+                "host": hosts[global_rank],
                 "ratio": round(ratio, 3),
                 "step_time": step_times[global_rank],
                 "window": window,
-                "attempt": self._attempt,
+                "attempt": mine.attempt,
+                "ranks_compared": len(step_times),
+                "nodes_compared": nodes,
             }
             self._emit(Event.STRAGGLER, fields)
             last = self._straggler_logged.get(global_rank)
             if last is None or now - last >= STRAGGLER_LOG_EVERY:
                 self._straggler_logged[global_rank] = now
                 log.warning(
-                    "rank %d on %s is a straggler: %.1fx slower per step than the node's "
-                    "other ranks over the last %.0f s",
+                    "rank %d on %s is a straggler: %.1fx slower per step than %s other "
+                    "ranks over the last %.0f s",
                     global_rank,
                     fields["host"],
                     ratio,
+                    scope,
                     window,
                 )
+            if self.config.straggler_restart:
+                self._ask_exclusion(global_rank, mine.local_ranks[global_rank], ratio, peers)
+
+    def _ask_exclusion(
+        self, global_rank: int, local_rank: int, ratio: float, peers: JobPeers | None
+    ) -> None:
+        """``straggler_restart``: the node of a straggler leaves the job and the others
+        restart without it, by the same path as a rank's request to exclude its node."""
+        with self._lock:
+            if self._exclusion_asked:
+                return
+            self._exclusion_asked = True
+            rank = self._ranks.get(local_rank)
+        if peers is None or not peers.elastic:
+            log.warning(
+                "rank %d is a straggler, but only a job of elastic membership (--nnodes "
+                "MIN:MAX with another node) can go on without its node: not restarting",
+                global_rank,
+            )
+            return
+        reason = (
+            f"rank {global_rank} is a straggler ({ratio:.1f}x slower per step than the job's "
+            "other ranks; --straggler-restart)"
+        )
+        req = ControlRequest(
+            action=ControlAction.EXCLUDE_NODE,
+            global_rank=global_rank,
+            local_rank=local_rank,
+            pid=rank.pid if rank is not None else 0,
+            received_at=time.time(),
+            reason=reason,
+        )
+        with self._lock:
+            self._requests.append(req)
+        log.warning("%s: asking to restart the job without this node", reason)
+
+    # -- the job's store: sharing with the other nodes ----------------------------------
+    def _sync_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                peers = self._peers
+            if peers is not None:
+                try:
+                    self._sync_once(peers)
+                except Exception as exc:  # a lost store is the supervisor's to act on
+                    self._sync_warn("store", "could not share monitor state with the job: %s", exc)
+            self._sync_wake.wait(jobsync.SYNC_EVERY)
+            self._sync_wake.clear()
+
+    def _sync_warn(self, key: str, fmt: str, *args: Any) -> None:
+        if key not in self._sync_warned:
+            self._sync_warned.add(key)
+            log.warning(fmt, *args)
+
+    def _sync_once(self, peers: JobPeers) -> None:
+        if peers.round != self._sync_round:  # a new round's keys: publish again, read again
+            self._sync_round, self._job_known, self._seen_version = (
+                peers.round,
+                LearnedTimeouts(),
+                -1,
+            )
+            self._window_seq = 0
+            # Two windows without news: that node is not compared with any more.
+            self._freshness = jobsync.Freshness(2 * self.config.straggler_window)
+        if self.config.any_auto:
+            self._sync_learned(peers)
+        with self._lock:
+            window, self._window = self._window, None
+        if window is not None:
+            self._sync_window(peers, window)
+
+    def _sync_window(self, peers: JobPeers, window: _Window) -> None:
+        """Publishes this node's straggler window, compares it with the other nodes'
+        latest ones, and names this node's stragglers. A window in which no rank of
+        this node moved (finished, or hung: the hang checks' business) is not published:
+        the others keep comparing with the last one that measured something."""
+        store, r = peers.store, peers.round
+        if not window.rhythm.step_times:
+            return
+        self._window_seq += 1
+        mine = msgspec.structs.replace(window.rhythm, seq=self._window_seq)
+        store.set(jobsync.rhythm_key(r, peers.node_rank), mine.encode())
+        nodes = [n for n in range(peers.nnodes) if n != peers.node_rank]
+        keys = [jobsync.rhythm_key(r, n) for n in nodes]
+        others: list[tuple[int, NodeRhythm]] = []
+        now = time.monotonic()
+        for node, key, raw in zip(nodes, keys, store.get_many(keys), strict=True):
+            if raw is None:
+                continue
+            try:
+                other = jobsync.decode_rhythm(raw)
+                if self._freshness.fresh(node, other.seq, now):
+                    others.append((node, other))
+            except ValueError as exc:
+                self._sync_warn(key, "ignoring a straggler window at store key %s: %s", key, exc)
+        steps, hosts = jobsync.pool_rhythms(window.rhythm, peers.node_rank, others)
+        verdicts = stragglers(steps, self.config.straggler_factor)
+        self._report_stragglers(verdicts, steps, hosts, window, peers, 1 + len(others))
+
+    def _sync_learned(self, peers: JobPeers) -> None:
+        """Publishes this node's learned timeouts when they changed; reads the others'
+        when any changed (one counter read per poll otherwise) and applies the maximum."""
+        store, r = peers.store, peers.round
+        with self._lock:
+            mine = self._learned
+        if auto.merge(self._job_known, mine) != self._job_known:
+            store.set(jobsync.learned_key(r, peers.node_rank), jobsync.encode_learned(mine))
+            store.add(jobsync.learned_version_key(r), 1)
+            self._job_known = auto.merge(self._job_known, mine)
+        version = store.add(jobsync.learned_version_key(r), 0)
+        if version == self._seen_version:
+            return
+        self._seen_version = version
+        keys = [jobsync.learned_key(r, n) for n in range(peers.nnodes) if n != peers.node_rank]
+        job = LearnedTimeouts()
+        for key, raw in zip(keys, store.get_many(keys), strict=True):
+            if raw is None:
+                continue
+            try:
+                job = auto.merge(job, jobsync.decode_learned(raw))
+            except ValueError as exc:
+                self._sync_warn(key, "ignoring learned timeouts at store key %s: %s", key, exc)
+        self._job_known = auto.merge(self._job_known, job)
+        self._fold_learned(job, "job")
 
     # -- learned (auto) timeouts -------------------------------------------------------
     def _config_for(self, rhythm: auto.Rhythm, now: float) -> MonitorConfig:
@@ -554,14 +782,24 @@ class NodeMonitor:
             warm = [
                 r for r in self._rhythms.values() if r.warm(a.warmup_steps, a.warmup_seconds, now)
             ]
-        if not warm:
-            return
-        merged = auto.merge(self._learned, auto.from_rhythms(warm, a))
-        if merged == self._learned:
-            return
-        self._learned = merged
-        self._write_learned()
-        self._emit(Event.TIMEOUTS_LEARNED, {"source": "observed", **merged.to_state()})
+        if warm and self._fold_learned(auto.from_rhythms(warm, a), "observed"):
+            self._sync_wake.set()  # the other nodes hear of it without waiting a poll
+
+    def _fold_learned(self, values: LearnedTimeouts, source: str) -> bool:
+        """Takes the maximum of the node's learned timeouts and `values`; on a change,
+        keeps it in the run folder and logs `timeouts_learned`. True on a change.
+
+        The scanner (observed values) and the job's sync thread (other nodes' values)
+        both come here; the file is written by one at a time, always the latest."""
+        with self._learned_lock:
+            with self._lock:
+                merged = auto.merge(self._learned, values)
+                if merged == self._learned:
+                    return False
+                self._learned = merged
+            self._write_learned(merged)
+            self._emit(Event.TIMEOUTS_LEARNED, {"source": source, **merged.to_state()})
+        return True
 
     def _read_learned(self) -> None:
         path = self._learned_path
@@ -576,28 +814,19 @@ class NodeMonitor:
             log.warning("could not read learned timeouts %s: %s", path, exc)
             return
         try:
-            if len(raw) > MAX_LEARNED_BYTES:
-                raise ValueError(f"larger than {MAX_LEARNED_BYTES} bytes")
-            state = json.loads(raw)
-            if not isinstance(state, dict):
-                raise ValueError("not a JSON object")
-            learned = LearnedTimeouts.from_state(state)
-            values = [learned.hb, learned.oos, *learned.sections.values()]
-            if any(v is not None and not override_ok(v) for v in values):
-                raise ValueError("a timeout out of range")
-        except (ValueError, TypeError) as exc:
+            learned = jobsync.decode_learned(raw)
+        except ValueError as exc:
             log.warning("ignoring learned timeouts in %s: %s", path, exc)
             return
-        self._learned = auto.merge(LearnedTimeouts(), learned)
-        self._emit(Event.TIMEOUTS_LEARNED, {"source": str(path), **self._learned.to_state()})
+        self._fold_learned(learned, str(path))
 
-    def _write_learned(self) -> None:
+    def _write_learned(self, learned: LearnedTimeouts) -> None:
         path = self._learned_path
         if path is None:
             return
         tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(self._learned.to_state(), sort_keys=True))
+            tmp.write_text(json.dumps(learned.to_state(), sort_keys=True))
             os.replace(tmp, path)
         except OSError as exc:
             log.warning("could not keep learned timeouts in %s: %s", path, exc)

@@ -72,10 +72,14 @@ class HangReport:
 
 @dataclasses.dataclass(frozen=True)
 class ControlRequest:
-    """A rank's request about the workload; `local_rank` is None for an unknown pid."""
+    """A rank's request about the workload; `local_rank` is None for an unknown pid.
+
+    reason: set when the monitor itself asks on a rank's behalf (``straggler_restart``):
+    why, in one line; empty for a request the rank sent."""
 
     action: ControlAction
     global_rank: int | None
     local_rank: int | None
     pid: int
     received_at: float
+    reason: str = ""
