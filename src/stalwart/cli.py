@@ -92,6 +92,13 @@ def run_parser() -> argparse.ArgumentParser:
         help="memory per local rank for checkpoint snapshots that survive a worker restart "
         "(e.g. 2GiB; two snapshots are kept; default 0: off)",
     )
+    _flag(
+        p,
+        "--ckpt-replicas",
+        default=None,
+        help="peer nodes that keep a copy of each node's RAM snapshots, for a node loss "
+        "(default 1 with 2 or more nodes)",
+    )
     p.add_argument(
         "--preload", default=None, help="modules the warm template imports, e.g. numpy,mylib"
     )
@@ -172,6 +179,7 @@ def _merge(ns: argparse.Namespace) -> dict[str, Any]:
         "shutdown_timeout": ns.shutdown_timeout,
         "restart_policy": ns.restart_policy,
         "ckpt_ram": ns.ckpt_ram,
+        "ckpt_replicas": ns.ckpt_replicas,
         "metrics_port": ns.metrics_port,
         "metrics_addr": ns.metrics_addr,
         "inject": ns.inject if ns.inject is not None else os.environ.get("STALWART_INJECT"),
@@ -265,6 +273,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         ("monitor_interval", float),
         ("shutdown_timeout", float),
         ("metrics_port", int),
+        ("ckpt_replicas", int),
     ):
         if name in m:
             kw[name] = _typed("--" + name.replace("_", "-"), m[name], conv)

@@ -141,6 +141,8 @@ class LaunchConfig:
     preload: list[str] = field(default_factory=list)
     # Bytes of launcher-owned memory per local rank and snapshot (two are kept); 0: off.
     ckpt_ram: int = 0
+    # Peer nodes that hold a replica of each node's snapshots; None: 1 with >= 2 nodes.
+    ckpt_replicas: int | None = None
     metrics_port: int = 0  # 0: no /metrics endpoint
     metrics_addr: str = "0.0.0.0"
 
@@ -209,6 +211,13 @@ class LaunchConfig:
             raise ConfigError(f"--rdzv-conf is_host={is_host!r}: expected 1 or 0")
         if self.ckpt_ram < 0:
             raise ConfigError(f"--ckpt-ram {self.ckpt_ram}: expected a size >= 0")
+        if self.ckpt_replicas is not None and self.ckpt_replicas < 0:
+            raise ConfigError(f"--ckpt-replicas {self.ckpt_replicas}: expected a count >= 0")
+        if self.ckpt_replicas and not self.ckpt_ram:
+            raise ConfigError(
+                f"--ckpt-replicas {self.ckpt_replicas}: replicas copy RAM snapshots, "
+                "so it needs --ckpt-ram SIZE"
+            )
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: expected >= 0")
         # Bounded: waits longer than the platform's timer maximum raise OverflowError deep

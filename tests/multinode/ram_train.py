@@ -1,0 +1,97 @@
+"""``elastic_train.py``'s job, checkpointed through ``AsyncCheckpointer`` with RAM snapshots.
+
+Every rank snapshots model + optimizer after every step (into the launcher's memory under
+``--ckpt-ram``); every ``--persist-every``-th snapshot also goes to disk. A restarted
+rank resumes from the step all ranks agree on (``AsyncCheckpointer.restore``) and records
+where it came from (RAM or disk) and the newest complete step on disk at that moment, so
+a test can tell a resume from a peer's replica from one from disk.
+
+    ram_train.py STEPS OUT_DIR [--step-s S] [--persist-every N]   (under stalwart run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from elastic_train import GLOBAL_BATCH, batch, model_and_opt
+
+from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig, complete_steps
+
+
+def train(steps: int, out: Path, step_s: float, persist_every: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    t_start = time.time()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    model, opt = model_and_opt()
+    ckpt = out / "ckpt"
+    cfg = CheckpointerConfig(persist_every=persist_every, auto_reserve=False)
+    with AsyncCheckpointer(ckpt, keep_last=None, config=cfg) as ck:
+        disk = complete_steps(ckpt, world)
+        found = ck.restore()
+        start, source = 0, None
+        if found is not None:
+            model.load_state_dict(found.state_dict["model"])
+            opt.load_state_dict(found.state_dict["opt"])
+            start, source = found.step + 1, found.source
+        ddp = DistributedDataParallel(model)
+        with open(out / "attempts.jsonl", "a") as fh:
+            fh.write(
+                json.dumps(
+                    {
+                        "attempt": attempt,
+                        "rank": rank,
+                        "world": world,
+                        "start": start,
+                        "source": source,
+                        "newest_disk": max(disk, default=None),
+                        "group_rank": int(os.environ["GROUP_RANK"]),
+                        "process_start": t_start,
+                        "restored_at": time.time(),
+                    }
+                )
+                + "\n"
+            )
+        per = GLOBAL_BATCH // world
+        for step in range(start, steps):
+            x, y = batch(step)
+            opt.zero_grad()
+            sl = slice(rank * per, (rank + 1) * per)
+            torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
+            opt.step()
+            ck.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
+            if rank == 0:
+                (out / "progress").write_text(f"{attempt} {step}")
+            time.sleep(step_s)  # paces the job so a test can act on it mid-run
+        ck.wait()
+    if rank == 0:
+        torch.save(model.state_dict(), out / "final.pt")
+    dist.barrier()
+    del ddp  # before the group goes: torch 2.13 can deadlock freeing it after
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("steps", type=int)
+    p.add_argument("out", type=Path)
+    p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--persist-every", type=int, default=10)
+    a = p.parse_args()
+    train(a.steps, a.out, a.step_s, a.persist_every)
+
+
+if __name__ == "__main__":
+    main()
