@@ -1,12 +1,17 @@
 """``elastic_train.py``'s job, checkpointed through ``AsyncCheckpointer`` with RAM snapshots.
 
-Every rank snapshots model + optimizer after every step (into the launcher's memory under
-``--ckpt-ram``); every ``--persist-every``-th snapshot also goes to disk. A restarted
+Every rank snapshots model + optimizer after every K-th step (into the launcher's memory
+under ``--ckpt-ram``); every ``--persist-every``-th snapshot also goes to disk. A restarted
 rank resumes from the step all ranks agree on (``AsyncCheckpointer.restore``) and records
 where it came from (RAM or disk) and the newest complete step on disk at that moment, so
 a test can tell a resume from a peer's replica from one from disk.
 
-    ram_train.py STEPS OUT_DIR [--step-s S] [--persist-every N]   (under stalwart run)
+    ram_train.py STEPS OUT_DIR [--step-s S] [--save-every K] [--persist-every N] [--state-mb M]
+
+``--save-every K`` snapshots after every K-th step (steps K-1, 2K-1, ...).
+
+``--state-mb`` adds M MiB of per-rank data to every checkpoint (checked on restore), for
+the benchmark; each attempt's first completed step is stamped in ``first_steps.jsonl``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ from elastic_train import GLOBAL_BATCH, batch, model_and_opt
 from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig, complete_steps
 
 
-def train(steps: int, out: Path, step_s: float, persist_every: int) -> None:
+def blob(rank: int, mib: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(mib << 18, generator=g)  # 4-byte floats
+
+
+def train(
+    steps: int, out: Path, step_s: float, save_every: int, persist_every: int, state_mb: int
+) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +50,7 @@ def train(steps: int, out: Path, step_s: float, persist_every: int) -> None:
     model, opt = model_and_opt()
     ckpt = out / "ckpt"
     cfg = CheckpointerConfig(persist_every=persist_every, auto_reserve=False)
+    extra = {"blob": blob(rank, state_mb)} if state_mb else {}
     with AsyncCheckpointer(ckpt, keep_last=None, config=cfg) as ck:
         disk = complete_steps(ckpt, world)
         found = ck.restore()
@@ -45,6 +58,8 @@ def train(steps: int, out: Path, step_s: float, persist_every: int) -> None:
         if found is not None:
             model.load_state_dict(found.state_dict["model"])
             opt.load_state_dict(found.state_dict["opt"])
+            if state_mb:
+                assert torch.equal(found.state_dict["blob"], extra["blob"]), "blob differs"
             start, source = found.step + 1, found.source
         ddp = DistributedDataParallel(model)
         with open(out / "attempts.jsonl", "a") as fh:
@@ -71,7 +86,12 @@ def train(steps: int, out: Path, step_s: float, persist_every: int) -> None:
             sl = slice(rank * per, (rank + 1) * per)
             torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
             opt.step()
-            ck.save({"model": model.state_dict(), "opt": opt.state_dict()}, step)
+            if (step + 1) % save_every == 0:
+                ck.save({"model": model.state_dict(), "opt": opt.state_dict(), **extra}, step)
+            if step == start:
+                with open(out / "first_steps.jsonl", "a") as fh:
+                    row = {"attempt": attempt, "rank": rank, "step": step, "t": time.time()}
+                    fh.write(json.dumps(row) + "\n")
             if rank == 0:
                 (out / "progress").write_text(f"{attempt} {step}")
             time.sleep(step_s)  # paces the job so a test can act on it mid-run
@@ -88,9 +108,11 @@ def main() -> None:
     p.add_argument("steps", type=int)
     p.add_argument("out", type=Path)
     p.add_argument("--step-s", type=float, default=0.05)
+    p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--persist-every", type=int, default=10)
+    p.add_argument("--state-mb", type=int, default=0)
     a = p.parse_args()
-    train(a.steps, a.out, a.step_s, a.persist_every)
+    train(a.steps, a.out, a.step_s, a.save_every, a.persist_every, a.state_mb)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import torch
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
 from stalwart.checkpoint.staging import plan
+from stalwart.cli import build_config
+from stalwart.config import ConfigError
 from stalwart.launch import replicas as rp
 from stalwart.launch import replicawire as wire
 from stalwart.launch.snapshots import SnapshotMemory
@@ -300,7 +302,7 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
             _snapshot(a, 0, rank=0, step=step)
             _snapshot(a, 1, rank=1, step=step)
             _wait_for(
-                lambda want=2 * step: ev_a.kinds().count(rp.REPLICA_REFUSED) >= want,
+                lambda want=2 * step: rep.outcomes["refused"] >= want,
                 f"both pushes of step {step} answered",
             )
         no_room = ev_b.wait(rp.REPLICA_NO_ROOM)
@@ -308,7 +310,9 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
         assert "\n" not in no_room["error"]
         # One event per rank on the receiver, not one per snapshot.
         assert ev_b.kinds().count(rp.REPLICA_NO_ROOM) == 2
+        # The sender, too, says so once per peer and rank, not once per snapshot.
         refused = [f for e, f in ev_a.seen if e == rp.REPLICA_REFUSED]
+        assert sorted(f["rank"] for f in refused) == [0, 1], refused
         assert all(f["to_node"] == 1 and "no room" in f["error"] for f in refused)
         # Nothing half-reserved is left behind, and the sender's thread is still alive.
         assert sorted(p.name for p in b.folder.iterdir()) == ["local_0.snap", "owner.json"]
@@ -351,3 +355,38 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
     finally:
         srv_a.close()
         srv_b.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "want"),
+    [
+        (["--ckpt-ram", "1MiB"], None),
+        (["--ckpt-ram", "1MiB", "--ckpt-replicas", "2"], 2),
+        (["--ckpt-ram", "1MiB", "--ckpt_replicas", "0"], 0),
+        (["--ckpt-replicas", "0"], 0),  # off needs no RAM
+    ],
+)
+def test_ckpt_replicas_flag(argv: list[str], want: int | None) -> None:
+    cfg, _ = build_config([*argv, "train.py"])
+    assert cfg.ckpt_replicas == want
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--ckpt-replicas", "1"], "--ckpt-replicas 1: replicas copy RAM snapshots, so it needs"),
+        (["--ckpt-ram", "1MiB", "--ckpt-replicas", "-1"], "--ckpt-replicas -1: expected a count"),
+        (["--ckpt-ram", "1MiB", "--ckpt-replicas", "two"], "--ckpt-replicas"),
+    ],
+)
+def test_a_bad_ckpt_replicas_is_one_line(argv: list[str], error: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config([*argv, "train.py"])
+    assert error in str(info.value) and "\n" not in str(info.value)
+
+
+def test_ckpt_replicas_from_yaml(tmp_path: Path) -> None:
+    conf = tmp_path / "job.yaml"
+    conf.write_text("ckpt_ram: 2MiB\nckpt_replicas: 2\n")
+    cfg, _ = build_config(["--config", str(conf), "train.py"])
+    assert (cfg.ckpt_ram, cfg.ckpt_replicas) == (2 << 20, 2)

@@ -17,6 +17,7 @@ The stream's steps are in ``replicawire``; what goes on is in ``events.jsonl``
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -55,9 +56,14 @@ REPLICA_FETCHED = "replica_fetched"
 #: No peer could give a snapshot of a rank this node takes over (it restores from disk).
 REPLICA_FETCH_FAILED = "replica_fetch_failed"
 REPLICA_PREFIX = "replica_r"
-_NICE = 19  # replication must never compete with training for a core
+# Replication yields to training on a contended core (the writer child runs at +5).
+# Not +19: that weighs 15 against a busy nice-0 process's 1024 (CFS), so on a loaded
+# host a replica could lag past the next snapshot, and one that lags by more than a
+# generation shares no step with the survivors' own snapshots.
+_NICE = 10
 _CONNECT_TIMEOUT_S = 3.0
 _IO_TIMEOUT_S = 30.0
+_CLOSE_WAIT_S = 2.0
 
 Emit = Callable[..., Any]
 
@@ -405,10 +411,15 @@ class PeerGone(Exception):
     """A peer that cannot be reached or broke the stream."""
 
 
+class SourceChanged(Exception):
+    """The worker overwrote the slot while it was sent (a newer snapshot is there)."""
+
+
 def push(peer: PeerAddress, seg: SegmentFile, slot: int, rec: rl.CommitRecord, me: int) -> str:
     """Push one snapshot to a peer; '' when it committed it, else why it refused.
 
-    Raises ``PeerGone`` when the peer cannot be reached or the stream breaks."""
+    Raises ``PeerGone`` when the peer cannot be reached or the stream breaks, and
+    ``SourceChanged`` when the slot was overwritten while it was read."""
     try:
         with _connect(peer) as sock:
             wire.send_frame(sock, wire.Push(peer.token, wire.Manifest(rec, me)))
@@ -420,9 +431,11 @@ def push(peer: PeerAddress, seg: SegmentFile, slot: int, rec: rl.CommitRecord, m
             wire.send_frame(sock, wire.End(ok))
             done = wire.expect(sock, wire.Reply)
             assert isinstance(done, wire.Reply)
-            return "" if done.ok else done.error
     except (OSError, wire.WireError) as exc:
         raise PeerGone(f"{peer.addr}:{peer.port}: {exc}") from None
+    if not ok:
+        raise SourceChanged(f"rank {rec.rank} step {rec.step}")
+    return "" if done.ok else done.error
 
 
 def offer(peer: PeerAddress, rank: int, world_size: int) -> wire.Manifest | None:
@@ -532,7 +545,7 @@ class Replicator:
         kv: KVLike,
         emit: Emit,
         *,
-        poll_s: float = 0.2,
+        poll_s: float = 0.05,
     ) -> None:
         self._folder = folder
         self._nproc = nproc
@@ -543,6 +556,9 @@ class Replicator:
         self._lost: set[int] = set()
         self._sent: dict[tuple[int, int], tuple[int, int, int, float]] = {}  # (node, lr)
         self._peers: dict[int, PeerAddress] = {}
+        self._refused: set[tuple[int, int]] = set()  # (node, rank) told once until it takes one
+        #: Push outcomes so far: committed, refused, changed (source overwritten meanwhile).
+        self.outcomes: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="stalwart-replicator", daemon=True)
@@ -555,6 +571,7 @@ class Replicator:
             self._lost = set()
             self._sent = {}
             self._peers = {}
+            self._refused = set()
             self._cond.notify_all()
 
     def targets(self) -> list[int]:
@@ -567,7 +584,11 @@ class Replicator:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        # A push to a peer that stopped reading ends at its socket timeout; the launcher
+        # does not wait for that (the thread is a daemon and holds no file open for long).
+        self._thread.join(timeout=_CLOSE_WAIT_S)
+        if self._thread.is_alive():
+            logger.warning("replication thread still in a push; leaving it behind")
 
     def _run(self) -> None:
         _lower_priority()
@@ -616,8 +637,16 @@ class Replicator:
                 except PeerGone as exc:
                     self._peer_lost(ring, node, str(exc))
                     return  # the next pass sends to the node that replaces it
+                except SourceChanged:
+                    self.outcomes["changed"] += 1
+                    break  # the next pass sends the newer snapshot
                 self._sent[(node, lr)] = key
-                if why:
+                self.outcomes["refused" if why else "committed"] += 1
+                if not why:
+                    self._refused.discard((node, rec.rank))
+                elif (node, rec.rank) not in self._refused:
+                    # Once per peer and rank until it takes one again, not per snapshot.
+                    self._refused.add((node, rec.rank))
                     logger.warning("node %d refused a replica: %s", node, why)
                     self._emit(
                         REPLICA_REFUSED, to_node=node, rank=rec.rank, step=rec.step, error=why

@@ -6,14 +6,16 @@ snapshot's bytes follow its manifest raw, exactly as many as the manifest names:
 
     push   (a node hands its newest snapshot of a rank to a peer)
       1. client: Push(token, manifest)
-      2. client: the skeleton bytes, then the tensor bytes
-      3. client: End(ok)          ok: the source slot was unchanged after it was read
-      4. server: Reply(ok, error) ok: checksums match and the replica is committed
+      2. server: Reply(ok, error)  go ahead, or why not (no room, a slot too small)
+      3. client: the skeleton bytes, then the tensor bytes
+      4. client: End(ok)           ok: the source slot was unchanged after it was read
+      5. server: Reply(ok, error)  ok: checksums match and the replica is committed
     fetch  (a node that takes over a rank asks a peer for its snapshot)
       1. client: Fetch(token, rank, world_size, send)
       2. server: Offer(manifest | None)
       3. if send and a manifest: server sends the bytes, then End(ok)
 
+A wrong token is answered with Reply(False, "wrong token") in place of step 2.
 The receiver of bytes always checks them against the manifest's checksums before it
 commits them, so a torn or altered stream is dropped, never used. No pickle crosses the
 wire: the manifest is JSON, and the snapshot bytes are what the worker wrote (its
