@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.checkpoint import complete_steps
 from stalwart.launch import replicas as rp
 
 from .conftest import ROOT, Host, Network, free_port
@@ -61,8 +62,12 @@ def launch(
         out,
         "--step-s",
         str(step_s),
+        # A snapshot every 2nd step (0.5 s apart: longer than a replica takes, even on a
+        # busy machine), every 5th of them on disk: steps 9, 19, ...
+        "--save-every",
+        "2",
         "--persist-every",
-        "10",
+        "5",
         log=out / f"{name}.out",
     )
 
@@ -90,8 +95,13 @@ def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
     while "waiting as a spare" not in text(tmp_path, "c"):
         assert time.monotonic() < deadline and pc.poll() is None, text(tmp_path, "c")[-2000:]
         time.sleep(0.05)
-    # Past the first step persisted to disk (the 10th snapshot) and a few more.
+    # Past the first step on disk (the 5th snapshot, step 9), complete on both ranks,
+    # and a few more steps.
     wait_for_step(tmp_path, 15, [pa, pb, pc])
+    deadline = time.monotonic() + 60
+    while 9 not in complete_steps(tmp_path / "ckpt", 2):
+        assert time.monotonic() < deadline, "step 9 never reached the disk"
+        time.sleep(0.05)
     lose_node(b, pb)
     assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
     assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]
