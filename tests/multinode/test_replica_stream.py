@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -390,3 +391,31 @@ def test_ckpt_replicas_from_yaml(tmp_path: Path) -> None:
     conf.write_text("ckpt_ram: 2MiB\nckpt_replicas: 2\n")
     cfg, _ = build_config(["--config", str(conf), "train.py"])
     assert (cfg.ckpt_ram, cfg.ckpt_replicas) == (2 << 20, 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"rank": 4}, "rank 4 is outside world size 4"),
+        ({"rank": -1}, "rank -1 is outside world size 4"),
+        ({"tensor_bytes": SLOT}, "do not fit a slot"),
+        ({"tensor_offset": 100}, "do not fit a slot"),
+        ({"skeleton_bytes": 8192, "tensor_offset": 4096}, "do not fit a slot"),
+    ],
+)
+def test_a_manifest_that_does_not_fit_is_refused_before_any_byte(
+    make_node: Callable[..., SnapshotMemory], change: dict[str, int], error: str
+) -> None:
+    a, b = make_node("a"), make_node("b")
+    srv = _server(b, Events(), 1)
+    try:
+        _snapshot(a, 0, rank=2, step=7)
+        seg = rp.SegmentFile(a.folder / rl.segment_name(0), writable=False)
+        (slot, rec), *_ = seg.records()
+        bad = msgspec.structs.replace(rec, **change)
+        why = rp.push(srv.address, seg, slot, bad, 0)
+        assert error in why, why
+        assert rp.replica_ranks(b.folder) == []  # nothing reserved for it
+        seg.close()
+    finally:
+        srv.close()

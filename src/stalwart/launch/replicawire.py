@@ -115,6 +115,8 @@ def expect(sock: socket.socket, kind: type[Message]) -> Message:
 
 def payload_sizes(record: rl.CommitRecord, slot_bytes: int) -> tuple[int, int]:
     """(skeleton, tensor) bytes a manifest announces; raises when a slot cannot hold them."""
+    if not 0 <= record.rank < record.world_size:
+        raise WireError(f"rank {record.rank} is outside world size {record.world_size}")
     sizes_ok = (
         0 <= record.skeleton_bytes <= record.tensor_offset
         and record.tensor_offset % rl.PAGE == 0
