@@ -53,6 +53,7 @@ def train(
     extra = {"blob": blob(rank, state_mb)} if state_mb else {}
     with AsyncCheckpointer(ckpt, keep_last=None, config=cfg) as ck:
         disk = complete_steps(ckpt, world)
+        t_restore = time.time()
         found = ck.restore()
         start, source = 0, None
         if found is not None:
@@ -74,6 +75,7 @@ def train(
                         "newest_disk": max(disk, default=None),
                         "group_rank": int(os.environ["GROUP_RANK"]),
                         "process_start": t_start,
+                        "restore_s": time.time() - t_restore,
                         "restored_at": time.time(),
                     }
                 )

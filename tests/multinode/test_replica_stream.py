@@ -329,7 +329,9 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
     a, b, spare = make_node("a"), make_node("b"), make_node("spare")
     ev = Events()
     srv_a, srv_b = _server(a, Events(), 0), _server(b, Events(), 1)
-    holder = rp.ReplicaHolder(spare.folder, spare.slot_bytes, ev)
+    # Reserved at start-up: the fetch takes a ready segment, it allocates nothing.
+    holder = rp.ReplicaHolder(spare.folder, spare.slot_bytes, ev, reserve=1)
+    (free,) = spare.folder.glob(f"{rp.FREE_PREFIX}*")
     try:
         # Node a holds rank 1's replica at step 5 and its own rank 0; node b rank 1 at step 4.
         _snapshot(a, 0, rank=0, step=5)
@@ -347,6 +349,7 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
         assert ev.wait(rp.REPLICA_FETCHED)["rank"] == 1
         (snap, *_) = find_snapshots(spare.folder, 1, WORLD)
         assert snap.step == 5 and torch.equal(load_snapshot(snap)["w"], _state(5, 1)["w"])
+        assert not free.exists() and rp.replica_ranks(spare.folder) == [0, 1]
         # Held now: asking again fetches nothing.
         assert rp.fetch_missing(holder, [1], WORLD, peers, ev) == []
         # A rank nobody holds: one event naming it, and the node restores from disk.
@@ -354,8 +357,31 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
         assert none.step is None and "no peer holds" in none.error
         assert ev.wait(rp.REPLICA_FETCH_FAILED)["rank"] == 3
     finally:
+        holder.close()
         srv_a.close()
         srv_b.close()
+
+
+def test_replica_memory_is_reserved_at_start_up_and_its_lack_is_one_event(
+    make_node: Callable[..., SnapshotMemory], tiny_tmpfs: Path
+) -> None:
+    roomy = make_node("roomy")
+    ev = Events()
+    holder = rp.ReplicaHolder(roomy.folder, roomy.slot_bytes, ev, reserve=2)
+    free = sorted(roomy.folder.glob(f"{rp.FREE_PREFIX}*"))
+    assert len(free) == 2 and all(p.stat().st_blocks * 512 >= p.stat().st_size for p in free)
+    # Not a snapshot segment: a worker looking for its snapshots never maps one.
+    assert find_snapshots(roomy.folder, 0, WORLD) == []
+    holder.close()
+    assert ev.kinds() == []
+    # Room for the node's own segment only: one line, one event, and the launcher goes on.
+    tight = make_node("tight", base=tiny_tmpfs)
+    holder = rp.ReplicaHolder(tight.folder, tight.slot_bytes, ev, reserve=2)
+    (fields,) = [f for e, f in ev.seen if e == rp.REPLICA_NO_ROOM]
+    assert fields["rank"] is None and "no room to reserve 2 replica segment(s)" in fields["error"]
+    assert "\n" not in fields["error"]
+    assert sorted(p.name for p in tight.folder.iterdir()) == ["local_0.snap", "owner.json"]
+    holder.close()
 
 
 @pytest.mark.parametrize(

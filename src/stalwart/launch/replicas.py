@@ -56,6 +56,10 @@ REPLICA_FETCHED = "replica_fetched"
 #: No peer could give a snapshot of a rank this node takes over (it restores from disk).
 REPLICA_FETCH_FAILED = "replica_fetch_failed"
 REPLICA_PREFIX = "replica_r"
+# Reserved segments not yet holding a rank: no SEGMENT_SUFFIX, so workers never map them.
+FREE_PREFIX = "free_replica_"
+# Linux >= 5.14: fault pages in writable without writing them.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 # Replication yields to training on a contended core (the writer child runs at +5).
 # Not +19: that weighs 15 against a busy nice-0 process's 1024 (CFS), so on a loaded
 # host a replica could lag past the next snapshot, and one that lags by more than a
@@ -136,6 +140,13 @@ class SegmentFile:
         start = rl.data_offset(slot, self.slot_bytes) + offset
         return memoryview(self._map)[start : start + length]
 
+    def populate(self) -> None:
+        """Fill this mapping's page tables now rather than one fault per page later."""
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError) as exc:
+            logger.debug("could not pre-fault %s: %s", self.path, exc)
+
     def invalidate(self, slot: int) -> None:
         at = rl.header_offset(slot, self.slot_bytes)
         self._map[at : at + rl.PREFIX_BYTES] = rl.EMPTY_PREFIX
@@ -173,7 +184,10 @@ class NoRoom(Exception):
 class ReplicaHolder:
     """This node's replicas of other nodes' ranks, in its snapshot folder."""
 
-    def __init__(self, folder: Path, slot_bytes: int, emit: Emit) -> None:
+    def __init__(self, folder: Path, slot_bytes: int, emit: Emit, *, reserve: int = 0) -> None:
+        """``reserve``: segments to allocate now, so that taking a rank's first replica
+        (a spare's fetch after a node loss included) does not wait for the allocation,
+        and a host without the memory says so at start-up."""
         self.folder = folder
         self.slot_bytes = slot_bytes
         self.segment_bytes = rl.segment_bytes(slot_bytes)
@@ -181,6 +195,39 @@ class ReplicaHolder:
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
         self._no_room_told: set[int] = set()
+        self._open: dict[int, SegmentFile] = {}
+        self._free: list[SegmentFile] = []
+        for i in range(reserve):
+            path = folder / f"{FREE_PREFIX}{i}"
+            try:
+                self._allocate(path)
+            except NoRoom as exc:
+                error = (
+                    f"no room to reserve {reserve} replica segment(s) of "
+                    f"{_mib(self.segment_bytes)} ({exc}); replicas of peers' snapshots may "
+                    "be refused"
+                )
+                logger.warning("%s", error)
+                self._emit(REPLICA_NO_ROOM, rank=None, error=error)
+                break
+            self._free.append(SegmentFile(path, writable=True))
+        self._populating: threading.Thread | None = None
+        if self._free:
+            # Filling the page tables of a fresh mapping costs about as much as receiving
+            # into it (0.3 s of 0.5 s for 64 MiB, measured): done now, off the path of a
+            # restart's fetch. madvise releases the GIL.
+            self._populating = threading.Thread(
+                target=self._populate,
+                args=(tuple(self._free),),
+                name="stalwart-replica-populate",
+                daemon=True,
+            )
+            self._populating.start()
+
+    @staticmethod
+    def _populate(segs: tuple[SegmentFile, ...]) -> None:
+        for seg in segs:
+            seg.populate()
 
     def lock(self, rank: int) -> threading.Lock:
         with self._guard:
@@ -190,12 +237,34 @@ class ReplicaHolder:
         return self.folder / f"{REPLICA_PREFIX}{rank}{rl.SEGMENT_SUFFIX}"
 
     def _segment(self, rank: int) -> SegmentFile:
-        path = self.path_of(rank)
-        if not path.exists():
-            self._reserve(path)
-        return SegmentFile(path, writable=True)
+        """The rank's replica segment, mapped once and kept (under the rank's lock)."""
+        seg = self._open.get(rank)
+        if seg is None:
+            path = self.path_of(rank)
+            with self._guard:
+                free = self._free.pop() if self._free and not path.exists() else None
+            if free is not None:
+                os.rename(free.path, path)  # the mapping stays valid
+                free.path = path
+                seg = free
+            else:
+                if not path.exists():
+                    self._allocate(path)
+                seg = SegmentFile(path, writable=True)
+            self._open[rank] = seg
+        return seg
 
-    def _reserve(self, path: Path) -> None:
+    def close(self) -> None:
+        busy = self._populating is not None and self._populating.is_alive()
+        with self._guard:
+            # Still being populated: those mappings go with the process, not under it.
+            segs = [*self._open.values(), *([] if busy else self._free)]
+            self._open.clear()
+            self._free.clear()
+        for seg in segs:
+            seg.close()
+
+    def _allocate(self, path: Path) -> None:
         try:
             st = os.statvfs(self.folder)
             free = st.f_bavail * st.f_frsize
@@ -256,11 +325,8 @@ class ReplicaHolder:
                     logger.warning("%s", error)
                     self._emit(REPLICA_NO_ROOM, rank=rec.rank, error=error)
                 return answer(wire.Reply(False, error))
-            try:
-                answer(wire.Reply(True))  # go ahead
-                return answer(self._fill(sock, seg, rec, skel, tensors))
-            finally:
-                seg.close()
+            answer(wire.Reply(True))  # go ahead
+            return answer(self._fill(sock, seg, rec, skel, tensors))
 
     def _fill(
         self, sock: socket.socket, seg: SegmentFile, rec: rl.CommitRecord, skel: int, tensors: int
@@ -314,7 +380,6 @@ class _Handler(socketserver.BaseRequestHandler):
     server: _Server
 
     def handle(self) -> None:
-        _lower_priority()
         sock: socket.socket = self.request
         sock.settimeout(_IO_TIMEOUT_S)
         try:
@@ -362,6 +427,8 @@ class ReplicaServer:
             wire.send_frame(sock, wire.Reply(False, "wrong token"))
             return
         if isinstance(first, wire.Push):
+            # A push is background work; a fetch is not: a node's restart waits for it.
+            _lower_priority()
             self.holder.receive(sock, first.manifest, announce=True)
             return
         with self.holder.lock(first.rank):
@@ -705,19 +772,32 @@ class NodeReplicas:
     ranks it takes over at the start of a round."""
 
     def __init__(
-        self, folder: Path, slot_bytes: int, nproc: int, k: int, kv: KVLike, addr: str, emit: Emit
+        self,
+        folder: Path,
+        slot_bytes: int,
+        nproc: int,
+        k: int,
+        kv: KVLike,
+        addr: str,
+        emit: Emit,
+        *,
+        max_nodes: int,
     ) -> None:
         self.k = k
         self._kv = kv
         self._nproc = nproc
         self._emit = emit
         self._node = -1
-        self.holder = ReplicaHolder(folder, slot_bytes, emit)
+        # In a steady ring this node holds the replicas of K nodes' ranks (as many as it
+        # runs, with the same --nproc-per-node everywhere).
+        reserve = min(k, max(0, max_nodes - 1)) * nproc
+        self.holder = ReplicaHolder(folder, slot_bytes, emit, reserve=reserve)
         self.server = ReplicaServer(self.holder, addr, lambda: self._node)
         try:
             self.replicator = Replicator(folder, nproc, kv, emit)
         except BaseException:
             self.server.close()
+            self.holder.close()
             raise
 
     def begin_round(
@@ -744,3 +824,4 @@ class NodeReplicas:
     def close(self) -> None:
         self.replicator.close()
         self.server.close()
+        self.holder.close()

@@ -541,6 +541,7 @@ class Supervisor:
                 kv,
                 addr,
                 self.events.emit,
+                max_nodes=self.cfg.max_nodes,
             )
 
     def _not_needed(self, ended: JobEnded) -> JobResult:
