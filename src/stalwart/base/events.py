@@ -20,6 +20,17 @@ class Event(enum.StrEnum):
     RENDEZVOUS_DONE = "rendezvous_done"
     RENDEZVOUS_ERROR = "rendezvous_error"
     CKPT_RAM_RESERVED = "ckpt_ram_reserved"
+    # -- snapshot replicas on peer nodes (launch/replicas.py) ---------------------------
+    #: A peer to replicate to stopped answering; replication moved on to the next node.
+    REPLICA_PEER_LOST = "replica_peer_lost"
+    #: This node could not reserve memory for a peer's replica (the peer's push is refused).
+    REPLICA_NO_ROOM = "replica_no_room"
+    #: A peer refused a replica (no room, or a checksum that did not match).
+    REPLICA_REFUSED = "replica_refused"
+    #: A rank this node takes over was restored into its memory from a peer's replica.
+    REPLICA_FETCHED = "replica_fetched"
+    #: No peer could give a snapshot of a rank this node takes over (disk restore follows).
+    REPLICA_FETCH_FAILED = "replica_fetch_failed"
     # -- one attempt (round) -----------------------------------------------------------
     WORKER_SPAWN = "worker_spawn"
     WORKER_EXIT = "worker_exit"

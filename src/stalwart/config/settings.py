@@ -457,6 +457,18 @@ class LaunchConfig:
             check=_check(lambda n: n >= 0, "expected a size >= 0"),
         ),
     )
+    # Peer nodes that hold a replica of each node's snapshots; None: 1 with >= 2 nodes.
+    ckpt_replicas: int | None = setting(
+        None,
+        flag(
+            "--ckpt-replicas",
+            argtype=int,
+            parse=_INT,
+            help="peer nodes that keep a copy of each node's RAM snapshots, for a node loss "
+            "(default 1 with 2 or more nodes)",
+            check=_check(lambda n: n is None or n >= 0, "expected a count >= 0"),
+        ),
+    )
     # YAML or the flag only (no variable was ever read for it).
     preload: list[str] = setting(
         factory=list,
@@ -559,6 +571,11 @@ class LaunchConfig:
             raise ConfigError(
                 f"--nnodes {self.min_nodes}:{self.max_nodes}: an elastic node range needs "
                 "--rdzv-backend c10d or etcd (static membership is a fixed count)"
+            )
+        if self.ckpt_replicas and not self.ckpt_ram:
+            raise ConfigError(
+                f"--ckpt-replicas {self.ckpt_replicas}: replicas copy RAM snapshots, "
+                "so it needs --ckpt-ram SIZE"
             )
         if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
             raise ConfigError(

@@ -39,6 +39,7 @@ from stalwart.launch.logs import LogSpec
 from stalwart.launch.membership import rendezvous_for
 from stalwart.launch.metrics import MetricsServer
 from stalwart.launch.monitor_sync import job_peers
+from stalwart.launch.replicas import NodeReplicas, advertised_address, effective_replicas
 from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.summary import end_block, never_fired
@@ -178,6 +179,7 @@ class Supervisor:
         self._cgroup: JobCgroup | None = None
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
         self._snapshots: SnapshotMemory | None = None
+        self._replicas: NodeReplicas | None = None
         self._round = 0  # the attempt under way, for events written on a signal
         self._exits_seen: set[int] = set()  # local ranks whose worker_exit is written
         self._progress: ProgressBoard | None = None
@@ -256,6 +258,7 @@ class Supervisor:
                 )
             if self._rdzv is None:
                 self._rdzv = rendezvous_for(cfg)
+            self._start_replicas(self._rdzv)
             result = self._loop(self._rdzv)
         except SignalReceived as sig:
             result = self._interrupted(sig.sig)
@@ -280,6 +283,8 @@ class Supervisor:
                 self._hangs.stop()
             if self._warm is not None:
                 self._warm.close()
+            if self._replicas is not None:
+                self._replicas.close()
             if self._snapshots is not None:
                 self._snapshots.close()
             # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
@@ -426,6 +431,10 @@ class Supervisor:
                     info.world_size,
                     ", ".join(info.left),
                 )
+            if self._replicas is not None:
+                self._replicas.begin_round(
+                    round_, info.group_rank, info.group_world_size, info.base_rank, info.world_size
+                )
             outcome, result = self._run_round(rdzv, info)
             records = rdzv.failures(round_) if outcome is not RoundOutcome.SUCCEEDED else []
             shutdown = next((f for f in records if f.kind == "shutdown"), None)
@@ -523,6 +532,22 @@ class Supervisor:
                     cfg.max_restarts,
                 )
             round_ += 1
+
+    def _start_replicas(self, rdzv: Rendezvous) -> None:
+        k = effective_replicas(self.cfg.ckpt_replicas, self.cfg.max_nodes)
+        where = advertised_address(rdzv) if self._snapshots is not None and k else None
+        if self._snapshots is not None and where is not None:
+            kv, addr = where
+            self._replicas = NodeReplicas(
+                self._snapshots.folder,
+                self._snapshots.slot_bytes,
+                self.cfg.nproc_per_node,
+                k,
+                kv,
+                addr,
+                self.events.emit,
+                max_nodes=self.cfg.max_nodes,
+            )
 
     def _not_needed(self, ended: JobEnded) -> JobResult:
         """A spare that was never admitted: the job ended without needing it."""

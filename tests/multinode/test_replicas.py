@@ -1,0 +1,207 @@
+"""RAM snapshot replicas across simulated hosts: a node is lost, the spare that takes its
+place restores the lost node's ranks from a replica a survivor holds, and every rank
+resumes from RAM at a step newer than anything on disk. Then the other side: with the
+launcher SIGKILLed the snapshots are gone and the disk checkpoints load as before.
+
+The job is ``ram_train.py`` (``elastic_train.py`` checkpointed with ``AsyncCheckpointer``);
+its final model is compared with a one-process reference, so a resume from a wrong or
+torn state fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stalwart.checkpoint import complete_steps
+from stalwart.launch import replicas as rp
+
+from .conftest import ROOT, TRAIN, Host, Network, free_port
+from .test_netns import FAST, events, text, wait_for_step
+
+pytestmark = pytest.mark.timeout(240)
+
+RAM_TRAIN = Path(__file__).parent / "ram_train.py"
+STEPS = 40
+
+
+def assert_matches_reference(out: Path) -> None:
+    ref = out / "reference.pt"
+    subprocess.run(
+        [sys.executable, str(TRAIN), str(STEPS), str(ref), "--reference"], check=True, timeout=60
+    )
+    got, want = torch.load(out / "final.pt"), torch.load(ref)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+
+
+def wait_for_disk_step(out: Path, step: int, world: int) -> None:
+    deadline = time.monotonic() + 60
+    while step not in complete_steps(out / "ckpt", world):
+        assert time.monotonic() < deadline, f"step {step} never reached the disk"
+        time.sleep(0.05)
+
+
+def launch(
+    host: Host, out: Path, endpoint: str, name: str, *extra: str, step_s: float = 0.25
+) -> subprocess.Popen[str]:
+    return host.stalwart(
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        "job",
+        "--rdzv-conf",
+        FAST,
+        "--shutdown-timeout",
+        "3",
+        "--ckpt-ram",
+        "1MiB",
+        *extra,
+        "--log-dir",
+        out / f"logs-{name}",
+        RAM_TRAIN,
+        str(STEPS),
+        out,
+        "--step-s",
+        str(step_s),
+        # A snapshot every 2nd step (0.5 s apart: longer than a replica takes, even on a
+        # busy machine), every 10th of them on disk: steps 19 and 39.
+        "--save-every",
+        "2",
+        "--persist-every",
+        "10",
+        log=out / f"{name}.out",
+    )
+
+
+def attempts(out: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
+
+
+def lose_node(host: Host, launcher: subprocess.Popen[str]) -> None:
+    """The launcher's process group SIGKILLed, then whatever else ran on that host."""
+    os.killpg(launcher.pid, signal.SIGKILL)
+    host.kill_all()
+
+
+def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
+    network: Network, tmp_path: Path
+) -> None:
+    a, b, c = network.add_host(), network.add_host(), network.add_host()
+    endpoint = f"{a.addr}:{free_port()}"
+    pa = launch(a, tmp_path, endpoint, "a")
+    pb = launch(b, tmp_path, endpoint, "b")
+    wait_for_step(tmp_path, 3, [pa, pb])
+    pc = launch(c, tmp_path, endpoint, "c")
+    deadline = time.monotonic() + 60
+    while "waiting as a spare" not in text(tmp_path, "c"):
+        assert time.monotonic() < deadline and pc.poll() is None, text(tmp_path, "c")[-2000:]
+        time.sleep(0.05)
+    # Past the first step on disk (the 10th snapshot, step 19), complete on both ranks,
+    # and a few more steps: RAM is then ahead of the disk (the next disk step is 39).
+    wait_for_step(tmp_path, 23, [pa, pb, pc])
+    wait_for_disk_step(tmp_path, 19, 2)
+    lose_node(b, pb)
+    assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
+    assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]
+    assert_matches_reference(tmp_path)
+    later = [r for r in attempts(tmp_path) if r["attempt"] != 0]
+    assert sorted(int(str(r["rank"])) for r in later) == [0, 1], later
+    # Both ranks resumed from RAM, at one step, newer than the newest step on disk.
+    assert {r["source"] for r in later} == {"ram"}, later
+    (start,) = {int(str(r["start"])) for r in later}
+    newest_disk = max(int(str(r["newest_disk"])) for r in later)
+    assert start - 1 > newest_disk == 19, later
+    # The spare brought rank 1's snapshot over from node a's replica before it started.
+    fetched = [e for e in events(tmp_path, "c") if e["event"] == rp.REPLICA_FETCHED]
+    assert [(e["rank"], e["from_node"]) for e in fetched] == [(1, 0)], fetched
+    assert int(str(fetched[0]["step"])) >= start - 1
+
+
+def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path) -> None:
+    """One node, 2 ranks: the launcher's group is SIGKILLed mid-run; its snapshot memory
+    is freed by the guardian; a new launch of the same job resumes from the newest step
+    on disk, as without --ckpt-ram."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+
+    def run(name: str) -> subprocess.Popen[str]:
+        log = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 - closed by the OS at exit
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "stalwart.cli",
+                "run",
+                "--nproc-per-node",
+                "2",
+                "--ckpt-ram",
+                "1MiB",
+                "--log-dir",
+                str(tmp_path / f"logs-{name}"),
+                str(RAM_TRAIN),
+                str(STEPS),
+                str(tmp_path),
+                "--step-s",
+                "0.05",
+                "--persist-every",
+                "5",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+    first = run("first")
+    try:
+        wait_for_step(tmp_path, 12, [first])
+        wait_for_disk_step(tmp_path, 9, 2)
+        (ev_file,) = (tmp_path / "logs-first").glob("*/events.jsonl")
+        reserved = [
+            e
+            for e in map(json.loads, ev_file.read_text().splitlines())
+            if e["event"] == "ckpt_ram_reserved"
+        ]
+        folder = Path(reserved[0]["folder"])
+        assert folder.is_dir()
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(30)
+        deadline = time.monotonic() + 30
+        while folder.exists():
+            assert time.monotonic() < deadline, f"{folder} outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(30)
+    second = run("second")
+    try:
+        assert second.wait(180) == 0, (tmp_path / "second.out").read_text()[-3000:]
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait(30)
+    assert_matches_reference(tmp_path)
+    resumed = [r for r in attempts(tmp_path) if r["start"] != 0]
+    assert len(resumed) == 2, attempts(tmp_path)
+    assert {r["source"] for r in resumed} == {"disk"}, resumed
+    (start,) = {int(str(r["start"])) for r in resumed}
+    assert start - 1 == int(str(resumed[0]["newest_disk"])) >= 9, resumed
