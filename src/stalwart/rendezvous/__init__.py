@@ -10,10 +10,15 @@ across nodes.
 from stalwart.rendezvous.api import (
     FailureRecord,
     JobEnded,
+    NodeExcluded,
+    NodeLost,
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    ShutdownRequested,
     StoreLost,
+    WorkerFailed,
+    decode_failure,
 )
 from stalwart.rendezvous.c10d import C10dRendezvous, StoreEndpoint
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
@@ -25,10 +30,15 @@ __all__ = [
     "ElasticSettings",
     "FailureRecord",
     "JobEnded",
+    "NodeExcluded",
+    "NodeLost",
     "Rendezvous",
     "RendezvousError",
     "RendezvousInfo",
+    "ShutdownRequested",
     "StoreEndpoint",
     "StoreLost",
+    "WorkerFailed",
+    "decode_failure",
     "from_config",
 ]
