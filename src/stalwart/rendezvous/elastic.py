@@ -218,9 +218,8 @@ def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
 class _Opening:
     """What ``_await_close`` remembers between two looks at the store."""
 
-    started: float
+    last_arrival: float  # when the joined counter last moved
     joined: int = -1
-    last_arrival: float = 0.0
     opened: float | None = None  # when the previous round ended (this one opened)
     members: dict[int, Member] = field(default_factory=dict)  # by slot, read so far
     spare_logged: bool = False
@@ -434,8 +433,7 @@ class ElasticRendezvous:
         """Waits until round *r* is closed (by this node or another); returns its slots.
         Each look: read a view of the store, apply ``close_rule``, act on its answer."""
         k = keys.Round(r)
-        now = time.monotonic()
-        opening = _Opening(started=now, last_arrival=now)
+        opening = _Opening(last_arrival=time.monotonic())
         while True:
             raw = self.kv.get(k.closed)
             if raw is not None:
