@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -27,15 +28,25 @@ from stalwart.rendezvous.api import (
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore
 
+from ..launch.helpers import wait_for
+
 pytestmark = pytest.mark.timeout(30)
 
 # A node is lost after 0.6 s without a beat: long enough for a loaded machine.
-FAST = {"keep_alive_interval": 0.1, "keep_alive_max_attempt": 6, "close_timeout": 0.5}
+BASE = ElasticSettings(
+    min_nodes=1,
+    max_nodes=1,
+    max_restarts=3,
+    join_timeout=10.0,
+    last_call_timeout=30.0,
+    close_timeout=0.5,
+    keep_alive_interval=0.1,
+    keep_alive_max_attempt=6,
+)
 
 
 def settings(lo: int, hi: int, **kw: float) -> ElasticSettings:
-    opts: dict[str, float] = {**FAST, "join_timeout": 10.0, "last_call_timeout": 30.0, **kw}
-    return ElasticSettings(lo, hi, 3, **opts)  # type: ignore[arg-type]
+    return replace(BASE, min_nodes=lo, max_nodes=hi, **kw)
 
 
 class Cluster:
@@ -76,14 +87,6 @@ def cluster(s: ElasticSettings, *, leases: bool = False) -> Iterator[Cluster]:
         c.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def wait_until(cond: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
 def test_max_nodes_close_the_round_at_once_with_one_workers_store() -> None:
     with cluster(settings(2, 2)) as c:
         a, b = c.node(), c.node()
@@ -117,13 +120,13 @@ def test_a_spare_takes_the_place_of_a_lost_node_at_the_next_round() -> None:
         fa, fb = c.join(a), c.join(b)
         ia, ib = fa.result(5), fb.result(5)
         waiting = c.join(spare)  # the round runs: it waits for the next one
-        wait_until(lambda: c.store.data.get(keys.Round(1).joined) == b"1", 5, "a spare")
+        wait_for(lambda: c.store.data.get(keys.Round(1).joined) == b"1", 5, "a spare")
         assert not waiting.done()
         lost = b if ib.group_rank == 1 else a
         survivor = a if lost is b else b
         c.kill(lost)
         # The survivor learns of the loss from the keep-alives and fails the round.
-        wait_until(lambda: survivor.failed(0), 5, "the loss of a silent node")
+        wait_for(lambda: survivor.failed(0), 5, "the loss of a silent node")
         recs = survivor.failures(0)
         assert [type(r) for r in recs] == [NodeLost]
         assert recs[0].node_rank == (ib if lost is b else ia).group_rank
@@ -175,7 +178,7 @@ def test_a_leased_heartbeat_that_vanishes_is_a_loss_at_once() -> None:
         fa.result(5), fb.result(5)
         c.kill(b)
         t0 = time.monotonic()
-        wait_until(lambda: a.failed(0), 5, "the loss of a node whose key vanished")
+        wait_for(lambda: a.failed(0), 5, "the loss of a node whose key vanished")
     assert time.monotonic() - t0 < 3  # not the 30 s of silence
 
 
