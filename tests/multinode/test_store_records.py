@@ -6,11 +6,20 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import msgspec
 import pytest
 from torch.distributed import TCPStore
 
 from stalwart.launch.supervisor import RoundOutcome, control_outcome
 from stalwart.monitor import ControlAction
+from stalwart.rendezvous.api import (
+    FailureRecord,
+    NodeExcluded,
+    NodeLost,
+    ShutdownRequested,
+    WorkerFailed,
+    decode_failure,
+)
 from stalwart.rendezvous.kv import C10dKV, bind_address, host_store, read_failures
 
 
@@ -62,11 +71,21 @@ GOOD = '{"kind": "worker", "local_rank": 0, "node_rank": 1, "pid": 7, "exitcode"
         ('{"kind": "node_lost", "local_rank": -1, "node_rank": 1, "reason": "gone"}', True),
         ("{not json", False),
         ("[1, 2]", False),
+        ('{"kind": "node_lost", "node_rank": 1, "reason": "gone"}', True),
+        ('{"kind": "shutdown", "node_rank": 1, "pid": 9, "reason": "asked"}', True),
+        ('{"kind": "exclude_node", "node_rank": 1, "reason": "asked"}', True),
         ('{"kind": "worker", "message": "no ranks"}', False),
+        ('{"kind": "worker", "node_rank": 1}', False),  # a worker record names the worker
         ('{"kind": "reboot", "local_rank": 0, "node_rank": 1}', False),
+        ('{"local_rank": 0, "node_rank": 1}', False),  # no kind: no type to read it as
+        ('{"kind": "worker", "local_rank": "0", "node_rank": 1}', False),
+        ('{"kind": "worker", "local_rank": -5, "node_rank": 1}', False),
+        ('{"kind": "worker", "local_rank": -1, "node_rank": 1}', False),
+        ('{"kind": "node_lost", "node_rank": -1}', False),
+        ('{"kind": "worker", "local_rank": 0, "node_rank": 9}', False),  # not of this round
         ('{"local_rank": "0", "node_rank": 1}', False),
         ('{"local_rank": -5, "node_rank": 1}', False),
-        ('{"local_rank": 0, "node_rank": 9}', False),  # not a node of this round
+        ('{"local_rank": 0, "node_rank": 9}', False),
     ],
 )
 def test_read_failures_drops_malformed_records_once(
@@ -81,6 +100,27 @@ def test_read_failures_drops_malformed_records_once(
             assert len(got) == (1 if kept else 0)
     drops = [r for r in caplog.records if "malformed failure record" in r.getMessage()]
     assert len(drops) == (0 if kept else 1)
+
+
+@pytest.mark.parametrize(
+    "rec",
+    [
+        WorkerFailed(node_rank=1, local_rank=2, rank=6, pid=7, exitcode=-9, signal="SIGKILL"),
+        NodeLost(node_rank=3, host="h3", reason="node 3 (h3) lost: no keep-alive for 9.0s"),
+        ShutdownRequested(node_rank=0, host="h0", pid=11, reason="rank 0 asked"),
+        NodeExcluded(node_rank=2, host="h2", pid=12, reason="rank 5 asked"),
+    ],
+)
+def test_failure_records_cross_the_store_as_tagged_json(rec: FailureRecord) -> None:
+    raw = rec.encode()
+    kind = {
+        WorkerFailed: "worker",
+        NodeLost: "node_lost",
+        ShutdownRequested: "shutdown",
+        NodeExcluded: "exclude_node",
+    }[type(rec)]
+    assert msgspec.json.decode(raw)["kind"] == kind
+    assert decode_failure(raw) == rec
 
 
 def test_host_store_for_peers_listens_on_the_advertised_address_only() -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from stalwart.base import envvars
 
 if TYPE_CHECKING:
-    from stalwart.rendezvous.api import FailureRecord
+    from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +166,11 @@ class ProcessFailure:
             "reason": self.reason,
         }
 
-    def to_record(self) -> FailureRecord:
+    def to_record(self) -> WorkerFailed:
         # Imported here: workers import this module (``record``) and need no rendezvous.
-        from stalwart.rendezvous.api import FailureRecord
+        from stalwart.rendezvous.api import WorkerFailed
 
-        return FailureRecord(
+        return WorkerFailed(
             local_rank=self.local_rank,
             rank=self.rank,
             node_rank=self.node_rank,
@@ -185,7 +185,7 @@ class ProcessFailure:
         )
 
     @classmethod
-    def from_record(cls, rec: FailureRecord) -> ProcessFailure:
+    def from_record(cls, rec: WorkerFailed) -> ProcessFailure:
         """A failure another node reported (validated when read from the store)."""
         f = cls(
             local_rank=rec.local_rank,

@@ -753,13 +753,13 @@ _PEERS_WAIT_S = 5.0
 def advertised_address(rdzv: object) -> tuple[KVLike, str] | None:
     """The job's store and the address peers reach this node at, for rendezvous kinds
     that have both (every multi-node one)."""
-    from stalwart.rendezvous.c10d import C10dRendezvous
     from stalwart.rendezvous.elastic import ElasticRendezvous
     from stalwart.rendezvous.kv import local_address_towards
+    from stalwart.rendezvous.static import StaticRendezvous
 
     if isinstance(rdzv, ElasticRendezvous):
         return rdzv.kv, rdzv.local_addr
-    if isinstance(rdzv, C10dRendezvous):
+    if isinstance(rdzv, StaticRendezvous):
         return rdzv.kv, local_address_towards(rdzv.endpoint.host, rdzv.endpoint.port)
     return None
 

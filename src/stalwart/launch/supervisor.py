@@ -11,6 +11,7 @@ change goes to ``events.jsonl``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -19,8 +20,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -30,6 +31,19 @@ from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
 from stalwart.launch import signals
 from stalwart.launch.cgroup import JobCgroup
+from stalwart.launch.decide import (
+    Ending,
+    Restart,
+    RoundOutcome,
+    RoundView,
+    State,
+    Stop,
+    control_outcome,
+    control_reason,
+    decide,
+    interrupted,
+    not_needed,
+)
 from stalwart.launch.environment import program_argv, worker_env
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause, signal_name
 from stalwart.launch.events import EventLog, read_events
@@ -45,16 +59,19 @@ from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext, RunResult, WorkerSpecEntry
-from stalwart.monitor import ControlAction, ControlRequest
+from stalwart.monitor import ControlRequest
 from stalwart.monitor import envvars as monitor_env
 from stalwart.progress import ProgressBoard, Sample
 from stalwart.rendezvous import (
-    FailureRecord,
     JobEnded,
+    NodeExcluded,
+    NodeLost,
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    ShutdownRequested,
     StoreLost,
+    WorkerFailed,
 )
 from stalwart.runlog import EVENTS_FILE_ENV
 
@@ -72,50 +89,6 @@ _STRAY_SCAN_WITH_CGROUP = 5.0
 _PROGRESS_PERIOD = 1.0
 
 
-class State(Enum):
-    INIT = "init"
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    STOPPING = "stopping"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
-
-
-class RoundOutcome(Enum):
-    SUCCEEDED = "succeeded"
-    LOCAL_FAILURE = "local_failure"
-    PEER_FAILURE = "peer_failure"
-    SHUTDOWN_REQUESTED = "shutdown_requested"
-    NODE_EXCLUDED = "node_excluded"
-
-
-def control_outcome(action: ControlAction, elastic: bool) -> RoundOutcome | None:
-    """What a rank's control request does to the round.  Excluding a node needs a
-    membership that can lose one (elastic ``MIN:MAX``); with fixed membership the job
-    cannot go on without the node, so the request ends the job as a shutdown does."""
-    if action is ControlAction.SHUTDOWN_WORKLOAD:
-        return RoundOutcome.SHUTDOWN_REQUESTED
-    if action is ControlAction.EXCLUDE_NODE:
-        return RoundOutcome.NODE_EXCLUDED if elastic else RoundOutcome.SHUTDOWN_REQUESTED
-    return None
-
-
-def control_reason(req: ControlRequest, outcome: RoundOutcome, node_rank: int) -> str:
-    """The one line a control request ends up as (events, the console, the peers)."""
-    who = f"rank {req.global_rank if req.global_rank is not None else '?'}"
-    if req.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
-        return f"{req.reason}: excluding node {node_rank} ({socket.gethostname()})"
-    if req.action is ControlAction.SHUTDOWN_WORKLOAD:
-        return f"{who} asked to shut the workload down"
-    if outcome is RoundOutcome.NODE_EXCLUDED:
-        return f"{who} asked to exclude node {node_rank} ({socket.gethostname()})"
-    return (
-        f"{who} asked to exclude node {node_rank}, and a job of fixed membership cannot go "
-        "on without it (exclusion needs elastic --nnodes MIN:MAX)"
-    )
-
-
 class SignalReceived(Exception):
     """A termination signal reached the launcher; the job must stop now."""
 
@@ -124,8 +97,11 @@ class SignalReceived(Exception):
         self.sig = sig
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobResult:
+    """How the job ended on this node; made from a ``Stop`` in one place
+    (``Supervisor._result``)."""
+
     exit_code: int
     state: State
     attempts: int
@@ -139,7 +115,6 @@ class Supervisor:
 
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
-        self.state = State.INIT
         # First: a taken port is a one-line error before anything is created.
         self._metrics = (
             MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
@@ -187,6 +162,9 @@ class Supervisor:
         self._ranks_run: set[int] = set()  # global ranks this node ran, for the summary
         self._stacks: list[Path] = []  # this attempt's stack-dump files
         self._folder_shown = False
+        self._result: JobResult | None = None  # what run() returns, for launcher_exit
+        self._rdzv_failed = False  # the job could not form: the launcher exits 3
+        self._linger = False  # the job cgroup is still busy: the guardian removes it
 
     # -- signals -----------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -225,88 +203,123 @@ class Supervisor:
             run_dir=str(self.run_dir) if self.run_dir else None,
             inject=cfg.inject or None,
         )
-        result: JobResult | None = None
-        rdzv_failed = False
-        try:
-            self._install_signals()
-            early = signals.pending()
-            if early is not None:  # arrived while the launcher was still starting
-                signals.clear()
-                raise SignalReceived(early)
-            self.prestart()
-            # The guardian learns the monitor folder the moment it exists, before the
-            # monitor starts, so a SIGKILL at any later point leaves no folder behind.
-            self._hangs = HangWatch(
-                cfg.run_id,
-                cfg.monitor,
-                cfg.nproc_per_node,
-                self.events.emit,
-                on_folder=self._guardian.remove_on_death if self._guardian else None,
-                # Learned timeouts and hang dossiers live in the run folder.
-                state_dir=self.run_dir,
-            )
-            self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
-            if cfg.ckpt_ram:
-                self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
-                if self._guardian is not None:
-                    self._guardian.remove_on_death(self._snapshots.folder)
-                self.events.emit(
-                    Event.CKPT_RAM_RESERVED,
-                    folder=str(self._snapshots.folder),
-                    bytes_per_rank=cfg.ckpt_ram,
-                    segment_bytes=self._snapshots.segment_bytes,
-                )
-            if self._rdzv is None:
-                self._rdzv = rendezvous_for(cfg)
-            self._start_replicas(self._rdzv)
-            result = self._loop(self._rdzv)
-        except SignalReceived as sig:
-            result = self._interrupted(sig.sig)
-        except RendezvousError as err:
-            # The CLI reports it in one line and exits 3; the event log says the same.
-            self.state = State.FAILED
-            self.events.emit(Event.RENDEZVOUS_ERROR, error=str(err))
-            rdzv_failed = True
-            if self._rdzv is not None and not isinstance(err, StoreLost):
-                # The job cannot form (e.g. too few nodes): spares waiting for it stop too.
-                self._rdzv.finish(False, str(err))
-            raise
-        finally:
-            self._stopping = True
-            if self._ctx is not None:
-                self._ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
-            if self._rdzv is not None:
-                self._rdzv.leave()
-            if self._progress is not None:
-                self._progress.close()
-            if self._hangs is not None:
-                self._hangs.stop()
-            if self._warm is not None:
-                self._warm.close()
-            if self._replicas is not None:
-                self._replicas.close()
-            if self._snapshots is not None:
-                self._snapshots.close()
-            # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
-            # then stays behind and removes it once the process is gone.
-            # (Workers were given their KILL_WAIT already: no second long wait here.)
-            linger = self._cgroup is not None and not self._cgroup.remove(timeout=1.0)
-            # Last: until the guardian is told to exit it still removes what is left
-            # (the monitor folder, stray processes) should this process be SIGKILLed now.
+        with contextlib.ExitStack() as teardown:
+            # Each step runs whatever an earlier one raised (the first error is re-raised
+            # once all have run): a store that is gone must not leave the workers, the
+            # monitor or the guardian behind.
+            for step in reversed(self._teardown_steps()):
+                teardown.callback(step)
+            try:
+                self._install_signals()
+                early = signals.pending()
+                if early is not None:  # arrived while the launcher was still starting
+                    signals.clear()
+                    raise SignalReceived(early)
+                result = self._loop(self._set_up())
+            except SignalReceived as sig:
+                result = self._interrupted(sig.sig)
+            except RendezvousError as err:
+                # The CLI reports it in one line and exits 3; the event log says the same.
+                self.events.emit(Event.RENDEZVOUS_ERROR, error=str(err))
+                self._rdzv_failed = True
+                if self._rdzv is not None and not isinstance(err, StoreLost):
+                    # The job cannot form (e.g. too few nodes): spares waiting stop too.
+                    self._rdzv.finish(False, str(err))
+                raise
+            self._result = result
+            return result
+
+    def _set_up(self) -> Rendezvous:
+        """Everything a round needs besides the rendezvous' answer; returns the
+        rendezvous (made from the configuration unless one was given)."""
+        cfg = self.cfg
+        self.prestart()
+        # The guardian learns the monitor folder the moment it exists, before the
+        # monitor starts, so a SIGKILL at any later point leaves no folder behind.
+        self._hangs = HangWatch(
+            cfg.run_id,
+            cfg.monitor,
+            cfg.nproc_per_node,
+            self.events.emit,
+            on_folder=self._guardian.remove_on_death if self._guardian else None,
+            # Learned timeouts and hang dossiers live in the run folder.
+            state_dir=self.run_dir,
+        )
+        self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
+        if cfg.ckpt_ram:
+            self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
             if self._guardian is not None:
-                self._guardian.close(linger=linger)
-            code = result.exit_code if result is not None else (3 if rdzv_failed else 1)
-            closing: dict[str, Any] = {}
-            if result is not None and result.attempts > 0:  # not a spare never admitted
-                closing = self._end_report(result)
-            # The closing figures ride on launcher_exit: the job's last events stay
-            # job_succeeded | job_failed | job_stopped, then launcher_exit.
-            self.events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
-            self.events.close()
-            if self._metrics is not None:
-                self._metrics.close()
-            self._restore_signals()
-        return result
+                self._guardian.remove_on_death(self._snapshots.folder)
+            self.events.emit(
+                Event.CKPT_RAM_RESERVED,
+                folder=str(self._snapshots.folder),
+                bytes_per_rank=cfg.ckpt_ram,
+                segment_bytes=self._snapshots.segment_bytes,
+            )
+        if self._rdzv is None:
+            self._rdzv = rendezvous_for(cfg)
+        self._start_replicas(self._rdzv)
+        return self._rdzv
+
+    def _start_replicas(self, rdzv: Rendezvous) -> None:
+        k = effective_replicas(self.cfg.ckpt_replicas, self.cfg.max_nodes)
+        where = advertised_address(rdzv) if self._snapshots is not None and k else None
+        if self._snapshots is not None and where is not None:
+            kv, addr = where
+            self._replicas = NodeReplicas(
+                self._snapshots.folder,
+                self._snapshots.slot_bytes,
+                self.cfg.nproc_per_node,
+                k,
+                kv,
+                addr,
+                self.events.emit,
+                max_nodes=self.cfg.max_nodes,
+            )
+
+    # -- teardown ----------------------------------------------------------------------
+    def _teardown_steps(self) -> list[Callable[[], object]]:
+        """What ``run`` closes when it ends, in this order.  Each step looks at what
+        exists when it runs: ``run`` may end before a resource was made."""
+        return [
+            self._stop_workers,
+            lambda: self._rdzv.leave() if self._rdzv is not None else None,
+            lambda: self._progress.close() if self._progress is not None else None,
+            lambda: self._hangs.stop() if self._hangs is not None else None,
+            lambda: self._warm.close() if self._warm is not None else None,
+            # Before the snapshots: its server and pushes read the snapshot folder.
+            lambda: self._replicas.close() if self._replicas is not None else None,
+            lambda: self._snapshots.close() if self._snapshots is not None else None,
+            self._remove_cgroup,
+            # Late: until the guardian is told to exit it still removes what is left (the
+            # monitor folder, stray processes) should this process be SIGKILLed now.
+            lambda: self._guardian.close(linger=self._linger) if self._guardian else None,
+            self._write_exit,
+            self.events.close,
+            lambda: self._metrics.close() if self._metrics is not None else None,
+            self._restore_signals,
+        ]
+
+    def _stop_workers(self) -> None:
+        self._stopping = True
+        if self._ctx is not None:
+            self._ctx.close(signal.SIGTERM, self.cfg.shutdown_timeout)
+
+    def _remove_cgroup(self) -> None:
+        # A process stuck in uninterruptible sleep keeps the cgroup busy: the guardian
+        # then stays behind and removes it once the process is gone.
+        # (Workers were given their KILL_WAIT already: no second long wait here.)
+        self._linger = self._cgroup is not None and not self._cgroup.remove(timeout=1.0)
+
+    def _write_exit(self) -> None:
+        result = self._result
+        code = result.exit_code if result is not None else (3 if self._rdzv_failed else 1)
+        closing: dict[str, Any] = {}
+        if result is not None and result.attempts > 0:  # not a spare never admitted
+            closing = self._end_report(result)
+        # The closing figures ride on launcher_exit: the job's last events stay
+        # job_succeeded | job_failed | job_stopped, then launcher_exit.
+        self.events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
 
     def _end_report(self, result: JobResult) -> dict[str, Any]:
         """The job's closing block on the console, and faults that never fired; returns
@@ -390,175 +403,166 @@ class Supervisor:
             self._ctx.close(sig, self.cfg.shutdown_timeout)
             self._drop_empty_stacks()
             self._emit_exits(self._ctx, self._round)
-        self.state = State.INTERRUPTED
-        self.events.emit(Event.JOB_STOPPED, attempt=self._round, reason=f"signal {name}")
-        return JobResult(128 + sig, self.state, self._round + 1, [], {}, self.run_dir)
+        return self._stop(interrupted(sig, self._round))
 
     def _loop(self, rdzv: Rendezvous) -> JobResult:
-        cfg = self.cfg
-        round_ = 0
+        """join -> run the round -> decide -> act, until a move stops the job."""
+        attempt = 0
         while True:
-            self.state = State.RENDEZVOUS
             try:
-                info = rdzv.join(round_, cfg.nproc_per_node)
+                info = self._join(rdzv, attempt)
             except JobEnded as ended:
-                return self._not_needed(ended)
-            # A node that arrived late (a spare) joins the job's current round.
-            round_ = self._round = info.round
-            self.events.set_node_rank(info.group_rank)
-            self.events.emit(
-                Event.RENDEZVOUS_DONE,
-                attempt=round_,
-                group_rank=info.group_rank,
-                group_world_size=info.group_world_size,
-                world_size=info.world_size,
-                base_rank=info.base_rank,
-                master_addr=info.master_addr,
-                master_port=info.master_port,
-                duration=info.duration,
-            )
-            if not self._folder_shown and self.run_dir is not None:
-                # Once the job forms, before any worker speaks (a store that cannot be
-                # reached stays a one-line error).
-                self._folder_shown = True
-                print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
-            if info.left:
-                self.events.emit(Event.NODES_LEFT, attempt=round_, nodes=list(info.left))
-                logger.warning(
-                    "attempt %d goes on with %d node(s) (%d workers) without %s",
-                    round_,
-                    info.group_world_size,
-                    info.world_size,
-                    ", ".join(info.left),
-                )
+                return self._stop(not_needed(ended.succeeded, ended.reason))
             if self._replicas is not None:
                 self._replicas.begin_round(
-                    round_, info.group_rank, info.group_world_size, info.base_rank, info.world_size
+                    info.round,
+                    info.group_rank,
+                    info.group_world_size,
+                    info.base_rank,
+                    info.world_size,
                 )
             outcome, result = self._run_round(rdzv, info)
-            records = rdzv.failures(round_) if outcome is not RoundOutcome.SUCCEEDED else []
-            shutdown = next((f for f in records if f.kind == "shutdown"), None)
-            if outcome is RoundOutcome.SHUTDOWN_REQUESTED or (
-                outcome is RoundOutcome.PEER_FAILURE and shutdown is not None
-            ):
-                reason = self._reason or (shutdown.reason if shutdown else "") or "shutdown"
-                self.state = State.FAILED
-                self.events.emit(Event.JOB_STOPPED, attempt=round_, reason=reason)
-                rdzv.finish(False, reason)
-                print(
-                    f"stalwart: job {cfg.run_id} stopped in attempt {round_}: {reason}; "
-                    "not restarting",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return JobResult(1, self.state, round_ + 1, [], {}, self.run_dir)
-            if outcome is RoundOutcome.NODE_EXCLUDED:
-                # The others restart without this node (MIN permitting); it leaves now.
-                self.state = State.SUCCEEDED
-                self.events.emit(Event.NODE_EXCLUDED, attempt=round_, reason=self._reason)
-                print(
-                    f"stalwart: this node left job {cfg.run_id} in attempt {round_}: "
-                    f"{self._reason}; the job goes on with the other nodes",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return JobResult(0, self.state, round_ + 1, [], {}, self.run_dir)
-            if outcome is RoundOutcome.SUCCEEDED:
-                self.state = State.SUCCEEDED
-                self.events.emit(Event.JOB_SUCCEEDED, attempt=round_)
-                rdzv.finish(True, f"succeeded in attempt {round_}")
-                return JobResult(
-                    0,
-                    self.state,
-                    round_ + 1,
-                    [],
-                    result.return_values if result else {},
-                    self.run_dir,
-                )
-            failures = [
-                ProcessFailure.from_record(f)
-                for f in records
-                if f.kind == "worker" and f.local_rank >= 0
-            ]
-            for gone in (f for f in records if f.kind in ("node_lost", "exclude_node")):
-                self.events.emit(
-                    Event.NODE_LOST if gone.kind == "node_lost" else Event.NODE_EXCLUDED,
-                    attempt=round_,
-                    lost_node_rank=gone.node_rank,
-                    lost_host=gone.host,
-                    reason=gone.reason,
-                )
-                logger.warning("attempt %d: %s", round_, gone.reason)
-            if not failures and result is not None:
-                failures = list(result.failures.values())
-            if round_ >= cfg.max_restarts:
-                self.state = State.FAILED
-                rdzv.finish(False, f"failed after {round_ + 1} attempt(s)")
+            records = rdzv.failures(info.round) if outcome is not RoundOutcome.SUCCEEDED else []
+            view = RoundView(
+                outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason
+            )
+            move = decide(view)
+            if isinstance(move, Stop):
+                return self._stop(move, result)
+            self._restart(move, result)
+            attempt = move.next_attempt
+
+    def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
+        info = rdzv.join(attempt, self.cfg.nproc_per_node)
+        # A node that arrived late (a spare) joins the job's current round.
+        self._round = info.round
+        self.events.set_node_rank(info.group_rank)
+        self.events.emit(
+            Event.RENDEZVOUS_DONE,
+            attempt=info.round,
+            group_rank=info.group_rank,
+            group_world_size=info.group_world_size,
+            world_size=info.world_size,
+            base_rank=info.base_rank,
+            master_addr=info.master_addr,
+            master_port=info.master_port,
+            duration=info.duration,
+        )
+        if not self._folder_shown and self.run_dir is not None:
+            # Once the job forms, before any worker speaks (a store that cannot be
+            # reached stays a one-line error).
+            self._folder_shown = True
+            print(f"stalwart: run folder {self.run_dir}", file=sys.stderr, flush=True)
+        if info.left:
+            self.events.emit(Event.NODES_LEFT, attempt=info.round, nodes=list(info.left))
+            logger.warning(
+                "attempt %d goes on with %d node(s) (%d workers) without %s",
+                info.round,
+                info.group_world_size,
+                info.world_size,
+                ", ".join(info.left),
+            )
+        return info
+
+    # -- acting on a move --------------------------------------------------------------
+    def _failures(
+        self, workers: tuple[WorkerFailed, ...], result: RunResult | None
+    ) -> list[ProcessFailure]:
+        """The failed workers every node reported, else this node's own."""
+        failures = [ProcessFailure.from_record(w) for w in workers]
+        if not failures and result is not None:
+            failures = list(result.failures.values())
+        return failures
+
+    def _emit_departed(self, departed: tuple[NodeLost | NodeExcluded, ...], attempt: int) -> None:
+        for gone in departed:
+            self.events.emit(
+                Event.NODE_LOST if isinstance(gone, NodeLost) else Event.NODE_EXCLUDED,
+                attempt=attempt,
+                lost_node_rank=gone.node_rank,
+                lost_host=gone.host,
+                reason=gone.reason,
+            )
+            logger.warning("attempt %d: %s", attempt, gone.reason)
+
+    def _restart(self, move: Restart, result: RunResult | None) -> None:
+        self._emit_departed(move.departed, move.attempt)
+        failures = self._failures(move.workers, result)
+        cause = root_cause(failures) if failures else None
+        self.events.emit(
+            Event.RESTART,
+            attempt=move.attempt,
+            next_attempt=move.next_attempt,
+            reason=move.reason,
+            root_cause=cause.to_dict() if cause else None,
+            restarts_left=move.restarts_left,
+        )
+        if cause is not None:
+            logger.warning(
+                "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
+                move.attempt,
+                cause.rank,
+                cause.describe_exit(),
+                f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
+                move.next_attempt,
+                self.cfg.max_restarts,
+            )
+
+    def _stop(self, move: Stop, result: RunResult | None = None) -> JobResult:
+        """Says how the job ended on this node (events, console, the other nodes) and
+        makes the ``JobResult``: the one place one is made."""
+        cfg = self.cfg
+        attempt = move.attempts - 1
+        self._emit_departed(move.departed, attempt)
+        failures = self._failures(move.workers, result) if move.ending is Ending.GAVE_UP else []
+        match move.ending:
+            case Ending.SUCCEEDED:
+                self.events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
+            case Ending.GAVE_UP:
                 cause = root_cause(failures) if failures else None
                 self.events.emit(
-                    Event.JOB_FAILED,
-                    attempt=round_,
-                    root_cause=cause.to_dict() if cause else None,
+                    Event.JOB_FAILED, attempt=attempt, root_cause=cause.to_dict() if cause else None
                 )
-                if failures:
-                    print(
-                        format_summary(
-                            failures,
-                            run_id=cfg.run_id,
-                            attempts=round_ + 1,
-                            log_dir=str(self.run_dir) if self.run_dir else None,
-                        ),
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                return JobResult(1, self.state, round_ + 1, failures, {}, self.run_dir)
-            cause = root_cause(failures) if failures else None
-            self.events.emit(
-                Event.RESTART,
-                attempt=round_,
-                next_attempt=round_ + 1,
-                reason=outcome.value,
-                root_cause=cause.to_dict() if cause else None,
-                restarts_left=cfg.max_restarts - round_ - 1,
-            )
-            if cause is not None:
-                logger.warning(
-                    "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
-                    round_,
-                    cause.rank,
-                    cause.describe_exit(),
-                    f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
-                    round_ + 1,
-                    cfg.max_restarts,
+            case Ending.SHUT_DOWN | Ending.INTERRUPTED:
+                self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
+            case Ending.EXCLUDED:
+                self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+            case Ending.NOT_NEEDED:
+                self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
+        if move.tell is not None and self._rdzv is not None:
+            self._rdzv.finish(move.tell.succeeded, move.tell.reason)
+        line = ""
+        match move.ending:
+            case Ending.GAVE_UP if failures:
+                line = format_summary(
+                    failures,
+                    run_id=cfg.run_id,
+                    attempts=move.attempts,
+                    log_dir=str(self.run_dir) if self.run_dir else None,
                 )
-            round_ += 1
-
-    def _start_replicas(self, rdzv: Rendezvous) -> None:
-        k = effective_replicas(self.cfg.ckpt_replicas, self.cfg.max_nodes)
-        where = advertised_address(rdzv) if self._snapshots is not None and k else None
-        if self._snapshots is not None and where is not None:
-            kv, addr = where
-            self._replicas = NodeReplicas(
-                self._snapshots.folder,
-                self._snapshots.slot_bytes,
-                self.cfg.nproc_per_node,
-                k,
-                kv,
-                addr,
-                self.events.emit,
-                max_nodes=self.cfg.max_nodes,
-            )
-
-    def _not_needed(self, ended: JobEnded) -> JobResult:
-        """A spare that was never admitted: the job ended without needing it."""
-        self.state = State.SUCCEEDED if ended.succeeded else State.FAILED
-        self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=ended.reason)
-        print(
-            f"stalwart: job {self.cfg.run_id} ended without needing this node ({ended.reason})",
-            file=sys.stderr,
-            flush=True,
+            case Ending.SHUT_DOWN:
+                line = (
+                    f"stalwart: job {cfg.run_id} stopped in attempt {attempt}: {move.reason}; "
+                    "not restarting"
+                )
+            case Ending.EXCLUDED:
+                line = (
+                    f"stalwart: this node left job {cfg.run_id} in attempt {attempt}: "
+                    f"{move.reason}; the job goes on with the other nodes"
+                )
+            case Ending.NOT_NEEDED:
+                line = f"stalwart: job {cfg.run_id} ended without needing this node ({move.reason})"
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        succeeded = move.ending is Ending.SUCCEEDED
+        return JobResult(
+            exit_code=move.exit_code,
+            state=move.state,
+            attempts=move.attempts,
+            failures=failures,
+            return_values=result.return_values if succeeded and result is not None else {},
+            run_dir=self.run_dir,
         )
-        return JobResult(0 if ended.succeeded else 1, self.state, 0, [], {}, self.run_dir)
 
     def _start(self, info: RendezvousInfo) -> ProcessContext:
         cfg = self.cfg
@@ -627,7 +631,6 @@ class Supervisor:
         self, rdzv: Rendezvous, info: RendezvousInfo
     ) -> tuple[RoundOutcome, RunResult | None]:
         cfg = self.cfg
-        self.state = State.RUNNING
         self._exits_seen = set()
         self._steps_sent = {}
         if self._progress is not None:
@@ -710,15 +713,11 @@ class Supervisor:
         if shutdown:
             # Ended before the round is failed, so that no spare starts a new round.
             rdzv.finish(False, reason)
+        kind = ShutdownRequested if shutdown else NodeExcluded
         rdzv.report_failure(
             info.round,
-            FailureRecord(
-                kind="shutdown" if shutdown else "exclude_node",
-                local_rank=-1,
-                pid=os.getpid(),
-                node_rank=info.group_rank,
-                host=socket.gethostname(),
-                reason=reason,
+            kind(
+                pid=os.getpid(), node_rank=info.group_rank, host=socket.gethostname(), reason=reason
             ),
         )
         return outcome
@@ -790,25 +789,20 @@ class Supervisor:
             ):
                 continue
             wall = time.time() - now  # monotonic -> wall clock
+            steps = [(sample.step, sample.at)]
             if sent is None and sample.first_step != sample.step:
                 # Where this rank resumed, exactly, though sampled after a few steps.
+                steps.insert(0, (sample.first_step, sample.first_at))
+            self._steps_sent[lr] = (sample, now)
+            for step, at in steps:
                 self.events.emit(
                     Event.PROGRESS,
                     attempt=round_,
                     local_rank=lr,
                     rank=ranks.get(lr),
-                    step=sample.first_step,
-                    step_time=wall + sample.first_at,
+                    step=step,
+                    step_time=wall + at,
                 )
-            self._steps_sent[lr] = (sample, now)
-            self.events.emit(
-                Event.PROGRESS,
-                attempt=round_,
-                local_rank=lr,
-                rank=ranks.get(lr),
-                step=sample.step,
-                step_time=wall + sample.at,
-            )
 
     def _emit_exits(self, ctx: ProcessContext, round_: int, exited_only: bool = False) -> None:
         for lr, (rank, pid, code, when) in ctx.exit_info().items():

@@ -11,10 +11,15 @@ knows nothing of the launcher's settings: ``launch/membership.py`` translates th
 from stalwart.rendezvous.api import (
     FailureRecord,
     JobEnded,
+    NodeExcluded,
+    NodeLost,
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
+    ShutdownRequested,
     StoreLost,
+    WorkerFailed,
+    decode_failure,
 )
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
 from stalwart.rendezvous.static import StaticRendezvous, StoreEndpoint
@@ -24,10 +29,15 @@ __all__ = [
     "ElasticSettings",
     "FailureRecord",
     "JobEnded",
+    "NodeExcluded",
+    "NodeLost",
     "Rendezvous",
     "RendezvousError",
     "RendezvousInfo",
+    "ShutdownRequested",
     "StaticRendezvous",
     "StoreEndpoint",
     "StoreLost",
+    "WorkerFailed",
+    "decode_failure",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, Protocol
+from typing import Annotated, Protocol
 
 import msgspec
 
@@ -25,33 +25,63 @@ class JobEnded(Exception):
         self.reason = reason
 
 
-# What ended a node's round: a worker failed, a node was lost (written by a peer on its
-# behalf), a rank asked to stop the job, or a rank asked to take its node out of the job.
-FailureKind = Literal["worker", "node_lost", "shutdown", "exclude_node"]
+# A rank or node rank: never negative.
+Index = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class FailureRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One node's account of a failed round, as stored at ``r<n>/failure/<node rank>``.
+class _Record(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """What ended a node's round, as stored at ``r<n>/failure/<node rank>``.
 
     Every node reads every other's, from a store anyone on its port can write: the
-    reader decodes it with this type and drops what does not fit."""
+    reader decodes it as ``FailureRecord`` (the tag in ``kind`` picks the type) and drops
+    what does not fit."""
 
-    kind: FailureKind = "worker"
-    local_rank: Annotated[int, msgspec.Meta(ge=-1)]  # -1: the node, not one worker
-    node_rank: Annotated[int, msgspec.Meta(ge=0)]
+    node_rank: Index
+    host: str = ""
+    reason: str = ""
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self)
+
+
+class WorkerFailed(_Record, frozen=True, kw_only=True, tag="worker"):
+    """A worker of the node died: the node's root-cause candidate."""
+
+    local_rank: Index
     pid: int = 0
     exitcode: int = 0
-    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    rank: Index | None = None
     signal: str | None = None
     timestamp: float = 0.0
     message: str = ""
     traceback: str = ""
     error_file: str = ""
-    reason: str = ""
-    host: str = ""
 
-    def encode(self) -> bytes:
-        return msgspec.json.encode(self)
+
+class NodeLost(_Record, frozen=True, kw_only=True, tag="node_lost"):
+    """A node stopped beating; a peer writes this on its behalf."""
+
+
+class ShutdownRequested(_Record, frozen=True, kw_only=True, tag="shutdown"):
+    """A rank asked to stop the job without restart."""
+
+    pid: int = 0
+
+
+class NodeExcluded(_Record, frozen=True, kw_only=True, tag="exclude_node"):
+    """A rank asked to take its node out of the job; the others go on without it."""
+
+    pid: int = 0
+
+
+FailureRecord = WorkerFailed | NodeLost | ShutdownRequested | NodeExcluded
+
+
+def decode_failure(raw: bytes) -> FailureRecord:
+    """One record from the store; ``msgspec.ValidationError`` (a ``DecodeError``) when it
+    is not one of the kinds above, or lacks what its kind needs."""
+    rec: FailureRecord = msgspec.json.decode(raw, type=FailureRecord)
+    return rec
 
 
 @dataclass(frozen=True)

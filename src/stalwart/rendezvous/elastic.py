@@ -1,6 +1,7 @@
 """Elastic rendezvous: ``MIN:MAX`` nodes, keep-alive, node loss and spare nodes.
 
-All state lives in a ``KV`` engine (c10d ``TCPStore`` or etcd), under per-round keys:
+All state lives in a ``KV`` engine (c10d ``TCPStore``, etcd, or memory for tests), under
+the keys ``rendezvous/keys.py`` names:
 
 * ``r<n>/joined`` counter hands out slots; ``r<n>/node/<slot>`` describes the node;
 * ``r<n>/closed`` is written once (create-if-absent, so the first closer wins) with the
@@ -16,6 +17,9 @@ either MAX nodes joined, or at least MIN did and every live member of the previo
 is back, or at least MIN did and nobody new arrived for ``last_call_timeout``.  A node
 that arrives while the job runs joins the next round and waits there: a spare, admitted
 at the next restart boundary.  Ranks: survivors keep their order, newcomers follow.
+That rule is ``close_rule``, a pure function of a ``CloseView`` (what a node reads of
+the store and the keep-alives); ``tests/rendezvous/test_close_rule.py`` reads it as a
+table.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from stalwart.base.liveness import CounterWatch
+from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
     JobEnded,
+    NodeExcluded,
+    NodeLost,
     RendezvousError,
     RendezvousInfo,
     StoreLost,
@@ -109,12 +116,97 @@ class Liveness:
         self._watch = CounterWatch[str](lost_after, blind_after=lost_after / 2)
 
     def observe(self, ids: list[str]) -> None:
-        values = self._kv.get_many([f"hb/{i}" for i in ids])
+        values = self._kv.get_many([keys.heartbeat(i) for i in ids])
         self._watch.observe_many(zip(ids, values, strict=True))
 
     def lost(self, node: str) -> float | None:
         """Seconds since *node* last showed a sign of life, if that makes it lost."""
         return self._watch.lost(node)
+
+
+# -- the close rule ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Joiner:
+    """A node that took a slot in the round, as this node sees it now."""
+
+    slot: int
+    id: str
+    hint: int | None  # previous group rank, or --node-rank
+    alive: bool = True  # its keep-alive counter moves
+    left: bool = False  # it said it left the job
+
+
+@dataclass(frozen=True)
+class CloseView:
+    """What the close rule reads about an open round."""
+
+    # The previous round still runs: whoever joins now is a spare for the next restart.
+    previous_running: bool
+    joiners: tuple[Joiner, ...] = ()
+    # Ids of the previous round's members still alive and in the job (None: round 0).
+    expected: frozenset[str] | None = None
+    quiet_for: float = 0.0  # seconds since the last node joined (or the round opened)
+    open_for: float = 0.0  # seconds since the round opened
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not yet: look again shortly."""
+
+
+@dataclass(frozen=True)
+class WatchRunning:
+    """Wait as a spare, watching the running round's nodes (if all of them die without
+    a word, someone must fail that round, or the spares would wait forever)."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the round with these slots, in rank order."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """Too few nodes joined within the join timeout: the job cannot form."""
+
+    live: int
+
+
+CloseAction = Wait | WatchRunning | Close | TimedOut
+
+
+def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
+    """Whether an open round closes now, and with whom.
+
+    It closes once the previous round is over and, among the live joiners, either MAX
+    are there, or at least MIN and every live member of the previous round is back, or
+    at least MIN and nobody new arrived for ``last_call_timeout``.  Survivors keep their
+    order (their hint), newcomers follow in order of arrival; beyond MAX, spares."""
+    if view.previous_running:
+        return WatchRunning()
+    live = [j for j in view.joiners if j.alive and not j.left]
+    back = view.expected is not None and view.expected <= {j.id for j in live}
+    if len(live) >= s.max_nodes or (
+        len(live) >= s.min_nodes and (back or view.quiet_for >= s.last_call_timeout)
+    ):
+        ranked = sorted(live, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
+        return Close(tuple(j.slot for j in ranked[: s.max_nodes]))
+    if view.open_for > s.join_timeout:
+        return TimedOut(len(live))
+    return Wait()
+
+
+@dataclass
+class _Opening:
+    """What ``_await_close`` remembers between two looks at the store."""
+
+    last_arrival: float  # when the joined counter last moved
+    joined: int = -1
+    opened: float | None = None  # when the previous round ended (this one opened)
+    members: dict[int, Member] = field(default_factory=dict)  # by slot, read so far
+    spare_logged: bool = False
 
 
 class ElasticRendezvous:
@@ -167,7 +259,7 @@ class ElasticRendezvous:
     def _beat(self) -> None:
         n = int(time.monotonic() * 1000)
         self.kv.refresh()  # first: an expired lease is re-granted before the leased write
-        self.kv.set(f"hb/{self.id}", str(n), leased=True)
+        self.kv.set(keys.heartbeat(self.id), str(n), leased=True)
         self._beat_ok = time.monotonic()
 
     def _keep_alive(self) -> None:
@@ -187,7 +279,7 @@ class ElasticRendezvous:
 
     # -- joining -----------------------------------------------------------------------
     def _first_open(self, r: int) -> int:
-        while self.kv.get(f"r{r}/closed") is not None:
+        while self.kv.get(keys.Round(r).closed) is not None:
             r += 1
         return r
 
@@ -198,7 +290,7 @@ class ElasticRendezvous:
             return msgspec.json.decode(raw, type=list[Annotated[int, msgspec.Meta(ge=0)]])
         except msgspec.DecodeError as err:
             raise RendezvousError(
-                f"rendezvous {self.run_id}: store key r{r}/closed holds "
+                f"rendezvous {self.run_id}: store key {keys.Round(r).closed} holds "
                 f"{raw[:80].decode(errors='replace')!r}: {err}"
             ) from None
 
@@ -207,17 +299,18 @@ class ElasticRendezvous:
 
     def _members_of(self, r: int) -> list[Member]:
         if r not in self._members:
-            raw = self.kv.get(f"r{r}/closed")
+            k = keys.Round(r)
+            raw = self.kv.get(k.closed)
             if raw is None:
                 return []
-            keys = [f"r{r}/node/{s}" for s in self._closed(r, raw)]
-            recs = [self._member(k, x) for k, x in zip(keys, self.kv.get_many(keys), strict=True)]
+            names = [k.node(s) for s in self._closed(r, raw)]
+            recs = [self._member(n, x) for n, x in zip(names, self.kv.get_many(names), strict=True)]
             self._members[r] = [m for m in recs if m is not None]
         return self._members[r]
 
     def _ended(self) -> JobEnd | None:
-        raw = self.kv.get("job/ended")
-        return None if raw is None else _decode_or_none(raw, JobEnd, "job/ended", self._warned)
+        raw = self.kv.get(keys.JOB_ENDED)
+        return None if raw is None else _decode_or_none(raw, JobEnd, keys.JOB_ENDED, self._warned)
 
     def _check_ended(self) -> None:
         ended = self._ended()
@@ -237,9 +330,9 @@ class ElasticRendezvous:
             prev = self._members.get(r - 1, [])
             hint = next((i for i, m in enumerate(prev) if m.id == self.id), self._hint)
             me = Member(self.id, socket.gethostname(), self.local_addr, local_world_size, hint)
-            slot = self.kv.add(f"r{r}/joined", 1) - 1
-            self.kv.set(f"r{r}/node/{slot}", me.encode())
-            order = self._await_close(r, slot)
+            slot = self.kv.add(keys.Round(r).joined, 1) - 1
+            self.kv.set(keys.Round(r).node(slot), me.encode())
+            order = self._await_close(r)
             if slot not in order:
                 logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
                 r += 1
@@ -253,7 +346,7 @@ class ElasticRendezvous:
             if master is not None:
                 break
             r += 1  # node 0 died before it published the workers' store: next round
-        addr, port = parse_address(master, f"r{r}/master")
+        addr, port = parse_address(master, keys.Round(r).master)
         sizes = [m.nproc for m in members]
         now_ids = {m.id for m in members}
         left = tuple(
@@ -276,7 +369,7 @@ class ElasticRendezvous:
     def _await_master(self, r: int, members: list[Member]) -> bytes | None:
         """The workers' store address node 0 publishes; None if node 0 was lost first."""
         deadline = time.monotonic() + self.settings.join_timeout
-        while (master := self.kv.get(f"r{r}/master")) is None:
+        while (master := self.kv.get(keys.Round(r).master)) is None:
             self._check_cut_off()
             if members[0].id != self.id:
                 self._live.observe([members[0].id])
@@ -298,9 +391,7 @@ class ElasticRendezvous:
         logger.warning("node %d (%s) lost: no keep-alive for %.1fs", rank, m.host, silent)
         self.report_failure(
             r,
-            FailureRecord(
-                kind="node_lost",
-                local_rank=-1,
+            NodeLost(
                 node_rank=rank,
                 host=m.host,
                 reason=f"node {rank} ({m.host}) lost: no keep-alive for {silent:.1f}s",
@@ -315,102 +406,106 @@ class ElasticRendezvous:
             return None
         prev = self._members_of(r - 1)
         self._live.observe([m.id for m in prev])
-        gone = self.kv.get_many([f"left/{m.id}" for m in prev])
+        gone = self.kv.get_many([keys.left(m.id) for m in prev])
         return {
             m.id
             for m, g in zip(prev, gone, strict=True)
             if g is None and self._live.lost(m.id) is None
         }
 
-    def _await_close(self, r: int, slot: int) -> list[int]:
-        s = self.settings
-        p = f"r{r}/"
-        records: dict[int, Member] = {}
-        last_n, last_change = -1, time.monotonic()
-        open_since: float | None = None
-        waiting_logged = False
+    def _await_close(self, r: int) -> list[int]:
+        """Waits until round *r* is closed (by this node or another); returns its slots.
+        Each look: read a view of the store, apply ``close_rule``, act on its answer."""
+        k = keys.Round(r)
+        opening = _Opening(last_arrival=time.monotonic())
         while True:
-            raw = self.kv.get(f"{p}closed")
+            raw = self.kv.get(k.closed)
             if raw is not None:
                 return self._closed(r, raw)
             self._check_cut_off()
             self._check_ended()
-            now = time.monotonic()
-            n = self.kv.add(f"{p}joined", 0)
-            if n != last_n:
-                last_n, last_change = n, now
-            running = r > 0 and self.kv.get(f"r{r - 1}/failed") is None
-            if running:
-                if not waiting_logged:
-                    waiting_logged = True
-                    logger.info(
-                        "round %d is running without this node: waiting as a spare for the "
-                        "next restart",
-                        r - 1,
-                    )
-                # Watch the running round too: if its nodes died without a word (a crashed
-                # job, or all of them lost), a spare must not wait forever.
-                prev = self._members_of(r - 1)
-                self._live.observe([m.id for m in prev])
-                for rank, m in enumerate(prev):
-                    if self._lost_member(r - 1, rank, m):
-                        break
-            if not running:
-                if open_since is None:
-                    # Last call counts from the moment the round opened, not from when a
-                    # spare arrived (maybe hours ago), or it would close alone at once.
-                    open_since = last_change = now
-                missing = [i for i in range(n) if i not in records]
-                for i, rec in zip(
-                    missing, self.kv.get_many([f"{p}node/{i}" for i in missing]), strict=True
-                ):
-                    if (new := self._member(f"{p}node/{i}", rec)) is not None:
-                        records[i] = new
-                self._live.observe([m.id for m in records.values()])
-                gone = self.kv.get_many([f"left/{m.id}" for m in records.values()])
-                left = {m.id for m, g in zip(records.values(), gone, strict=True) if g is not None}
-                live = [
-                    i
-                    for i, m in sorted(records.items())
-                    if self._live.lost(m.id) is None and m.id not in left
-                ]
-                expected = self._expected(r)
-                back = expected is not None and expected <= {records[i].id for i in live}
-                if len(live) >= s.max_nodes or (
-                    len(live) >= s.min_nodes and (back or now - last_change >= s.last_call_timeout)
-                ):
-                    ranked = sorted(
-                        live, key=lambda i: (records[i].hint is None, records[i].hint or 0, i)
-                    )
-                    self.kv.create(f"{p}closed", json.dumps(ranked[: s.max_nodes]))
-                    continue
-                if now - open_since > s.join_timeout:
+            match close_rule(self._close_view(r, opening), self.settings):
+                case Close(slots):
+                    # Create-if-absent: the first closer wins, and everyone reads its list.
+                    self.kv.create(k.closed, json.dumps(list(slots)))
+                case TimedOut(live):
                     raise RendezvousError(
-                        f"rendezvous {self.run_id}: only {len(live)} of at least "
-                        f"{s.min_nodes} node(s) joined round {r} within {s.join_timeout:g}s"
+                        f"rendezvous {self.run_id}: only {live} of at least "
+                        f"{self.settings.min_nodes} node(s) joined round {r} within "
+                        f"{self.settings.join_timeout:g}s"
                     )
-            time.sleep(_SPARE_POLL if running else _POLL)
+                case WatchRunning():
+                    self._watch_running(r, opening)
+                    time.sleep(_SPARE_POLL)
+                case Wait():
+                    time.sleep(_POLL)
+
+    def _close_view(self, r: int, opening: _Opening) -> CloseView:
+        """Round *r* as the close rule sees it, from the store and the keep-alives."""
+        k = keys.Round(r)
+        now = time.monotonic()
+        n = self.kv.add(k.joined, 0)
+        if n != opening.joined:
+            opening.joined, opening.last_arrival = n, now
+        if r > 0 and self.kv.get(keys.Round(r - 1).failed) is None:
+            return CloseView(previous_running=True)
+        if opening.opened is None:
+            # Last call counts from the moment the round opened, not from when a spare
+            # arrived (maybe hours ago), or it would close alone at once.
+            opening.opened = opening.last_arrival = now
+        missing = [i for i in range(n) if i not in opening.members]
+        for i, raw in zip(missing, self.kv.get_many([k.node(i) for i in missing]), strict=True):
+            if (new := self._member(k.node(i), raw)) is not None:
+                opening.members[i] = new
+        members = sorted(opening.members.items())
+        self._live.observe([m.id for _, m in members])
+        gone = self.kv.get_many([keys.left(m.id) for _, m in members])
+        joiners = tuple(
+            Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
+            for (slot, m), g in zip(members, gone, strict=True)
+        )
+        expected = self._expected(r)
+        return CloseView(
+            previous_running=False,
+            joiners=joiners,
+            expected=None if expected is None else frozenset(expected),
+            quiet_for=now - opening.last_arrival,
+            open_for=now - opening.opened,
+        )
+
+    def _watch_running(self, r: int, opening: _Opening) -> None:
+        if not opening.spare_logged:
+            opening.spare_logged = True
+            logger.info(
+                "round %d is running without this node: waiting as a spare for the next restart",
+                r - 1,
+            )
+        prev = self._members_of(r - 1)
+        self._live.observe([m.id for m in prev])
+        for rank, m in enumerate(prev):
+            if self._lost_member(r - 1, rank, m):
+                break
 
     def _open_worker_store(self, r: int) -> None:
         self._worker_stores.clear()  # a straggler of a dead round cannot reach the new one
         # Listens on the address this node advertises, not on every interface.
         store = host_store(self.local_addr, 0, self.settings.join_timeout)
         self._worker_stores[r] = store
-        self.kv.set(f"r{r}/master", f"{self.local_addr}:{store.port}")
+        self.kv.set(keys.Round(r).master, f"{self.local_addr}:{store.port}")
 
     # -- the running round -------------------------------------------------------------
     def report_failure(self, round_: int, failure: FailureRecord) -> None:
         rank = failure.node_rank
-        if failure.kind == "exclude_node" and rank == self.node_rank:
+        if isinstance(failure, NodeExcluded) and rank == self.node_rank:
             self._excluded = True
-        self.kv.set(f"r{round_}/failure/{rank}", failure.encode().decode())
-        self.kv.create(f"r{round_}/failed", str(rank))
+        self.kv.set(keys.Round(round_).failure(rank), failure.encode().decode())
+        self.kv.create(keys.Round(round_).failed, str(rank))
 
     def failed(self, round_: int) -> bool:
         self._check_cut_off()
         # A node writes its record before the flag: a flag without a valid record fails
         # nothing (it is garbage, or a stranger's).
-        if self.kv.get(f"r{round_}/failed") is not None and self.failures(round_):
+        if self.kv.get(keys.Round(round_).failed) is not None and self.failures(round_):
             return True
         now = time.monotonic()
         if now - self._last_check < self.settings.keep_alive_interval / 4:
@@ -427,17 +522,19 @@ class ElasticRendezvous:
 
     def report_done(self, round_: int) -> None:
         # One key per node, not a counter: a retried etcd transaction could count twice.
-        self.kv.set(f"r{round_}/done/{self.node_rank}", "1")
+        if self.node_rank is None:
+            raise RuntimeError("report_done() before join()")
+        self.kv.set(keys.Round(round_).done(self.node_rank), "1")
 
     def all_done(self, round_: int) -> bool:
         n = len(self._members_of(round_))
         return all(
-            v is not None for v in self.kv.get_many([f"r{round_}/done/{i}" for i in range(n)])
+            v is not None for v in self.kv.get_many([keys.Round(round_).done(i) for i in range(n)])
         )
 
     def finish(self, succeeded: bool, reason: str) -> None:
         try:
-            self.kv.create("job/ended", json.dumps({"succeeded": succeeded, "reason": reason}))
+            self.kv.create(keys.JOB_ENDED, msgspec.json.encode(JobEnd(succeeded, reason)).decode())
         except RendezvousError as err:
             logger.debug("finish(): %s", err)
 
@@ -445,7 +542,7 @@ class ElasticRendezvous:
         """Stops the keep-alive; the c10d store's host waits (``close_timeout``) until every
         registered node has left or is lost, since its exit takes the store with it."""
         try:
-            self.kv.set(f"left/{self.id}", "1")
+            self.kv.set(keys.left(self.id), "1")
             if self._hosts_store and self._excluded:
                 self._serve_until_the_end()
             self._stop.set()
@@ -454,7 +551,7 @@ class ElasticRendezvous:
                 while time.monotonic() < deadline:
                     ids = self._registered()
                     self._live.observe(ids)
-                    gone = self.kv.get_many([f"left/{i}" for i in ids])
+                    gone = self.kv.get_many([keys.left(i) for i in ids])
                     if all(
                         g is not None or self._live.lost(i) is not None
                         for i, g in zip(ids, gone, strict=True)
@@ -482,7 +579,7 @@ class ElasticRendezvous:
         while self._ended() is None and not self._interrupted.is_set():
             ids = [i for i in self._registered() if i != self.id]
             self._live.observe(ids)
-            gone = self.kv.get_many([f"left/{i}" for i in ids])
+            gone = self.kv.get_many([keys.left(i) for i in ids])
             if all(
                 g is not None or self._live.lost(i) is not None
                 for i, g in zip(ids, gone, strict=True)
@@ -499,11 +596,12 @@ class ElasticRendezvous:
         ids: set[str] = set()
         r = 0
         while True:
-            n = self.kv.add(f"r{r}/joined", 0)
+            k = keys.Round(r)
+            n = self.kv.add(k.joined, 0)
             if n == 0:
                 break
-            keys = [f"r{r}/node/{i}" for i in range(n)]
-            for key, raw in zip(keys, self.kv.get_many(keys), strict=True):
+            names = [k.node(i) for i in range(n)]
+            for key, raw in zip(names, self.kv.get_many(names), strict=True):
                 if (m := self._member(key, raw)) is not None:
                     ids.add(m.id)
             r += 1

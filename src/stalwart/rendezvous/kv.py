@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
-from stalwart.rendezvous.api import FailureRecord, RendezvousError, StoreLost
+from stalwart.rendezvous import keys
+from stalwart.rendezvous.api import FailureRecord, RendezvousError, StoreLost, decode_failure
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -160,6 +161,83 @@ class C10dKV:
         """The store object goes with this launcher; nothing to release early."""
 
 
+class MemoryStore:
+    """The data of a ``KV`` engine held in this process: several ``MemoryKV`` clients
+    (nodes run as threads) share one.  For tests of the rendezvous logic, which then
+    need no server, no root and no network namespace; it has no use across processes.
+
+    *leases*: keys written ``leased=True`` vanish when their writer is cut off, as etcd's
+    do when a lease expires (without it, as with c10d, a dead node's counter only stops)."""
+
+    def __init__(self, *, leases: bool = False) -> None:
+        self.leases = leases
+        self.lock = threading.Lock()
+        self.data: dict[str, bytes] = {}
+        self.owner: dict[str, int] = {}  # leased key -> the client that wrote it
+
+
+class MemoryKV:
+    """One node's client of a ``MemoryStore``."""
+
+    def __init__(self, store: MemoryStore, name: str = "memory") -> None:
+        self._store = store
+        self._name = name
+        self._cut = False
+
+    def __str__(self) -> str:
+        return self._name
+
+    def cut(self) -> None:
+        """This node loses the store for good: every later call raises ``StoreLost`` (as
+        from a dead host or a cut link), and with leases its leased keys vanish."""
+        st = self._store
+        with st.lock:
+            self._cut = True
+            if st.leases:
+                for key in [k for k, who in st.owner.items() if who == id(self)]:
+                    del st.data[key], st.owner[key]
+
+    def _check(self) -> None:
+        if self._cut:
+            raise StoreLost(f"lost the in-memory rendezvous store {self._name}")
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        with self._store.lock:
+            self._check()
+            return [self._store.data.get(k) for k in keys]
+
+    def set(self, key: str, value: str, *, leased: bool = False) -> None:
+        st = self._store
+        with st.lock:
+            self._check()
+            st.data[key] = value.encode()
+            if leased:
+                st.owner[key] = id(self)
+
+    def create(self, key: str, value: str) -> bytes:
+        with self._store.lock:
+            self._check()
+            return self._store.data.setdefault(key, value.encode())
+
+    def add(self, key: str, amount: int) -> int:
+        st = self._store
+        with st.lock:
+            self._check()
+            total = int(st.data.get(key, b"0")) + amount
+            st.data[key] = str(total).encode()
+            return total
+
+    def refresh(self) -> None:
+        with self._store.lock:
+            self._check()
+
+    def close(self) -> None:
+        """Nothing to release: the data belongs to the store."""
+
+
 def bind_address(host: str, resolved: list[str]) -> str:
     """Where a store hosted for peers that reach it as *host* listens ("" = every interface).
 
@@ -272,11 +350,11 @@ def check_run_id(
     # Only the host writes the id: a joiner that claimed an empty store could beat the
     # host to it, and the host would then reject its own job.
     if is_host:
-        kv.set("run_id", run_id)
+        kv.set(keys.RUN_ID, run_id)
         return
-    got: bytes | None = kv.create("run_id", run_id) if external else None
+    got: bytes | None = kv.create(keys.RUN_ID, run_id) if external else None
     deadline = time.monotonic() + timeout
-    while got is None and (got := kv.get("run_id")) is None:
+    while got is None and (got := kv.get(keys.RUN_ID)) is None:
         if time.monotonic() > deadline:
             raise RendezvousError(
                 f"rendezvous {run_id}: timed out after {timeout:g}s waiting for the host "
@@ -299,12 +377,12 @@ def read_failures(
     Anyone who can reach a c10d store can write to it: a record that does not parse, or
     names a node outside the round, is dropped and logged (once per key in *warned*)."""
     out = []
-    keys = [f"r{round_}/failure/{i}" for i in range(nodes)]
-    for key, raw in zip(keys, kv.get_many(keys), strict=True):
+    names = [keys.Round(round_).failure(i) for i in range(nodes)]
+    for key, raw in zip(names, kv.get_many(names), strict=True):
         if raw is None:
             continue
         try:
-            rec = msgspec.json.decode(raw, type=FailureRecord)
+            rec = decode_failure(raw)
             if not 0 <= rec.node_rank < nodes:
                 raise ValueError(f"node_rank {rec.node_rank} outside 0..{nodes - 1}")
         except (msgspec.DecodeError, ValueError) as err:

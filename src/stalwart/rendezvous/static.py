@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import FailureRecord, RendezvousError, RendezvousInfo
 from stalwart.rendezvous.kv import (
     C10dKV,
@@ -93,8 +94,8 @@ class StaticRendezvous:
         check_run_id(self.kv, run_id, host_store, join_timeout, str(self.endpoint))
 
     # -- helpers -----------------------------------------------------------------------
-    def _wait(self, keys: list[str], what: str, deadline: float) -> None:
-        while any(v is None for v in self.kv.get_many(keys)):
+    def _wait(self, names: list[str], what: str, deadline: float) -> None:
+        while any(v is None for v in self.kv.get_many(names)):
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"rendezvous {self.run_id}: timed out after {self.join_timeout:g}s "
@@ -111,24 +112,24 @@ class StaticRendezvous:
         deadline = t0 + self.join_timeout
         if self.node_rank is None:
             # Automatic node ranks: in order of first arrival, kept for the whole job.
-            self.node_rank = self.kv.add("node_counter", 1) - 1
+            self.node_rank = self.kv.add(keys.NODE_COUNTER, 1) - 1
             if self.node_rank >= self.nnodes:
                 raise RendezvousError(
                     f"rendezvous {self.run_id}: already {self.nnodes} nodes; this one is extra"
                 )
-        p = f"r{round_}/"
-        self.kv.set(f"{p}nproc/{self.node_rank}", str(local_world_size))
+        k = keys.Round(round_)
+        self.kv.set(k.nproc(self.node_rank), str(local_world_size))
         self._wait(
-            [f"{p}nproc/{i}" for i in range(self.nnodes)],
+            [k.nproc(i) for i in range(self.nnodes)],
             f"{self.nnodes} node(s) to join round {round_}",
             deadline,
         )
-        raw = self.kv.get_many([f"{p}nproc/{i}" for i in range(self.nnodes)])
-        sizes = [parse_count(v, f"{p}nproc/{i}") for i, v in enumerate(raw)]
+        raw = self.kv.get_many([k.nproc(i) for i in range(self.nnodes)])
+        sizes = [parse_count(v, k.nproc(i)) for i, v in enumerate(raw)]
         if self.node_rank == 0:
             self._open_worker_store(round_)
-        self._wait([f"{p}master"], "node 0 to publish the worker store", deadline)
-        addr, port = parse_address(self.kv.get(f"{p}master"), f"{p}master")
+        self._wait([k.master], "node 0 to publish the worker store", deadline)
+        addr, port = parse_address(self.kv.get(k.master), k.master)
         return RendezvousInfo(
             round=round_,
             group_rank=self.node_rank,
@@ -152,26 +153,26 @@ class StaticRendezvous:
             addr = "127.0.0.1"
         store = host_store(addr, 0, self.join_timeout)
         self._worker_stores[round_] = store
-        self.kv.set(f"r{round_}/master", f"{addr}:{store.port}")
+        self.kv.set(keys.Round(round_).master, f"{addr}:{store.port}")
 
     def report_failure(self, round_: int, failure: FailureRecord) -> None:
-        p = f"r{round_}/"
-        self.kv.set(f"{p}failure/{self.node_rank}", failure.encode().decode())
-        self.kv.create(f"{p}failed", str(self.node_rank))
+        k = keys.Round(round_)
+        self.kv.set(k.failure(failure.node_rank), failure.encode().decode())
+        self.kv.create(k.failed, str(failure.node_rank))
 
     def failed(self, round_: int) -> bool:
         # The flag alone is not enough: a node writes its record before the flag, so a
         # flag without a valid record is a stranger's (or garbage) and fails nothing.
-        return self.kv.get(f"r{round_}/failed") is not None and bool(self.failures(round_))
+        return self.kv.get(keys.Round(round_).failed) is not None and bool(self.failures(round_))
 
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
     def report_done(self, round_: int) -> None:
-        self.kv.add(f"r{round_}/done", 1)
+        self.kv.add(keys.Round(round_).done_count, 1)
 
     def all_done(self, round_: int) -> bool:
-        return self.kv.add(f"r{round_}/done", 0) >= self.nnodes
+        return self.kv.add(keys.Round(round_).done_count, 0) >= self.nnodes
 
     def finish(self, succeeded: bool, reason: str) -> None:
         """Static membership has no spares waiting to be told."""
@@ -182,10 +183,10 @@ class StaticRendezvous:
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:
-            self.kv.add("left", 1)
+            self.kv.add(keys.LEFT_COUNT, 1)
             if self.is_host and self.nnodes > 1:
                 deadline = time.monotonic() + self.exit_barrier_timeout
-                while self.kv.add("left", 0) < self.nnodes:
+                while self.kv.add(keys.LEFT_COUNT, 0) < self.nnodes:
                     if time.monotonic() > deadline:
                         logger.warning("not every node left within %ss", self.exit_barrier_timeout)
                         break
