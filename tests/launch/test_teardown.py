@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from .helpers import ROOT, SCRIPTS, clean_env, events, kinds
+from tests.helpers import ROOT, clean_env, events, kinds
+
+from .helpers import SCRIPTS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -27,8 +27,7 @@ from stalwart.rendezvous.api import (
 )
 from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore
-
-from ..launch.helpers import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
