@@ -1,17 +1,23 @@
-"""Checkpoints in launcher-owned RAM (issue 16) against reading them back from disk.
+"""Checkpoints in launcher-owned RAM (issue 16) against reading them back from disk, and DLRover.
 
-Three measurements, side by side in one run:
+Side by side in one run:
 
 1. restore: one rank's share of the state (``--size-mib`` per rank) from the launcher's
-   snapshot memory (``restore()``, copy out + checksums) vs ``torch.load(weights_only=True)``
-   of the same state from a file whose page cache was dropped (``posix_fadvise
-   DONTNEED``; the bench says when that failed), and from a warm page cache.
+   snapshot memory, into fresh tensors (``restore()``) and in place into tensors the
+   job already has (``restore(into=...)``; through the checkpointer, whose segment is
+   already mapped), vs ``torch.load(weights_only=True)`` of the same state from a file
+   whose page cache was dropped (``posix_fadvise DONTNEED``, checked with ``fincore``;
+   ``/proc/sys/vm/drop_caches`` when pages stay resident) and from a warm page cache.
 2. crash -> first resumed step: ``stalwart run`` with 2 ranks, each holding
    ``--size-mib``; rank 0 dies right after a save; the time from the crash to the first
-   step of the restarted job, resuming from RAM (``--ckpt-ram``) vs from disk.
-3. save stall at every step: a model + Adam of about ``--stall-mib`` in total trained on
-   the CPU, ``save()`` after every step with ``persist_every=1000`` (RAM only), stall
-   per save against the step time.
+   step of the restarted job, restoring in place, from RAM (``--ckpt-ram``) vs disk.
+3. save stall at every step: a model + Adam of about ``--stall-mib`` trained on the
+   CPU, in blocks of steps without and with a RAM-only ``save()`` after every step; the
+   stall is the median step time with saves minus without (and the time inside
+   ``save()``), SYNC and BACKGROUND staging.
+4. DLRover 0.6.1 flash checkpoint (``--dlrover-python``, a separate venv; see
+   docs/benchmarks.md), on the same state and model: restore from its shared memory
+   and the save stall measured the same way, in a subprocess.
 
 Usage: ``flock /tmp/stalwart-bench.lock .venv/bin/python bench/bench_ram.py --markdown``
 """
@@ -30,7 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import fmt, machine, med, show, spread  # noqa: E402
+from common import fmt, machine, med, ratio, show, spread  # noqa: E402
+from ram_common import make_model, make_state, state_mib, timed_blocks  # noqa: E402
 
 _JOB = r"""
 import json, os, sys, time
@@ -42,10 +49,13 @@ def main():
     out, mib, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     rank = int(os.environ["RANK"])
     persist = 1 if mode == "disk" else 1000
+    # What a job has before it restores: its model and optimizer state, allocated.
+    state = {f"t{i}": torch.zeros(mib << 15) for i in range(8)}
     ck = AsyncCheckpointer(out / "ckpt", config=CheckpointerConfig(persist_every=persist))
     marker = out / f"crashed_{rank}"
     if not marker.exists():
-        state = {f"t{i}": torch.full((mib << 15,), float(i + rank)) for i in range(8)}
+        for i, t in enumerate(state.values()):
+            t.fill_(float(i + rank))
         ck.save(state, step=10)
         ck.wait()
         if mode == "disk":
@@ -57,7 +67,7 @@ def main():
         if rank == 0:
             os._exit(1)
         time.sleep(600)  # killed by the launcher's restart
-    found = ck.restore()
+    found = ck.restore(into=state)
     t = (found.state_dict["t0"] * 2).sum()  # the first step touches the state
     (out / f"resumed_{rank}.json").write_text(json.dumps(
         {"t": time.time(), "source": found.source, "step": found.step, "x": float(t)}))
@@ -68,49 +78,136 @@ if __name__ == "__main__":
 """
 
 
-def _state(mib: int, tensors: int = 8) -> dict[str, object]:
+def _resident_bytes(path: Path) -> int | None:
+    """Bytes of ``path`` in the page cache (``fincore``), None when that cannot be told."""
+    try:
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _drop_cache(path: Path) -> str:
+    """Evict ``path`` from the page cache; says how (and whether it worked)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    left = _resident_bytes(path)
+    if left == 0:
+        return "fadvise"
+    try:
+        # Machine-wide: only when the per-file hint left pages behind.
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        left = _resident_bytes(path)
+        return "drop_caches" if left == 0 else f"NOT dropped ({left} bytes resident)"
+    except OSError:
+        return f"NOT dropped ({left} bytes resident)" if left else "fadvise (unchecked)"
+
+
+def _dlrover(python: Path | None, args: list[str]) -> tuple[dict[str, object] | None, str]:
+    """Run ram_dlrover.py with DLRover's venv; (result, why not)."""
+    if python is None or not python.exists():
+        return None, f"no DLRover venv at {python} (see docs/benchmarks.md)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "PYTHONPATH"))}
+    env["PYTHONPATH"] = str(ROOT / "bench")
+    why = ""
+    for _ in range(2):  # its saver may miss its start-up window on a loaded host
+        before = _dlrover_leftovers()
+        try:
+            res = subprocess.run(
+                [str(python), str(ROOT / "bench" / "ram_dlrover.py"), *args],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return None, "timed out after 600 s"
+        finally:
+            # It names its shared memory and sockets host-wide (/dev/shm/ckpt_shm_<n>,
+            # /tmp/ckpt_sock/) and leaves them when its saver child is killed at exit.
+            for left in _dlrover_leftovers() - before:
+                left.unlink(missing_ok=True)
+        for line in res.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT ") :]), ""
+        # The first exception line, not its engine's __del__ complaining afterwards.
+        errors = [ln for ln in res.stderr.splitlines() if ln.split(":")[0].endswith("Error")]
+        why = f"failed (exit {res.returncode}): {(errors or ['no error line'])[0]}"
+        Path("/tmp/stalwart-bench-dlrover.err").write_text(res.stderr)
+    return None, why
+
+
+def _dlrover_leftovers() -> set[Path]:
+    return set(Path("/dev/shm").glob("ckpt_shm_*")) | set(Path("/tmp/ckpt_sock").glob("*"))
+
+
+def bench_restore(mib: int, repeats: int, work: Path, dlrover: Path | None) -> list[list[str]]:
     import torch
 
-    n = (mib << 20) // 4 // tensors
-    return {f"t{i}": torch.full((n,), float(i)) for i in range(tensors)}
-
-
-def bench_restore(mib: int, repeats: int, work: Path) -> list[list[str]]:
-    import torch
-
+    from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig
     from stalwart.checkpoint import ramlayout as rl
     from stalwart.checkpoint.ram import RamSegment
     from stalwart.checkpoint.resume import restore
     from stalwart.checkpoint.staging import plan
     from stalwart.launch.snapshots import SnapshotMemory
 
-    state = _state(mib)
+    state = make_state(mib)
+    into = {k: torch.empty_like(v).fill_(-1.0) for k, v in state.items()}
     mem = SnapshotMemory(1, (mib << 20) + (8 << 20))
     os.environ.update(mem.worker_env())
     os.environ["LOCAL_RANK"] = "0"
-    ram_s: list[float] = []
+    fresh: list[float] = []
+    in_place: list[float] = []
+    own: list[float] = []
     disk_cold: list[float] = []
     disk_warm: list[float] = []
-    dropped = True
+    dropped: set[str] = set()
     try:
         seg = RamSegment.open(mem.folder / rl.segment_name(0))
         seg.write(plan(state), 1, rank=0, world_size=1, threads=4)
         seg.close()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            found = restore(work / "none", rank=0, world_size=1)
-            ram_s.append(time.perf_counter() - t0)
-            assert found is not None and found.source == "ram"
-            del found
+        ck = AsyncCheckpointer(
+            work / "own", rank=0, world_size=1, config=CheckpointerConfig(persist_every=10**6)
+        )
+        try:
+            assert ck.restore(into=into) is not None  # joins the mapping's pre-faulting
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                found = restore(work / "none", rank=0, world_size=1)
+                fresh.append(time.perf_counter() - t0)
+                assert found is not None and found.source == "ram"
+                del found
+                for t in into.values():
+                    t.fill_(-1.0)
+                t0 = time.perf_counter()
+                found = restore(work / "none", rank=0, world_size=1, into=into)
+                in_place.append(time.perf_counter() - t0)
+                assert found is not None and torch.equal(into["t3"], state["t3"])
+                for t in into.values():
+                    t.fill_(-1.0)
+                t0 = time.perf_counter()
+                found = ck.restore(into=into)
+                own.append(time.perf_counter() - t0)
+                assert found is not None and torch.equal(into["t5"], state["t5"])
+                del found
+        finally:
+            ck.close()
         path = work / "state.pt"
         torch.save(state, path)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
+        os.close(fd)
         for _ in range(repeats):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                dropped = False
+            dropped.add(_drop_cache(path))
             t0 = time.perf_counter()
             loaded = torch.load(path, weights_only=True)
             disk_cold.append(time.perf_counter() - t0)
@@ -119,21 +216,36 @@ def bench_restore(mib: int, repeats: int, work: Path) -> list[list[str]]:
             loaded = torch.load(path, weights_only=True)
             disk_warm.append(time.perf_counter() - t0)
             del loaded
-        os.close(fd)
         path.unlink()
     finally:
         mem.close()
     gib = mib / 1024
-    cold = "disk, page cache dropped" if dropped else "disk (page cache NOT dropped)"
-    return [
-        ["RAM snapshot (restore)", spread(ram_s), fmt((med(ram_s) or 0) / gib, "s/GiB")],
-        [f"torch.load, {cold}", spread(disk_cold), fmt((med(disk_cold) or 0) / gib, "s/GiB")],
-        [
-            "torch.load, page cache warm",
-            spread(disk_warm),
-            fmt((med(disk_warm) or 0) / gib, "s/GiB"),
-        ],
+    base = med(disk_cold)
+
+    def row(name: str, xs: list[float]) -> list[str]:
+        return [
+            name,
+            spread(xs, digits=3),
+            fmt((med(xs) or 0) / gib, "s/GiB", 3),
+            ratio(med(xs), base),
+        ]
+
+    rows = [
+        row("stalwart RAM: restore() into fresh tensors", fresh),
+        row("stalwart RAM: restore(into=existing tensors)", in_place),
+        row("stalwart RAM: AsyncCheckpointer.restore(into=...), segment mapped", own),
+        row(f"torch.load, disk, page cache dropped ({'/'.join(sorted(dropped))})", disk_cold),
+        row("torch.load, page cache warm", disk_warm),
     ]
+    result, why = _dlrover(dlrover, ["restore", str(mib), str(repeats)])
+    if result is None:
+        rows.append(["DLRover flash checkpoint", why, "", ""])
+    else:
+        views = [float(x) for x in result["views"]]  # type: ignore[attr-defined]
+        copied = [float(x) for x in result["copied"]]  # type: ignore[attr-defined]
+        rows.append(row("DLRover: load_checkpoint() (views of its shm, no checksum)", views))
+        rows.append(row("DLRover: load_checkpoint() + copy into existing tensors", copied))
+    return rows
 
 
 def _crash_once(mode: str, mib: int, work: Path) -> tuple[float | None, str]:
@@ -157,78 +269,78 @@ def _crash_once(mode: str, mib: int, work: Path) -> tuple[float | None, str]:
 
 
 def bench_crash(mib: int, repeats: int, work: Path) -> list[list[str]]:
-    rows = []
-    for mode in ("ram", "disk"):
-        times, source = [], ""
-        for _ in range(repeats):
-            t, source = _crash_once(mode, mib, work)
+    times: dict[str, list[float]] = {"ram": [], "disk": []}
+    source: dict[str, str] = {"ram": "", "disk": ""}
+    for _ in range(repeats):
+        for mode in ("ram", "disk"):  # interleaved: the load drifts
+            t, source[mode] = _crash_once(mode, mib, work)
             if t is not None:
-                times.append(t)
-        rows.append([f"resume from {mode}", source, spread(times)])
-    return rows
+                times[mode].append(t)
+    return [
+        [f"resume from {m}", source[m], spread(times[m]), ratio(med(times[m]), med(times["disk"]))]
+        for m in ("ram", "disk")
+    ]
 
 
-def bench_stall(mib: int, steps: int, work: Path) -> list[list[str]]:
-    import torch
+def _stall_row(
+    name: str, mib: float, plain: list[float], saving: list[float], inside: list[float]
+) -> list[str]:
+    p, w = med(plain), med(saving)
+    extra = None if p is None or w is None else w - p
+    return [
+        name,
+        f"{mib:.0f} MiB",
+        fmt(p, "s", 4),
+        fmt(w, "s", 4),
+        fmt(med(inside), "s", 4),
+        "n/a" if extra is None or not p else f"{extra / p * 100:+.1f} %",
+        "n/a" if not p else f"{(med(inside) or 0) / p * 100:.1f} %",
+    ]
 
-    from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig
+
+def bench_stall(
+    mib: int, blocks: int, per_block: int, work: Path, dlrover: Path | None
+) -> list[list[str]]:
+    from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig, StagingMode
     from stalwart.launch.snapshots import SnapshotMemory
 
-    torch.manual_seed(0)
-    # Adam keeps two moments per parameter: parameters are a third of the state.
-    width = int(((mib << 20) / 3 / 4 / 4) ** 0.5)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(4)])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(32, width)
-
-    def step() -> None:
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
-
-    step()
-    state_mib = (
-        sum(
-            t.numel() * t.element_size()
-            for t in [*model.state_dict().values()]
-            + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-        )
-        / 2**20
-    )
-    mem = SnapshotMemory(1, int(state_mib * 1.2) << 20)
+    model, opt, step = make_model(mib)
+    total = state_mib(model, opt)
+    mem = SnapshotMemory(1, int(total * 1.2) << 20)
     os.environ.update(mem.worker_env())
     os.environ["LOCAL_RANK"] = "0"
-    plain: list[float] = []
-    with_save: list[float] = []
-    stalls: list[float] = []
+    rows = []
     try:
-        with AsyncCheckpointer(
-            work / "stall", rank=0, world_size=1, config=CheckpointerConfig(persist_every=10**6)
-        ) as ck:
-            for _ in range(3):  # warm: first copies fault the mapping in
-                ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, 0)
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                step()
-                plain.append(time.perf_counter() - t0)
-            for i in range(steps):
-                t0 = time.perf_counter()
-                step()
-                ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, i + 1)
-                with_save.append(time.perf_counter() - t0)
-                stalls.append(ck.last_stall_s)
+        for staging in (StagingMode.SYNC, StagingMode.BACKGROUND):
+            config = CheckpointerConfig(persist_every=10**6, staging=staging)
+            with AsyncCheckpointer(work / "stall", rank=0, world_size=1, config=config) as ck:
+
+                def save(n: int) -> None:
+                    ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, n)
+
+                for n in range(3):  # warm: the first copies fault the mapping in
+                    save(n + 10**6)
+                ck.wait()
+                plain, saving, inside = timed_blocks(step, save, blocks, per_block)
+            rows.append(
+                _stall_row(f"stalwart RAM, {staging.value} staging", total, plain, saving, inside)
+            )
     finally:
         mem.close()
-    share = (med(stalls) or 0) / (med(plain) or 1) * 100
-    return [
-        [
-            f"{state_mib:.0f} MiB (model + Adam)",
-            fmt(med(plain), "s", 4),
-            fmt(med(stalls), "s", 4),
-            f"{share:.1f} %",
-            fmt(med(with_save), "s", 4),
-        ],
-    ]
+    result, why = _dlrover(dlrover, ["stall", str(mib), str(blocks), str(per_block)])
+    if result is None:
+        rows.append(["DLRover flash checkpoint (MEMORY)", why, "", "", "", "", ""])
+    else:
+        rows.append(
+            _stall_row(
+                "DLRover flash checkpoint (MEMORY)",
+                float(result["state_mib"]),  # type: ignore[arg-type]
+                [float(x) for x in result["plain"]],  # type: ignore[attr-defined]
+                [float(x) for x in result["saving"]],  # type: ignore[attr-defined]
+                [float(x) for x in result["inside"]],  # type: ignore[attr-defined]
+            )
+        )
+    return rows
 
 
 def main() -> None:
@@ -236,32 +348,52 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=512, help="state per rank")
     ap.add_argument("--stall-mib", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--skip-crash", action="store_true")
+    ap.add_argument("--blocks", type=int, default=4, help="stall: blocks with and without saves")
+    ap.add_argument("--per-block", type=int, default=6, help="stall: steps per block")
+    ap.add_argument("--dlrover-python", type=Path, default=ROOT / ".venv-dlrover/bin/python")
+    ap.add_argument("--skip", default="", help="comma list of restore,crash,stall")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
-    print(f"machine: {machine()}; load {os.getloadavg()[0]:.1f}")
+    skip = set(filter(None, a.skip.split(",")))
+    print(f"machine: {machine()}; {time.strftime('%H:%M UTC', time.gmtime())}; load {_load()}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "/tmp")) as tmp:
         work = Path(tmp)
-        show(
-            f"restore {a.size_mib} MiB (one rank's share), min / median / max of {a.repeats}",
-            ["from", "time", "per GiB"],
-            bench_restore(a.size_mib, a.repeats, work),
-            a.markdown,
-        )
-        if not a.skip_crash:
+        if "restore" not in skip:
             show(
-                f"crash -> first resumed step, 2 ranks x {a.size_mib} MiB, warm restart",
-                ["mode", "restored from", "time"],
+                f"restore {a.size_mib} MiB (one rank's share), min / median / max of {a.repeats}",
+                ["from", "time", "per GiB", "vs torch.load cold"],
+                bench_restore(a.size_mib, a.repeats, work, a.dlrover_python),
+                a.markdown,
+            )
+        if "crash" not in skip:
+            show(
+                f"crash -> first resumed step, 2 ranks x {a.size_mib} MiB, warm restart, "
+                "restore(into=...)",
+                ["mode", "restored from", "time", "vs disk"],
                 bench_crash(a.size_mib, a.repeats, work),
                 a.markdown,
             )
-        show(
-            f"save stall at every step ({a.steps} steps, RAM only)",
-            ["state", "step (no save)", "stall per save", "stall / step", "step + save"],
-            bench_stall(a.stall_mib, a.steps, work),
-            a.markdown,
-        )
+        if "stall" not in skip:
+            show(
+                f"save stall at every step: {a.blocks} blocks of {a.per_block} steps without "
+                "and with a save (RAM only), medians",
+                [
+                    "saver",
+                    "state",
+                    "step",
+                    "step + save",
+                    "in save()",
+                    "stall / step",
+                    "in save() / step",
+                ],
+                bench_stall(a.stall_mib, a.blocks, a.per_block, work, a.dlrover_python),
+                a.markdown,
+            )
+    print(f"load at the end: {_load()}")
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

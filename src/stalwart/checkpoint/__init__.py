@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         WriterError,
     )
     from .identity import RankInfo
+    from .inplace import StateMismatchError
     from .loader import Loaded, complete_steps, load_latest, load_step, verify_step
     from .process import CheckpointProcess, CheckpointProcessConfig, WriterProcessConfig
     from .resume import restore
@@ -44,6 +45,7 @@ _WHERE = {
     "WriterDiedError": "errors",
     "WriterError": "errors",
     "RankInfo": "identity",
+    "StateMismatchError": "inplace",
     "Loaded": "loader",
     "complete_steps": "loader",
     "load_latest": "loader",
@@ -70,6 +72,7 @@ __all__ = [
     "SaveResult",
     "StagingConflictError",
     "StagingMode",
+    "StateMismatchError",
     "TorchFileWriter",
     "WriterDiedError",
     "WriterError",

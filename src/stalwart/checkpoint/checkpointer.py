@@ -34,7 +34,7 @@ from .loader import Loaded
 from .manifest import DEFAULT_ALGORITHM
 from .process import CheckpointProcess, WriterProcessConfig
 from .ram import RamSegment, SnapshotTooLargeError, open_local
-from .staging import TENSOR_ALIGN, StagingPlan, plan
+from .staging import TENSOR_ALIGN, StagingPlan, check_unchanged, plan
 from .writer import SaveResult, TorchFileWriter
 
 logger = logging.getLogger(__name__)
@@ -238,29 +238,24 @@ class AsyncCheckpointer:
     def _save_ram(self, planned: StagingPlan, step: int) -> Future[SaveResult] | None:
         """Snapshot into the launcher's memory; None when it does not fit (then disk).
 
-        The copy happens now; the checksum and the commit record follow on a thread, and
-        the returned Future resolves once the snapshot is committed.
+        SYNC: the copy happens now; the checksum and the commit record follow on a
+        thread, and the returned Future resolves once the snapshot is committed.
+        BACKGROUND: the copy runs on that thread too (one copy thread: the training
+        thread keeps running), guarded like a background disk snapshot.
         """
         assert self._ram is not None
         t0 = time.perf_counter()
         self._wait_ram_commit()
+        segment = self._ram
         try:
-            staged = self._ram.stage(
-                planned,
-                step,
-                self.rank,
-                self.world_size,
-                threads=self.config.copy_threads or _default_copy_threads(),
-            )
+            segment.check_fits(planned)
         except SnapshotTooLargeError as exc:
             logger.error("rank %d: step %d goes to disk: %s", self.rank, step, exc)
             return None
         if self._ram_committer is None:
             self._ram_committer = ThreadPoolExecutor(1, thread_name_prefix="stalwart-ram-commit")
-        segment = self._ram
 
-        def commit() -> SaveResult:
-            record = segment.commit(staged)
+        def result(record: Any) -> SaveResult:
             return SaveResult(
                 step=step,
                 rank=self.rank,
@@ -273,10 +268,36 @@ class AsyncCheckpointer:
                 persisted=False,
             )
 
-        fut = self._ram_committer.submit(commit)
+        if self.config.staging is StagingMode.BACKGROUND:
+            staged_evt = threading.Event()
+
+            def stage_and_commit() -> SaveResult:
+                try:
+                    staged = segment.stage(planned, step, self.rank, self.world_size, threads=1)
+                    # Modified while copied: the slot stays uncommitted (never used), the
+                    # previous snapshot stays the newest.
+                    check_unchanged(planned)
+                finally:
+                    staged_evt.set()
+                return result(segment.commit(staged))
+
+            with self._lock:
+                self._maybe_unstaged = True
+                fut = self._ram_committer.submit(stage_and_commit)
+                fut.staged = staged_evt  # type: ignore[attr-defined]
+                self._track(fut)
+        else:
+            staged = segment.stage(
+                planned,
+                step,
+                self.rank,
+                self.world_size,
+                threads=self.config.copy_threads or _default_copy_threads(),
+            )
+            fut = self._ram_committer.submit(lambda: result(segment.commit(staged)))
+            with self._lock:
+                self._track(fut)
         self._ram_commit = fut
-        with self._lock:
-            self._track(fut)
         return fut
 
     def _wait_ram_commit(self) -> None:
@@ -294,10 +315,13 @@ class AsyncCheckpointer:
         weights_only: bool = True,
         group: Any = None,
         timeout_s: float = 300.0,
+        into: Any = None,
     ) -> Loaded | None:
         """The newest step every rank can load, from RAM where possible (collective).
 
-        See :func:`stalwart.checkpoint.restore`.
+        ``into``: a state dict whose tensors receive the checkpoint's in place (e.g.
+        ``{"model": model.state_dict(), "optim": optimizer.state_dict()}``); see
+        :func:`stalwart.checkpoint.restore`.
         """
         from .resume import restore
 
@@ -311,6 +335,10 @@ class AsyncCheckpointer:
             weights_only=weights_only,
             timeout_s=timeout_s,
             threads=self.config.copy_threads or _default_copy_threads(),
+            into=into,
+            # Mapped and pre-faulted since this checkpointer was built: reading the
+            # snapshot from it skips mapping the segment again.
+            segment=self._ram,
         )
 
     def _track(self, fut: Future[SaveResult]) -> None:

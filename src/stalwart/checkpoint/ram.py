@@ -35,6 +35,7 @@ from stalwart.base.files import untrusted
 
 from . import ramlayout as rl
 from .errors import CheckpointCorruptError, CheckpointError
+from .inplace import bind, same_memory
 from .staging import StagingPlan, TensorRef, _run_copies, copy_planned, ref_view
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,15 @@ class RamSegment:
     def fits(self, staging: StagingPlan) -> bool:
         return rl.round_up(len(staging.skeleton), rl.PAGE) + staging.used_bytes <= self.slot_bytes
 
+    def check_fits(self, staging: StagingPlan) -> None:
+        """Raise SnapshotTooLargeError (one line) when ``staging`` does not fit a slot."""
+        if not self.fits(staging):
+            size = rl.round_up(len(staging.skeleton), rl.PAGE) + staging.used_bytes
+            raise SnapshotTooLargeError(
+                f"a snapshot of {size / 2**20:.1f} MiB does not fit the "
+                f"{self.slot_bytes / 2**20:.1f} MiB the launcher reserved per rank (--ckpt-ram)"
+            )
+
     def write(
         self, staging: StagingPlan, step: int, rank: int, world_size: int, threads: int = 1
     ) -> rl.CommitRecord:
@@ -142,14 +152,9 @@ class RamSegment:
         snapshot only after that commit: the slot choice reads the committed records.
         """
         assert self._writable and self._bytes is not None
+        self.check_fits(staging)
         skeleton = staging.skeleton
         tensor_offset = rl.round_up(len(skeleton), rl.PAGE)
-        if not self.fits(staging):
-            raise SnapshotTooLargeError(
-                f"a snapshot of {(tensor_offset + staging.used_bytes) / 2**20:.1f} MiB does not "
-                f"fit the {self.slot_bytes / 2**20:.1f} MiB the launcher reserved per rank "
-                "(--ckpt-ram)"
-            )
         held = self.records()
         # Never the slot of the newest committed snapshot: it must survive a torn copy.
         slot = 0 if not held else 1 - held[0][0] if rl.GENERATIONS == 2 else held[-1][0]
@@ -202,60 +207,125 @@ class RamSegment:
         return record
 
     # -- read ------------------------------------------------------------------------
-    def read(
-        self, slot: int, record: rl.CommitRecord, *, weights_only: bool = True, threads: int = 1
-    ) -> Any:
-        """The state of a committed slot, copied out and verified; raises when torn."""
-        base = rl.data_offset(slot, self.slot_bytes)
+    def _check_bounds(self, slot: int, record: rl.CommitRecord) -> None:
         if record.tensor_offset + record.tensor_bytes > self.slot_bytes or (
             record.skeleton_bytes > record.tensor_offset
         ):
             raise CheckpointCorruptError(f"{self.path} slot {slot}: record exceeds the slot")
+
+    def _skeleton(self, slot: int, record: rl.CommitRecord) -> bytes:
+        base = rl.data_offset(slot, self.slot_bytes)
         skeleton = bytes(self._map[base : base + record.skeleton_bytes])
         if xxhash.xxh3_64_intdigest(skeleton) != record.skeleton_hash:
             raise CheckpointCorruptError(f"{self.path} slot {slot}: skeleton checksum differs")
-        start = base + record.tensor_offset
+        return skeleton
+
+    def verify(self, slot: int, record: rl.CommitRecord) -> None:
+        """Check a committed slot's checksums; raises CheckpointCorruptError when torn."""
+        self._check_bounds(slot, record)
+        self._skeleton(slot, record)
+        start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
         if self._populate_reads and record.tensor_bytes:
             # Fill the page tables of this slot in one call: faulting page by page
-            # while copying and hashing measured several times slower.
+            # while hashing and copying measured several times slower.
             try:
                 self._map.madvise(_MADV_POPULATE_READ, start, record.tensor_bytes)
             except (OSError, ValueError) as exc:
                 logger.debug("could not pre-fault the snapshot: %s", exc)
+        with memoryview(self._map) as mv:
+            tensor_hash = xxhash.xxh3_64_intdigest(mv[start : start + record.tensor_bytes])
+        if tensor_hash != record.tensor_hash:
+            raise CheckpointCorruptError(f"{self.path} slot {slot}: tensor checksum differs")
+
+    def read(
+        self,
+        slot: int,
+        record: rl.CommitRecord,
+        *,
+        weights_only: bool = True,
+        threads: int = 1,
+        into: Any = None,
+        verified: bool = False,
+    ) -> Any:
+        """The state of a committed slot, verified and copied out; raises when torn.
+
+        The checksums are checked before anything is copied (``verified``: the caller
+        just did, with :meth:`verify`), so a torn slot never reaches the caller's
+        tensors. ``into``: a state dict (nested dicts, lists, tuples) whose tensors
+        receive the snapshot's at the same places, in place (see ``inplace.bind``);
+        the result holds those very tensors there. Tensors without a counterpart are
+        copied into fresh memory: a restored tensor never aliases the segment, which a
+        later save overwrites.
+        """
+        self._check_bounds(slot, record)
+        if not verified:
+            self.verify(slot, record)
+        skeleton = self._skeleton(slot, record)
+        start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
+        wanted: list[tuple[torch.Tensor, TensorRef]] = []
+        unpickler = _SafeUnpickler(io.BytesIO(skeleton), wanted, weights_only)
+        try:
+            state = unpickler.load()
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{self.path} slot {slot}: {exc}") from exc
+        for _, ref in wanted:
+            if ref.offset + ref.nbytes > record.tensor_bytes:
+                raise CheckpointCorruptError(f"{self.path} slot {slot}: tensor outside the slot")
+        # Where each snapshot tensor goes: the caller's tensors at its places, and its
+        # freshly allocated one unless every place it appears at was bound.
+        targets: list[list[torch.Tensor]] = [[] for _ in wanted]
+        bound = [0] * len(wanted)
+        if into is not None:
+            state, pairs = bind(state, into)
+            for pair in pairs:
+                i = unpickler.index_of[id(pair.loaded)]
+                bound[i] += 1
+                if not any(same_memory(pair.into, t) for t in targets[i]):
+                    targets[i].append(pair.into)
+        for i, (fresh, _) in enumerate(wanted):
+            if bound[i] < unpickler.uses[i]:
+                targets[i].append(fresh)
         with warnings.catch_warnings():
             # Only read from: torch warns about any buffer that is not writable.
             warnings.simplefilter("ignore", UserWarning)
             region = torch.frombuffer(
                 self._map, dtype=torch.uint8, count=max(record.tensor_bytes, 1), offset=start
             )
-        wanted: list[tuple[torch.Tensor, TensorRef]] = []
-        try:
-            state = _SafeUnpickler(io.BytesIO(skeleton), wanted, weights_only).load()
-        except pickle.UnpicklingError as exc:
-            raise CheckpointError(f"{self.path} slot {slot}: {exc}") from exc
-        for _, ref in wanted:
-            if ref.offset + ref.nbytes > record.tensor_bytes:
-                raise CheckpointCorruptError(f"{self.path} slot {slot}: tensor outside the slot")
         jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for dst, ref in wanted:
+        for (_, ref), dsts in zip(wanted, targets, strict=True):
+            if not ref.nbytes:
+                continue
             src = ref_view(region, ref)
-            if threads > 1 and ref.nbytes >= _SPLIT_BYTES:
-                jobs.extend(
-                    zip(dst.view(-1).chunk(threads), src.view(-1).chunk(threads), strict=True)
-                )
-            elif ref.nbytes:
-                jobs.append((dst, src))
+            for dst in dsts:
+                if (
+                    threads > 1
+                    and ref.nbytes >= _SPLIT_BYTES
+                    and dst.device.type == "cpu"
+                    and dst.is_contiguous()
+                ):
+                    jobs.extend(
+                        zip(dst.view(-1).chunk(threads), src.view(-1).chunk(threads), strict=True)
+                    )
+                else:
+                    jobs.append((dst, src))
         _run_copies(jobs, threads)
-        del region
-        with memoryview(self._map) as mv:
-            tensor_hash = xxhash.xxh3_64_intdigest(mv[start : start + record.tensor_bytes])
-        if tensor_hash != record.tensor_hash:
-            raise CheckpointCorruptError(f"{self.path} slot {slot}: tensor checksum differs")
+        del region, jobs
         if self.record(slot) != record:
-            # A writer invalidates the header before it touches the data: an unchanged
-            # header means what was copied is what was hashed.
+            # A writer clears the header before it touches the data and writes a new
+            # one (a higher seq) after: an unchanged header means what was copied is
+            # what was verified.
             raise CheckpointCorruptError(f"{self.path} slot {slot}: overwritten while read")
         return state
+
+    def wait_populated(self) -> None:
+        """Wait until the background pre-faulting of a writable mapping is done."""
+        if self._populating is not None:
+            self._populating.join()
+            self._populating = None
+
+    @property
+    def populates_reads(self) -> bool:
+        return self._populate_reads
 
     def close(self) -> None:
         if self._populating is not None:
@@ -307,7 +377,13 @@ class _SafeUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._wanted = wanted
         self._weights_only = weights_only
-        self._seen: dict[int, torch.Tensor] = {}
+        self._seen: dict[int, int] = {}  # offset -> index in wanted
+        # How often each wanted tensor appears in the state, and which one each object
+        # handed out stands for (a Parameter wraps it); the objects are kept alive here
+        # so their ids stay theirs.
+        self.uses: list[int] = []
+        self.index_of: dict[int, int] = {}
+        self._handed: list[torch.Tensor] = []
 
     def find_class(self, module: str, name: str) -> Any:
         if not self._weights_only:
@@ -324,17 +400,24 @@ class _SafeUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, TensorRef):
             raise pickle.UnpicklingError(f"unexpected persistent id {type(pid).__name__}")
-        t = self._seen.get(pid.offset) if pid.nbytes else None
-        if t is None:
+        i = self._seen.get(pid.offset) if pid.nbytes else None
+        if i is None:
+            # Not yet touched: restoring in place leaves most of these untouched, and
+            # an untouched allocation costs next to nothing.
             t = torch.empty(pid.shape, dtype=pid.dtype)
             if t.numel() * t.element_size() != pid.nbytes:
                 raise pickle.UnpicklingError("tensor reference with inconsistent size")
+            i = len(self._wanted)
             self._wanted.append((t, pid))
+            self.uses.append(0)
             if pid.nbytes:
-                self._seen[pid.offset] = t
-        if pid.parameter:
-            return torch.nn.Parameter(t, requires_grad=pid.requires_grad)
-        return t
+                self._seen[pid.offset] = i
+        t = self._wanted[i][0]
+        out = torch.nn.Parameter(t, requires_grad=pid.requires_grad) if pid.parameter else t
+        self.uses[i] += 1
+        self.index_of[id(out)] = i
+        self._handed.append(out)
+        return out
 
 
 @dataclass(frozen=True)
@@ -399,9 +482,13 @@ def find_snapshots(folder: Path, rank: int, world_size: int) -> list[RamSnapshot
     return sorted(found, key=lambda s: (s.record.step, s.record.seq), reverse=True)
 
 
-def load_snapshot(snap: RamSnapshot, *, weights_only: bool = True, threads: int = 1) -> Any:
+def load_snapshot(
+    snap: RamSnapshot, *, weights_only: bool = True, threads: int = 1, into: Any = None
+) -> Any:
     seg = RamSegment.open(snap.path, writable=False, populate=True)
     try:
-        return seg.read(snap.slot, snap.record, weights_only=weights_only, threads=threads)
+        return seg.read(
+            snap.slot, snap.record, weights_only=weights_only, threads=threads, into=into
+        )
     finally:
         seg.close()

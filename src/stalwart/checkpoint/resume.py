@@ -26,8 +26,9 @@ from stalwart.base import envvars
 
 from .errors import CheckpointError
 from .identity import resolve_rank, resolve_world_size
+from .inplace import StateMismatchError, bind, copy_pairs
 from .loader import Loaded, complete_steps, load_step
-from .ram import RamSnapshot, find_snapshots, load_snapshot, ram_folder
+from .ram import RamSegment, RamSnapshot, find_snapshots, ram_folder
 
 logger = logging.getLogger(__name__)
 
@@ -142,20 +143,47 @@ def _exchange_for(rank: int, world_size: int, group: Any, store: Any, timeout_s:
     return _StoreExchange(store, rank, world_size, timeout_s)
 
 
-def _to_location(obj: Any, where: Any) -> Any:
+def _to_location(obj: Any, where: Any, keep: frozenset[int] = frozenset()) -> Any:
+    """``obj`` with its tensors moved to ``where``, except the caller's own (``keep``)."""
     if where is None or str(where) == "cpu":
         return obj
     if isinstance(obj, torch.Tensor):
-        return obj.to(where)
+        return obj if id(obj) in keep else obj.to(where)
     if isinstance(obj, dict):
-        return type(obj)((k, _to_location(v, where)) for k, v in obj.items())
+        return type(obj)((k, _to_location(v, where, keep)) for k, v in obj.items())
     if isinstance(obj, list | tuple):
-        return type(obj)(_to_location(v, where) for v in obj)
+        return type(obj)(_to_location(v, where, keep) for v in obj)
     return obj
 
 
 def _default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
+
+
+# What a rank tells the others after trying the agreed step.
+_LOADED, _CANNOT, _MISMATCH = 1, 0, 2
+
+
+class _Segments:
+    """The snapshot segments one restore reads, each mapped once (or the caller's own)."""
+
+    def __init__(self, own: RamSegment | None) -> None:
+        self._own = own
+        self._open: dict[Path, RamSegment] = {}
+
+    def get(self, path: Path) -> RamSegment:
+        if self._own is not None and path == self._own.path:
+            self._own.wait_populated()
+            return self._own
+        seg = self._open.get(path)
+        if seg is None:
+            seg = self._open[path] = RamSegment.open(path, writable=False, populate=True)
+        return seg
+
+    def close(self) -> None:
+        for seg in self._open.values():
+            seg.close()
+        self._open.clear()
 
 
 def restore(
@@ -169,6 +197,8 @@ def restore(
     weights_only: bool = True,
     timeout_s: float = 300.0,
     threads: int | None = None,
+    into: Any = None,
+    segment: RamSegment | None = None,
 ) -> Loaded | None:
     """Load the newest step every rank can verify, from RAM where it is there, else disk.
 
@@ -177,6 +207,16 @@ def restore(
     name for snapshots from RAM (which are rebuilt on the CPU first); on disk it is
     ``torch.load``'s. ``store``: a ``torch.distributed.Store`` to exchange through when
     no process group is initialised (default: a client of ``MASTER_ADDR:MASTER_PORT``).
+
+    ``into``: a state dict (e.g. ``{"model": model.state_dict(), "optim":
+    opt.state_dict()}``) whose tensors receive the checkpoint's in place, matched by
+    key; the returned state holds those tensors at those keys (so ``load_state_dict``
+    with it copies nothing more), fresh tensors where ``into`` has none, and the
+    checkpoint's other values. ``map_location`` applies to the fresh ones only. A tensor
+    of another shape or dtype than the checkpoint's raises ``StateMismatchError`` (one
+    line naming the key) on every rank, before anything is copied on that rank. None
+    returned: ``into`` is unchanged. ``segment``: an already mapped segment to read
+    snapshots of its path from (the checkpointer's own).
     """
     root = Path(directory)
     rank = resolve_rank(rank)
@@ -184,49 +224,74 @@ def restore(
     threads = threads or _default_threads()
     folder, _ = ram_folder()
     in_ram: list[RamSnapshot] = find_snapshots(folder, rank, world_size) if folder else []
-    loaded_ram: dict[int, Loaded] = {}
-    # The newest snapshot in RAM is the likely answer: load (and verify) it now, once.
-    while in_ram:
-        snap = in_ram[0]
-        try:
-            state = load_snapshot(snap, weights_only=weights_only, threads=threads)
-        except CheckpointError as exc:
-            logger.warning("skipping step %d in RAM (%s): %s", snap.step, snap.path, exc)
-            in_ram.pop(0)
-            continue
-        loaded_ram[snap.step] = Loaded(snap.step, state, snap.path, source="ram")
-        break
+    segments = _Segments(segment)
     try:
-        on_disk = complete_steps(root, world_size)
-    except OSError as exc:
-        logger.warning("cannot list checkpoints in %s: %s", root, exc)
-        on_disk = []
-    candidates = {s.step for s in in_ram} | set(on_disk)
-    exchange = _exchange_for(rank, world_size, group, store, timeout_s)
-    dropped: set[int] = set()
-    for _ in range(2 * MAX_CANDIDATES + 2):
-        mine = sorted(candidates - dropped, reverse=True)[:MAX_CANDIDATES]
-        agreed = choose_step(exchange.all_gather(mine))
-        if agreed is None:
-            logger.info("rank %d: no checkpoint step is loadable on every rank", rank)
-            return None
-        found = _load_agreed(
-            root, agreed, rank, in_ram, loaded_ram, weights_only, map_location, threads
-        )
-        verdicts = exchange.all_gather([0 if found is None else 1])
-        if all(v == [1] for v in verdicts):
-            assert found is not None
-            logger.info(
-                "rank %d resumes from step %d (%s, %s)", rank, agreed, found.source, found.path
-            )
-            if found.source == "ram":
-                return Loaded(
-                    found.step, _to_location(found.state_dict, map_location), found.path, "ram"
+        # The newest snapshot in RAM is the likely answer: verify it now, once, so only a
+        # step this rank can load is offered; it is copied out once the ranks agree.
+        verified: RamSnapshot | None = None
+        while in_ram:
+            snap = in_ram[0]
+            try:
+                segments.get(snap.path).verify(snap.slot, snap.record)
+            except (OSError, CheckpointError) as exc:
+                logger.warning("skipping step %d in RAM (%s): %s", snap.step, snap.path, exc)
+                in_ram.pop(0)
+                continue
+            verified = snap
+            break
+        try:
+            on_disk = complete_steps(root, world_size)
+        except OSError as exc:
+            logger.warning("cannot list checkpoints in %s: %s", root, exc)
+            on_disk = []
+        candidates = {s.step for s in in_ram} | set(on_disk)
+        exchange = _exchange_for(rank, world_size, group, store, timeout_s)
+        dropped: set[int] = set()
+        for _ in range(2 * MAX_CANDIDATES + 2):
+            mine = sorted(candidates - dropped, reverse=True)[:MAX_CANDIDATES]
+            agreed = choose_step(exchange.all_gather(mine))
+            if agreed is None:
+                logger.info("rank %d: no checkpoint step is loadable on every rank", rank)
+                return None
+            mismatch: StateMismatchError | None = None
+            try:
+                found = _load_agreed(
+                    root,
+                    agreed,
+                    rank,
+                    in_ram,
+                    verified,
+                    segments,
+                    weights_only,
+                    map_location,
+                    threads,
+                    into,
                 )
-            return found
-        # Some rank cannot load it, so it can never be agreed: every rank drops it.
-        logger.info("step %d is not loadable on every rank; agreeing again", agreed)
-        dropped.add(agreed)
+            except StateMismatchError as exc:
+                found, mismatch = None, exc
+            status = _MISMATCH if mismatch else _CANNOT if found is None else _LOADED
+            verdicts = exchange.all_gather([status])
+            if any(v == [_MISMATCH] for v in verdicts):
+                # The caller's state does not fit the checkpoint: no step will; every
+                # rank raises rather than leave the others waiting.
+                if mismatch is not None:
+                    raise mismatch
+                bad = [r for r, v in enumerate(verdicts) if v == [_MISMATCH]]
+                raise StateMismatchError(
+                    f"cannot restore step {agreed} in place: the state given on rank(s) "
+                    f"{bad} does not fit the checkpoint (see their log)"
+                )
+            if all(v == [_LOADED] for v in verdicts):
+                assert found is not None
+                logger.info(
+                    "rank %d resumes from step %d (%s, %s)", rank, agreed, found.source, found.path
+                )
+                return found
+            # Some rank cannot load it, so it can never be agreed: every rank drops it.
+            logger.info("step %d is not loadable on every rank; agreeing again", agreed)
+            dropped.add(agreed)
+    finally:
+        segments.close()
     raise CheckpointError(f"rank {rank}: the ranks did not agree on a resume step")
 
 
@@ -235,26 +300,49 @@ def _load_agreed(
     step: int,
     rank: int,
     in_ram: list[RamSnapshot],
-    loaded_ram: dict[int, Loaded],
+    verified: RamSnapshot | None,
+    segments: _Segments,
     weights_only: bool,
     map_location: Any,
     threads: int,
+    into: Any,
 ) -> Loaded | None:
-    if step in loaded_ram:
-        return loaded_ram[step]
     for snap in in_ram:
         if snap.step != step:
             continue
         try:
-            state = load_snapshot(snap, weights_only=weights_only, threads=threads)
-        except CheckpointError as exc:
+            state = segments.get(snap.path).read(
+                snap.slot,
+                snap.record,
+                weights_only=weights_only,
+                threads=threads,
+                into=into,
+                verified=snap is verified,
+            )
+        except (OSError, CheckpointError) as exc:
             logger.warning("skipping step %d in RAM (%s): %s", step, snap.path, exc)
             continue
-        return Loaded(step, state, snap.path, source="ram")
+        keep = frozenset(id(t) for t in _tensors(into)) if into is not None else frozenset()
+        return Loaded(step, _to_location(state, map_location, keep), snap.path, source="ram")
     try:
-        return load_step(root, step, rank, map_location=map_location, weights_only=weights_only)
+        found = load_step(root, step, rank, map_location=map_location, weights_only=weights_only)
     except Exception as exc:
         # Any failure (also a class weights_only refuses) must reach the other ranks,
         # which wait for this rank's verdict, rather than end this one alone.
         logger.warning("rank %d cannot load step %d from disk: %s", rank, step, exc)
         return None
+    if into is None:
+        return found
+    state, pairs = bind(found.state_dict, into)
+    copy_pairs(pairs, threads)
+    return Loaded(found.step, state, found.path, found.source)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []

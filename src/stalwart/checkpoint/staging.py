@@ -23,6 +23,7 @@ import os
 import pickle
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,13 +250,7 @@ class SharedBuffer:
         assert self._bytes is not None
         copy_planned(self._bytes, staging, threads)
         if check_versions:
-            for src, _, version in staging.copies:
-                if version >= 0 and _version_of(src) != version:
-                    raise StagingConflictError(
-                        "a tensor in the state dict was modified in place while the "
-                        "background snapshot was copying it; wait for staging "
-                        "(AsyncCheckpointer.wait_staged) before mutating the model"
-                    )
+            check_unchanged(staging)
         return StagedState(
             skeleton=staging.skeleton, used_bytes=staging.used_bytes, capacity=self.capacity
         )
@@ -268,6 +263,17 @@ class SharedBuffer:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+
+
+def check_unchanged(staging: StagingPlan) -> None:
+    """Raise if a planned tensor was modified in place (autograd version) since ``plan``."""
+    for src, _, version in staging.copies:
+        if version >= 0 and _version_of(src) != version:
+            raise StagingConflictError(
+                "a tensor in the state dict was modified in place while the "
+                "background snapshot was copying it; wait for staging "
+                "(AsyncCheckpointer.wait_staged) before mutating the model"
+            )
 
 
 def ref_view(base: torch.Tensor, ref: TensorRef) -> torch.Tensor:
@@ -296,38 +302,67 @@ def copy_planned(base: torch.Tensor, staging: StagingPlan, threads: int) -> None
     _run_copies(jobs, threads)
 
 
-def _run_copies(jobs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+class _CopyPool:
+    """Helper threads for copies, started once per process and reused by every save.
+
+    A save at every step would otherwise start and join threads each time. Forked
+    children (warm workers) do not inherit threads, so a pool from another pid is
+    replaced rather than submitted to.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._size = 0
+
+    def get(self, helpers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid() or self._size < helpers:
+                old = self._pool if self._pid == os.getpid() else None
+                self._pool = ThreadPoolExecutor(helpers, thread_name_prefix="stalwart-copy")
+                self._pid, self._size = os.getpid(), helpers
+                if old is not None:
+                    old.shutdown(wait=False)
+            return self._pool
+
+
+_copy_pool = _CopyPool()
+
+
+def _copy_bucket(bucket: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
-        if threads <= 1 or len(jobs) <= 1:
-            for dst, src in jobs:
-                dst.copy_(src)
-            return
-        # Round-robin by size keeps the threads balanced; copy_ drops the GIL.
-        order = sorted(jobs, key=lambda j: j[0].numel() * j[0].element_size(), reverse=True)
-        buckets: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
-        loads = [0] * threads
-        for job in order:
-            i = loads.index(min(loads))
-            buckets[i].append(job)
-            loads[i] += job[0].numel() * job[0].element_size()
-        errors: list[BaseException] = []
+        for dst, src in bucket:
+            dst.copy_(src)
 
-        def work(bucket: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-            try:
-                with torch.no_grad():
-                    for dst, src in bucket:
-                        dst.copy_(src)
-            except BaseException as exc:
-                errors.append(exc)
 
-        helpers = [threading.Thread(target=work, args=(b,), daemon=True) for b in buckets[1:]]
-        for h in helpers:
-            h.start()
-        work(buckets[0])
-        for h in helpers:
-            h.join()
-        if errors:
-            raise errors[0]
+def _run_copies(jobs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+    if threads <= 1 or len(jobs) <= 1:
+        _copy_bucket(jobs)
+        return
+    # Round-robin by size keeps the threads balanced; copy_ drops the GIL.
+    order = sorted(jobs, key=lambda j: j[0].numel() * j[0].element_size(), reverse=True)
+    buckets: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(threads)]
+    loads = [0] * threads
+    for job in order:
+        i = loads.index(min(loads))
+        buckets[i].append(job)
+        loads[i] += job[0].numel() * job[0].element_size()
+    pool = _copy_pool.get(threads - 1)
+    helpers = [pool.submit(_copy_bucket, b) for b in buckets[1:] if b]
+    first: BaseException | None = None
+    try:
+        _copy_bucket(buckets[0])
+    except BaseException as exc:
+        first = exc
+    for h in helpers:
+        # Every helper is waited for, also after a failure: none may still be
+        # writing once this returns.
+        failed = h.exception()
+        if failed is not None and first is None:
+            first = failed
+    if first is not None:
+        raise first
 
 
 class BufferView:
