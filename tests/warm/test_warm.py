@@ -306,3 +306,23 @@ def test_traceback_starts_at_the_users_script(tmp_path: Path, mode: str) -> None
     assert stack[0] == "Traceback (most recent call last):"
     assert stack[1] == f'  File "{script}", line 16, in <module>', stack
     assert not any("runpy" in s or "zygote" in s or "bootstrap" in s for s in stack)
+
+
+def test_job_ending_while_a_learned_template_imports_ends_quietly(tmp_path: Path) -> None:
+    # The launcher shuts the learned template's socket while the thread preparing it
+    # still waits on it: that thread used to die with "Bad file descriptor" on stderr.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "stalwart_slow_import_probe.py").write_text("import time\n\ntime.sleep(2)\n")
+    proc = stalwart(
+        "--nproc-per-node",
+        "1",
+        "--log-dir",
+        tmp_path / "l",
+        HERE / "learn_then_end.py",
+        env=clean_env(PYTHONPATH=str(site)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    kinds = [e["event"] for e in events(tmp_path / "l")]
+    assert "template_learn" in kinds and "template_learn_failed" not in kinds

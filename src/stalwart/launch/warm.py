@@ -255,12 +255,13 @@ class WarmPool:
 
     def _adopt(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         """Waits for the learned template; it replaces the serving one once ready."""
-        sock.settimeout(self.ready_timeout)
         try:
+            sock.settimeout(self.ready_timeout)
             msg = sock.recv(1 << 20)
+            sock.settimeout(None)
         except OSError as err:
+            # Also when close() shut this socket while the template was importing.
             msg = json.dumps({"ready": False, "error": f"unreachable ({err})"}).encode()
-        sock.settimeout(None)
         info: dict[str, Any] = json.loads(msg) if msg else {"ready": False, "error": "it exited"}
         dropped = info.get("dropped") or []
         if dropped:
