@@ -228,8 +228,14 @@ def test_learned_preload_spares_later_attempts_the_programs_imports(tmp_path: Pa
     later = [json.loads((out / f"learn_{r}_1.json").read_text()) for r in (0, 1)]
     assert all(not f["preloaded"] and f["import_s"] >= 1.4 for f in first), first
     assert all(x["preloaded"] and x["import_s"] < 0.5 for x in later), later
-    kinds = [e["event"] for e in events(tmp_path / "l")]
+    evs = events(tmp_path / "l")
+    kinds = [e["event"] for e in evs]
     assert "template_learn_failed" not in kinds and kinds.count("template_learn") == 1
+    # Forked from the serving template: it imported only the learned module (1.5 s),
+    # not torch again.
+    assert next(e for e in evs if e["event"] == "template_learn")["forked"] is True
+    ready = [e for e in evs if e["event"] == "template_ready" and e.get("learned")]
+    assert len(ready) == 1 and ready[0]["import_s"] < 5.0, ready
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])
