@@ -7,7 +7,11 @@ The jobs are tests/frameworks/lightning_job.py (Lightning 2.6 ``Trainer``, DDP o
 ``ModelCheckpoint`` + ``ckpt_path="last"``) and tests/frameworks/hf_job.py (transformers
 ``Trainer`` on a tiny GPT-2 from a config, ``resume_from_checkpoint``), 2 ranks, 12 steps,
 a checkpoint every 4; rank 1 faults at step 7 of the first attempt, either by exiting
-with code 1 ("crash") or by SIGKILL to itself.  Each runs under torchrun with its working
+with code 1 ("crash") or by SIGKILL to itself.  Each step of the first attempt lasts
+``--pause`` s more (1 s by default), so the fault comes after about 7 s of training, as
+real crashes come after the warm template has learned the framework's imports; the last
+column of the breakdown says in how many runs the restart was forked from such a
+template.  Each runs under torchrun with its working
 configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-warm`` and
 ``stalwart run`` (warm, the default), interleaved.  Times come from rank 0's own records:
 
@@ -19,7 +23,8 @@ configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-w
   started), setup (-> the framework's train-start hook: imports, process group, model,
   checkpoint load), first step.
 
-    python bench/bench_frameworks.py [--repeats 3] [--jobs lightning,hf,example] [--markdown]
+    python bench/bench_frameworks.py [--repeats 3] [--jobs lightning,hf,example]
+        [--launchers torchrun,cold,warm] [--pause 1.0] [--markdown]
 """
 
 from __future__ import annotations
