@@ -11,7 +11,10 @@ the write end of a pipe on which the worker reports the modules the program impo
 With ``--learned`` the first message on the socket is a JSON list of modules a worker of
 this job imported; the template imports them too (at low priority: it is prepared in the
 background while the job trains), dropping any that fail.  A module that starts a thread
-or initialises CUDA makes that template unusable (it says which), never a worker.
+or initialises CUDA makes that template unusable (it says which), never a worker.  The
+usual way to get such a template is a ``{"learn": [...]}`` request with one descriptor,
+a socket: the serving template forks the next one (as it forks a worker), which imports
+only those modules and then serves on that socket.
 
 Each worker is made by a double fork: the intermediate child forks the worker and exits,
 so the worker is re-parented to the launcher (a child subreaper) and the launcher can
