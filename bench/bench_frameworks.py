@@ -7,7 +7,11 @@ The jobs are tests/frameworks/lightning_job.py (Lightning 2.6 ``Trainer``, DDP o
 ``ModelCheckpoint`` + ``ckpt_path="last"``) and tests/frameworks/hf_job.py (transformers
 ``Trainer`` on a tiny GPT-2 from a config, ``resume_from_checkpoint``), 2 ranks, 12 steps,
 a checkpoint every 4; rank 1 faults at step 7 of the first attempt, either by exiting
-with code 1 ("crash") or by SIGKILL to itself.  Each runs under torchrun with its working
+with code 1 ("crash") or by SIGKILL to itself.  Each step of the first attempt lasts
+``--pause`` s more (1 s by default), so the fault comes after about 7 s of training, as
+real crashes come after the warm template has learned the framework's imports; the last
+column of the breakdown says in how many runs the restart was forked from such a
+template.  Each runs under torchrun with its working
 configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-warm`` and
 ``stalwart run`` (warm, the default), interleaved.  Times come from rank 0's own records:
 
@@ -19,7 +23,8 @@ configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-w
   started), setup (-> the framework's train-start hook: imports, process group, model,
   checkpoint load), first step.
 
-    python bench/bench_frameworks.py [--repeats 3] [--jobs lightning,hf,example] [--markdown]
+    python bench/bench_frameworks.py [--repeats 3] [--jobs lightning,hf,example]
+        [--launchers torchrun,cold,warm] [--pause 1.0] [--markdown]
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from common import fmt, machine, med, ratio, run_job, show, spread
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ROOT / "tests" / "frameworks"
 STEPS, CKPT_EVERY, FAULT_AT = 12, 4, 7
+PAUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class Job:
 JOBS = {
     "lightning": Job(
         "Lightning",
-        (str(FRAMEWORKS / "lightning_job.py"), "{work}", str(STEPS), str(CKPT_EVERY)),
+        (str(FRAMEWORKS / "lightning_job.py"), "{work}", str(STEPS), str(CKPT_EVERY), "{pause}"),
         FAULT_AT,
         FAULT_AT,
         STEPS,
@@ -63,7 +69,7 @@ JOBS = {
     ),
     "hf": Job(
         "HF Trainer",
-        (str(FRAMEWORKS / "hf_job.py"), "{work}", str(STEPS), str(CKPT_EVERY)),
+        (str(FRAMEWORKS / "hf_job.py"), "{work}", str(STEPS), str(CKPT_EVERY), "{pause}"),
         FAULT_AT,
         FAULT_AT,
         STEPS,
@@ -91,6 +97,7 @@ PHASES = ("detect", "survivor", "respawn", "setup", "first step")
 
 @dataclass
 class Launcher:
+    key: str
     name: str
     cmd: list[str]
     env: dict[str, str] = field(default_factory=dict)
@@ -99,14 +106,16 @@ class Launcher:
 
 LAUNCHERS = [
     Launcher(
+        "torchrun",
         "torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
         TORCHRUN,
         {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
         stalwart=False,
     ),
-    Launcher("stalwart run --no-warm", [*STALWART, "--no-warm"]),
-    Launcher("stalwart run (warm)", STALWART),
+    Launcher("cold", "stalwart run --no-warm", [*STALWART, "--no-warm"]),
+    Launcher("warm", "stalwart run (warm)", STALWART),
 ]
+LAUNCHER_KEYS = [lc.key for lc in LAUNCHERS]
 
 
 @dataclass
@@ -115,15 +124,29 @@ class Cell:
     phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     ok: int = 0
     runs: int = 0
+    learned: int = 0  # runs whose restart was forked from a template with learned modules
 
 
-def phases(work: Path, recs: list[dict[str, Any]]) -> dict[str, float | None] | None:
-    """Where stalwart's fault -> resumed time went (see the module docstring); a job
-    without a "start" record counts its setup up to the end of the first step."""
+def read_events(work: Path) -> list[dict[str, Any]]:
     paths = list((work / "logs").glob("*/events.jsonl"))
     if len(paths) != 1:
-        return None
-    evs = [json.loads(x) for x in paths[0].read_text().splitlines() if x.strip()]
+        return []
+    return [json.loads(x) for x in paths[0].read_text().splitlines() if x.strip()]
+
+
+def learned_in_time(evs: list[dict[str, Any]]) -> bool:
+    """Whether a template with learned modules was serving when the job restarted."""
+    for e in evs:
+        if e["event"] == "restart":
+            return False
+        if e["event"] == "template_ready" and e.get("learned"):
+            return True
+    return False
+
+
+def phases(evs: list[dict[str, Any]], recs: list[dict[str, Any]]) -> dict[str, float | None] | None:
+    """Where stalwart's fault -> resumed time went (see the module docstring); a job
+    without a "start" record counts its setup up to the end of the first step."""
     # exited_at is None for a worker abandoned in uninterruptible sleep.
     exits = [
         e
@@ -149,13 +172,15 @@ def phases(work: Path, recs: list[dict[str, Any]]) -> dict[str, float | None] | 
     }
 
 
-def run_once(job: Job, fault: str, launcher: Launcher, cell: Cell, deadline: float) -> None:
+def run_once(
+    job: Job, fault: str, launcher: Launcher, cell: Cell, deadline: float, pause: float
+) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_frameworks_") as d:
         work = Path(d)
         args = [
             *launcher.cmd,
             *("--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(work / "logs")),
-            *(a.replace("{work}", str(work)) for a in job.argv),
+            *(a.replace("{work}", str(work)).replace("{pause}", f"{pause:g}") for a in job.argv),
         ]
         env = {
             **launcher.env,
@@ -173,7 +198,9 @@ def run_once(job: Job, fault: str, launcher: Launcher, cell: Cell, deadline: flo
             cell.resume.append(after[0]["time"] - before[-1]["time"])
         if code == 0 and after and after[-1]["step"] == job.last:
             cell.ok += 1
-        if launcher.stalwart and (split := phases(work, recs)) is not None:
+        evs = read_events(work) if launcher.stalwart else []
+        cell.learned += learned_in_time(evs)
+        if launcher.stalwart and (split := phases(evs, recs)) is not None:
             for name, value in split.items():
                 if value is not None:
                     cell.phases[name].append(value)
@@ -186,6 +213,19 @@ def main() -> None:
     ap.add_argument(
         "--jobs", default=",".join(JOBS), help="comma-separated subset of " + ",".join(JOBS)
     )
+    ap.add_argument(
+        "--pause",
+        type=float,
+        default=PAUSE_S,
+        help="seconds each step of the first attempt lasts (framework jobs): the fault "
+        "comes after FAULT_AT x PAUSE s of training, once the warm template has learned "
+        "the framework, as a real crash would",
+    )
+    ap.add_argument(
+        "--launchers",
+        default=",".join(LAUNCHER_KEYS),
+        help="comma-separated subset of " + ",".join(LAUNCHER_KEYS),
+    )
     ap.add_argument("--markdown", action="store_true")
     ns = ap.parse_args()
     chosen = [j for j in ns.jobs.split(",") if j]
@@ -196,17 +236,22 @@ def main() -> None:
     if missing:
         ap.error(f"{', '.join(missing)} not installed: pip install -c constraints.txt -e '.[test]'")
     jobs = [JOBS[j] for j in chosen]
+    keys = [k for k in ns.launchers.split(",") if k]
+    if not keys or any(k not in LAUNCHER_KEYS for k in keys):
+        ap.error(f"--launchers {ns.launchers!r}: expected names from {','.join(LAUNCHER_KEYS)}")
+    launchers = [lc for lc in LAUNCHERS if lc.key in keys]
+    ours = [lc for lc in launchers if lc.stalwart]
     cells: dict[tuple[str, str, str], Cell] = {
-        (j.name, f, lc.name): Cell() for j in jobs for f in FAULTS for lc in LAUNCHERS
+        (j.name, f, lc.name): Cell() for j in jobs for f in FAULTS for lc in launchers
     }
     t0 = time.monotonic()
     for i in range(ns.repeats):
         # Interleaved, so drift on a shared machine hits every launcher alike.
         for job in jobs:
             for fault in FAULTS:
-                for lc in LAUNCHERS:
+                for lc in launchers:
                     cell = cells[(job.name, fault, lc.name)]
-                    run_once(job, fault, lc, cell, ns.deadline)
+                    run_once(job, fault, lc, cell, ns.deadline, ns.pause)
                     print(
                         f"[{i + 1}/{ns.repeats}] {job.name} {fault} {lc.name}: "
                         f"ok {cell.ok}/{cell.runs} ({time.monotonic() - t0:.0f} s)",
@@ -214,12 +259,12 @@ def main() -> None:
                         flush=True,
                     )
     print(f"machine: {machine()}")
-    ref = LAUNCHERS[0].name
+    ref = LAUNCHERS[0]
     rows = []
     for job in jobs:
         for fault in FAULTS:
-            anchor = med(cells[(job.name, fault, ref)].resume)
-            for lc in LAUNCHERS:
+            anchor = med(cells[(job.name, fault, ref.name)].resume) if ref in launchers else None
+            for lc in launchers:
                 c = cells[(job.name, fault, lc.name)]
                 rows.append(
                     [job.name, fault, lc.name, f"{c.ok}/{c.runs}", spread(c.resume),
@@ -234,17 +279,20 @@ def main() -> None:
     rows = []
     for job in jobs:
         for fault in FAULTS:
-            for lc in LAUNCHERS[1:]:
+            for lc in ours:
                 c = cells[(job.name, fault, lc.name)]
-                rows.append([job.name, fault, lc.name, *(fmt(med(c.phases[p])) for p in PHASES)])
+                rows.append(
+                    [job.name, fault, lc.name, *(fmt(med(c.phases[p])) for p in PHASES),
+                     f"{c.learned}/{c.runs}"]
+                )  # fmt: skip
     show(
         "Where stalwart's fault -> resumed time goes (medians)",
-        ["job", "fault", "launcher", *PHASES],
+        ["job", "fault", "launcher", *PHASES, "learned template used"],
         rows,
         ns.markdown,
     )
     for job in jobs:
-        for lc in LAUNCHERS[1:]:
+        for lc in ours:
             crash = med(cells[(job.name, "crash", lc.name)].resume)
             kill = med(cells[(job.name, "SIGKILL", lc.name)].resume)
             if crash is not None and kill is not None:

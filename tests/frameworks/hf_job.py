@@ -2,12 +2,15 @@
 built from a config (no download: random weights, synthetic token ids, offline), DDP on
 CPU (gloo), checkpoints by ``save_steps`` and resumption by ``resume_from_checkpoint``.
 
-    python hf_job.py WORK STEPS CKPT_EVERY
+    python hf_job.py WORK STEPS CKPT_EVERY [PAUSE_S]
 
 Faults come from ``STALWART_INJECT`` (``stalwart.inject.step`` at the end of each
 step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.jsonl:
 ``{"event": "start"|"step", "attempt", "step", "time"}``; "start" carries the global
-step training (re)started from.
+step training (re)started from.  PAUSE_S (default 0) makes each step of the first
+attempt last that much longer (a sleep before its record), so that a fault comes after
+seconds of training, as real ones do (the benchmark uses it); later attempts do not
+pause, so the first resumed step is timed as it is.
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, pause: float = 0.0) -> None:
         self.path = path
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.pause = pause if self.attempt == 0 else 0.0
         self.rank = int(os.environ.get("RANK", "0"))
 
     def _write(self, event: str, step: int) -> None:
@@ -70,12 +74,14 @@ class Progress(TrainerCallback):
         self._write("start", state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        time.sleep(self.pause)
         self._write("step", state.global_step)
         inject.step(state.global_step)
 
 
 def main() -> None:
     work, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
@@ -103,7 +109,10 @@ def main() -> None:
         seed=0,
     )
     trainer = Trainer(
-        model=model, args=args, train_dataset=Tokens(512), callbacks=[Progress(work / "p.jsonl")]
+        model=model,
+        args=args,
+        train_dataset=Tokens(512),
+        callbacks=[Progress(work / "p.jsonl", pause)],
     )
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     trainer.train(resume_from_checkpoint=last)

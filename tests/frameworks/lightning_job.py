@@ -2,12 +2,15 @@
 strategy on CPU (gloo), one process per rank started by the launcher, checkpoints by
 ``ModelCheckpoint`` and resumption by ``ckpt_path="last"``.
 
-    python lightning_job.py WORK STEPS CKPT_EVERY
+    python lightning_job.py WORK STEPS CKPT_EVERY [PAUSE_S]
 
 Faults come from ``STALWART_INJECT`` (``stalwart.inject.step`` at the end of each
 step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.jsonl:
 ``{"event": "start"|"step", "attempt", "step", "time"}``; "start" carries the global
-step training (re)started from.
+step training (re)started from.  PAUSE_S (default 0) makes each step of the first
+attempt last that much longer (a sleep before its record), so that a fault comes after
+seconds of training, as real ones do (the benchmark uses it); later attempts do not
+pause, so the first resumed step is timed as it is.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ class Tiny(L.LightningModule):
 
 
 class Progress(Callback):
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, pause: float = 0.0) -> None:
         self.path = path
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.pause = pause if self.attempt == 0 else 0.0
 
     def _write(self, trainer: L.Trainer, event: str) -> None:
         if trainer.global_rank == 0:
@@ -63,12 +67,14 @@ class Progress(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         # global_step counts finished optimizer steps: the first step is 1.
+        time.sleep(self.pause)
         self._write(trainer, "step")
         inject.step(trainer.global_step)
 
 
 def main() -> None:
     work, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 16, generator=gen), torch.randn(4096, 1, generator=gen))
     ckpt = ModelCheckpoint(
@@ -80,7 +86,7 @@ def main() -> None:
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy="ddp",
         max_steps=steps,
-        callbacks=[ckpt, Progress(work / "p.jsonl")],
+        callbacks=[ckpt, Progress(work / "p.jsonl", pause)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -228,8 +228,14 @@ def test_learned_preload_spares_later_attempts_the_programs_imports(tmp_path: Pa
     later = [json.loads((out / f"learn_{r}_1.json").read_text()) for r in (0, 1)]
     assert all(not f["preloaded"] and f["import_s"] >= 1.4 for f in first), first
     assert all(x["preloaded"] and x["import_s"] < 0.5 for x in later), later
-    kinds = [e["event"] for e in events(tmp_path / "l")]
+    evs = events(tmp_path / "l")
+    kinds = [e["event"] for e in evs]
     assert "template_learn_failed" not in kinds and kinds.count("template_learn") == 1
+    # Forked from the serving template: it imported only the learned module (1.5 s),
+    # not torch again.
+    assert next(e for e in evs if e["event"] == "template_learn")["forked"] is True
+    ready = [e for e in evs if e["event"] == "template_ready" and e.get("learned")]
+    assert len(ready) == 1 and ready[0]["import_s"] < 5.0, ready
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])
@@ -306,3 +312,23 @@ def test_traceback_starts_at_the_users_script(tmp_path: Path, mode: str) -> None
     assert stack[0] == "Traceback (most recent call last):"
     assert stack[1] == f'  File "{script}", line 16, in <module>', stack
     assert not any("runpy" in s or "zygote" in s or "bootstrap" in s for s in stack)
+
+
+def test_job_ending_while_a_learned_template_imports_ends_quietly(tmp_path: Path) -> None:
+    # The launcher shuts the learned template's socket while the thread preparing it
+    # still waits on it: that thread used to die with "Bad file descriptor" on stderr.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "stalwart_slow_import_probe.py").write_text("import time\n\ntime.sleep(2)\n")
+    proc = stalwart(
+        "--nproc-per-node",
+        "1",
+        "--log-dir",
+        tmp_path / "l",
+        HERE / "learn_then_end.py",
+        env=clean_env(PYTHONPATH=str(site)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    kinds = [e["event"] for e in events(tmp_path / "l")]
+    assert "template_learn" in kinds and "template_learn_failed" not in kinds

@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,25 @@ class ForkedProcess:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
 
+    def kill(self) -> None:
+        if self.poll() is not None:
+            return  # reaped: the pid may be another process's by now
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        # Only ever called on a process that exited or was SIGKILLed: no deadline.
+        while (code := self.poll()) is None:
+            time.sleep(0.005)
+        return code
+
+
+# The first template is our child; one forked from a template with learned modules was
+# re-parented to us.
+Template = subprocess.Popen[bytes] | ForkedProcess
+
 
 class WarmPool:
     """One template process per node; forks workers that start with torch imported."""
@@ -84,13 +104,13 @@ class WarmPool:
         self.emit = emit
         self.ready_timeout = ready_timeout
         self.disabled_reason: str | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Template | None = None
         self._sock: socket.socket | None = None
         self._ready = False
         self._lock = threading.Lock()
         self._modules: set[str] = set()  # what the serving template imported
         self._learned: list[str] = []  # learned modules, in import order
-        self._next: tuple[subprocess.Popen[bytes], socket.socket] | None = None
+        self._next: tuple[Template, socket.socket] | None = None
         self._learning_off = False
         self._rebuilds = 0
         # Templates with learned modules are started from one thread that lives as long as
@@ -234,7 +254,7 @@ class WarmPool:
                     continue
                 learned = self._learned + new
                 try:
-                    proc, sock = self._launch(learned)
+                    proc, sock = self._fork_next(learned) or self._launch(learned)
                 except OSError as err:
                     self._learning_off = True
                     logger.warning("could not start a template with learned modules: %s", err)
@@ -242,18 +262,45 @@ class WarmPool:
                 self._next = (proc, sock)
                 self._rebuilds += 1
             self.emit(
-                Event.TEMPLATE_LEARN, template_pid=proc.pid, learned=len(learned), new=new[:20]
+                Event.TEMPLATE_LEARN,
+                template_pid=proc.pid,
+                learned=len(learned),
+                new=new[:20],
+                forked=isinstance(proc, ForkedProcess),
             )
             self._adopt(proc, sock)
 
-    def _adopt(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
-        """Waits for the learned template; it replaces the serving one once ready."""
-        sock.settimeout(self.ready_timeout)
+    def _fork_next(self, learned: list[str]) -> tuple[ForkedProcess, socket.socket] | None:
+        """Asks the serving template to fork the next one, which then imports only the
+        learned modules (torch is in already: seconds sooner than a new interpreter).
+        None when it cannot; the caller then starts one from scratch.  Holds the lock."""
+        if self._sock is None or not self._ready:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        req = {"learn": learned, "launcher_pid": os.getpid()}
         try:
-            msg = sock.recv(1 << 20)
+            socket.send_fds(self._sock, [json.dumps(req).encode()], [theirs.fileno()])
+            reply = self._sock.recv(1 << 16)
         except OSError as err:
+            reply = json.dumps({"ok": False, "error": str(err)}).encode()
+        finally:
+            theirs.close()
+        ans: dict[str, Any] = json.loads(reply) if reply else {"ok": False, "error": "it exited"}
+        if not ans.get("ok"):
+            ours.close()
+            logger.debug("the template could not fork the next one: %s", ans.get("error"))
+            return None
+        return ForkedProcess(int(ans["pid"])), ours
+
+    def _adopt(self, proc: Template, sock: socket.socket) -> None:
+        """Waits for the learned template; it replaces the serving one once ready."""
+        try:
+            sock.settimeout(self.ready_timeout)
+            msg = sock.recv(1 << 20)
+            sock.settimeout(None)
+        except OSError as err:
+            # Also when close() shut this socket while the template was importing.
             msg = json.dumps({"ready": False, "error": f"unreachable ({err})"}).encode()
-        sock.settimeout(None)
         info: dict[str, Any] = json.loads(msg) if msg else {"ready": False, "error": "it exited"}
         dropped = info.get("dropped") or []
         if dropped:
@@ -263,7 +310,7 @@ class WarmPool:
                 len(dropped),
                 "; ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
             )
-        old: tuple[subprocess.Popen[bytes] | None, socket.socket | None] = (None, None)
+        old: tuple[Template | None, socket.socket | None] = (None, None)
         with self._lock:
             self._next = None
             closed = self._learning_off and self._sock is None
@@ -368,7 +415,7 @@ class WarmPool:
         self._learn_queue.put(None)
 
 
-def _stop(proc: subprocess.Popen[bytes] | None, sock: socket.socket | None) -> None:
+def _stop(proc: Template | None, sock: socket.socket | None) -> None:
     if sock is not None:
         sock.close()
     if proc is not None:
