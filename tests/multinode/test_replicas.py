@@ -23,8 +23,9 @@ import torch
 
 from stalwart.checkpoint import complete_steps
 from stalwart.launch import replicas as rp
+from tests.helpers import ROOT, free_port
 
-from .conftest import ROOT, TRAIN, Host, Network, free_port
+from .conftest import TRAIN, Host, Network
 from .test_netns import FAST, events, text, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
