@@ -1,7 +1,7 @@
 """Node loss → first resumed step, from a peer's RAM replica vs from disk.
 
 Simulated hosts (network namespaces): a 2-node gloo DDP job (``--nnodes 1:2``, one rank
-per node, ``tests/multinode/ram_train.py``) snapshots model + optimizer + ``--state-mb``
+per node, ``bench/ram_train.py``) snapshots model + optimizer + ``--state-mb``
 MiB of per-rank data every 5th step (0.5 s apart) into ``--ckpt-ram`` and persists every
 10th snapshot to disk; a third host waits as a spare. Node b is lost (its launcher's process group
 SIGKILLed, then everything on the host); the spare takes rank 1. Timed: from the kill to
@@ -39,10 +39,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 from common import fmt, machine, med, show, spread  # noqa: E402
+from netns import Host, Network, free_port, netns_usable  # noqa: E402
 
-from tests.multinode.netns import Host, Network, free_port, netns_usable  # noqa: E402
-
-JOB = ROOT / "tests" / "multinode" / "ram_train.py"
+JOB = ROOT / "bench" / "ram_train.py"
 CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3,join_timeout=60"
 STEP_S = 0.1
 SAVE_EVERY = 5

@@ -3,7 +3,7 @@ place restores the lost node's ranks from a replica a survivor holds, and every 
 resumes from RAM at a step newer than anything on disk. Then the other side: with the
 launcher SIGKILLed the snapshots are gone and the disk checkpoints load as before.
 
-The job is ``ram_train.py`` (``elastic_train.py`` checkpointed with ``AsyncCheckpointer``);
+The job is ``bench/ram_train.py`` (``elastic_train.py`` checkpointed with ``AsyncCheckpointer``);
 its final model is compared with a one-process reference, so a resume from a wrong or
 torn state fails the test.
 """
@@ -30,7 +30,7 @@ from .test_netns import FAST, events, text, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
 
-RAM_TRAIN = Path(__file__).parent / "ram_train.py"
+RAM_TRAIN = ROOT / "bench" / "ram_train.py"
 STEPS = 40
 
 
