@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -40,6 +39,7 @@ import xxhash
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.launch import replicawire as wire
+from stalwart.launch.snapshots import reserve
 from stalwart.rendezvous.kv import listen_socket
 
 logger = logging.getLogger(__name__)
@@ -274,17 +274,11 @@ class ReplicaHolder:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, self.segment_bytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise NoRoom(
-                        f"cannot reserve {_mib(self.segment_bytes)} in {self.folder} "
-                        f"({exc.strerror})"
-                    ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, self.segment_bytes)
+            no_room = reserve(fd, self.segment_bytes)
+            if no_room is not None:
+                raise NoRoom(
+                    f"cannot reserve {_mib(self.segment_bytes)} in {self.folder} ({no_room})"
+                )
             # Named only once whole: a worker never maps a half-reserved segment.
             os.rename(tmp, path)
         except BaseException:

@@ -148,23 +148,33 @@ class SnapshotMemory:
     def _create(self, path: Path, what: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            # Books (and on tmpfs allocates) every page now: out of memory is an error
-            # here, not a SIGBUS in a worker's first save.
-            os.posix_fallocate(fd, 0, self.segment_bytes)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise SnapshotMemoryError(
-                    f"{what}: cannot reserve {_size(self.segment_bytes)} in {path.parent} "
-                    f"({exc.strerror}); lower --ckpt-ram or free memory"
-                ) from None
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            os.ftruncate(fd, self.segment_bytes)
+            no_room = reserve(fd, self.segment_bytes)
         finally:
             os.close(fd)
+        if no_room is not None:
+            raise SnapshotMemoryError(
+                f"{what}: cannot reserve {_size(self.segment_bytes)} in {path.parent} "
+                f"({no_room}); lower --ckpt-ram or free memory"
+            )
 
     def worker_env(self) -> dict[str, str]:
         return {rl.RAM_DIR_ENV: str(self.folder)}
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def reserve(fd: int, nbytes: int) -> str | None:
+    """Sizes the open file `fd` to `nbytes`, booking (on tmpfs: allocating) every page
+    now, so that out of memory shows here and not as a SIGBUS in a worker's first save.
+    Returns why when there is no room (the file is then left as it was), else None."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            return exc.strerror or errno.errorcode.get(exc.errno or 0, "no room")
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # A file system without fallocate: sized, pages come at first touch.
+        os.ftruncate(fd, nbytes)
+    return None
