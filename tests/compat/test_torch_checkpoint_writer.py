@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,14 +70,29 @@ def test_torch_style_writer_runs_under_stalwart_with_only_the_import_changed(
     _check_outputs(out, 2)
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _torch_close_race(stderr: str) -> bool:
+    if "process 0 terminated with signal SIGINT" in stderr:
+        return True
+    in_exit_hooks = "util._exit_function()" in stderr and "KeyboardInterrupt" in stderr
+    return in_exit_hooks and "process 0 terminated with exit code 1" in stderr
+
+
 @pytest.mark.timeout(150)
 def test_the_program_is_valid_for_torchs_own_checkpoint_process(tmp_path: Path) -> None:
     # The reference run: the unchanged program with torch's process, one rank.
     # torch's close() is racy: its subprocess carries PR_SET_PDEATHSIG=SIGINT tied to the
-    # executor thread that spawned it, and close() ends that thread before asking the
-    # subprocess to leave; a SIGINT landing during the subprocess's interpreter shutdown
-    # fails close() with ProcessExitedException (seen once in CI, 2026-11-23). Only that
-    # failure is retried; any other fails at once.
+    # executor thread that spawned it, and close() ends that thread before the subprocess
+    # has left. A SIGINT landing while the subprocess shuts down fails close() with
+    # ProcessExitedException, either as "terminated with signal SIGINT" or, when it lands
+    # in multiprocessing's exit hooks, as a KeyboardInterrupt there and "exit code 1" (both
+    # seen in CI, 2026-11-23). The reference run is therefore started with SIGINT ignored,
+    # which the subprocess inherits through spawn and which torch's code never resets; the
+    # race is torch's, not the program's. Should it still strike, only those two
+    # signatures are retried; any other failure fails at once.
     failures = []
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
@@ -87,10 +103,11 @@ def test_the_program_is_valid_for_torchs_own_checkpoint_process(tmp_path: Path) 
             timeout=45,
             env=clean_env(RANK="0", WORLD_SIZE="1"),
             check=False,
+            preexec_fn=_ignore_sigint,
         )
         if res.returncode == 0:
             break
-        assert "process 0 terminated with signal SIGINT" in res.stderr, res.stderr[-3000:]
+        assert _torch_close_race(res.stderr), res.stderr[-3000:]
         failures.append(res.stderr[-3000:])
     assert res.returncode == 0, failures
     assert "rank 0: caught RuntimeError: True" in res.stdout
