@@ -220,3 +220,29 @@ def test_yaml_error_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build_config(["--config", str(conf), "x.py"])
     assert "\n" not in str(info.value) and str(conf) in str(info.value)
+
+
+def test_yaml_takes_torchruns_key_names(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("rdzv_id: job-7\nnproc_per_node: 2\n")
+    cfg, _ = build_config(["--config", str(conf), "x.py"])
+    assert cfg.run_id == "job-7" and cfg.nproc_per_node == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("rdzv_idx: job-7\n", "unknown key 'rdzv_idx'"),
+        ("hb_timeout: 5\n", "unknown key 'hb_timeout' (hang-detection settings go under"),
+        ("rdzv_id: a\nrun_id: b\n", "'rdzv_id' and 'run_id' set the same setting"),
+    ],
+)
+def test_yaml_key_that_sets_nothing_is_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        build_config(["--config", str(conf), "x.py"])
+    assert "\n" not in str(info.value)
+    assert needle in str(info.value)
+    if "unknown" in needle:
+        assert "expected one of" in str(info.value) and "run_id" in str(info.value)
