@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli import build_config
-from stalwart.config import ConfigError
+from stalwart.config import DEFAULT_PREFIX, ConfigError
 from stalwart.launch.logs import Std
 from tests.helpers import clean_env, stalwart
 
@@ -121,9 +121,9 @@ def test_torchelastic_prefix_template_env_as_torchrun(
         monkeypatch.delenv(k, raising=False)
     conf = tmp_path / "c.yaml"
     conf.write_text("log_line_prefix_template: 'yaml-${rank}:'\n")
-    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    assert build_config(["x.py"])[0].log_line_prefix_template == DEFAULT_PREFIX
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "")
-    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    assert build_config(["x.py"])[0].log_line_prefix_template == DEFAULT_PREFIX
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "te-${local_rank}:")
     assert build_config(["x.py"])[0].log_line_prefix_template == "te-${local_rank}:"
     cfg, _ = build_config(["--config", str(conf), "x.py"])

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.output import (
     DEFAULT_PREFIX,
-    MULTI_NODE_PREFIX,
     Std,
     parse_ranks_filter,
     parse_std,
@@ -367,13 +366,12 @@ class LaunchConfig:
             help="local ranks shown on the console",
         ),
     )
-    # "": torchrun's, or with the host for several nodes
     log_line_prefix_template: str = setting(
-        "",
+        DEFAULT_PREFIX,
         flag(
             "--log-line-prefix-template",
             torch_env="TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-            help=f"default {DEFAULT_PREFIX!r}; {MULTI_NODE_PREFIX!r} for several nodes",
+            help=f"console prefix of worker lines (default {DEFAULT_PREFIX!r}, as torchrun)",
         ),
     )
     role: str = setting("default", flag("--role"))
@@ -527,10 +525,7 @@ class LaunchConfig:
             # One node can pick its own id; several must share one, as with torchrun.
             self._set("run_id", uuid.uuid4().hex[:12] if self.max_nodes == 1 else "none")
         if not self.log_line_prefix_template:
-            self._set(
-                "log_line_prefix_template",
-                MULTI_NODE_PREFIX if self.max_nodes > 1 else DEFAULT_PREFIX,
-            )
+            self._set("log_line_prefix_template", DEFAULT_PREFIX)
         self.validate()
 
     def _set(self, name: str, value: Any) -> None:
