@@ -112,8 +112,12 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
+    from stalwart.launch.environment import OMP_NOTICE, sets_omp_threads
     from stalwart.launch.runfiles import RunFolderError
     from stalwart.launch.supervisor import Supervisor
+
+    if sets_omp_threads(cfg, os.environ):
+        print(OMP_NOTICE, file=sys.stderr, flush=True)
     from stalwart.rendezvous import RendezvousError
 
     try:

@@ -20,6 +20,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart.base.envvars import CUDA_VISIBLE_DEVICES
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.output import (
     DEFAULT_PREFIX,
@@ -34,6 +35,7 @@ from stalwart.config.values import (
     parse_list,
     parse_nnodes,
     parse_nproc,
+    parse_signals,
     parse_size,
 )
 
@@ -143,6 +145,11 @@ RESTART_POLICIES = ("any-failed", "all-failed")
 
 RDZV_BACKENDS = ("static", "c10d", "etcd")
 START_METHODS = ("spawn", "fork", "forkserver")
+# torchrun's: its workers' TORCHELASTIC_SIGNALS_TO_HANDLE, and what the launcher forwards.
+SIGNALS_TO_HANDLE = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# torch.distributed.elastic.events' registered handlers; stalwart's event log is
+# events.jsonl whichever is named (torchrun's default, "null", writes nothing).
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
 
 
 def _check(ok: Callable[[Any], bool], expected: str) -> Check:
@@ -150,6 +157,10 @@ def _check(ok: Callable[[Any], bool], expected: str) -> Check:
         return "" if ok(value) else expected
 
     return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    return _check(lambda v: v in choices, f"expected one of {', '.join(choices)}")
 
 
 def _typed(conv: Callable[[Any], Any]) -> Parse:
@@ -181,7 +192,23 @@ def _as_given(value: Any, _name: str) -> Any:
 
 
 _INT, _FLOAT = _typed(int), _typed(float)
+# A number flag: argparse checks the command line, the parser YAML and variables.
+_AN_INT: dict[str, Any] = {"argtype": int, "parse": _INT}
+_A_FLOAT: dict[str, Any] = {"argtype": float, "parse": _FLOAT}
 _HANG_GROUP = "hang detection (see docs/monitor.md)"
+
+
+def _switch_flag(*names: str, help: str | None = None) -> Flag:
+    """A switch of the command line alone (no variable, no YAML key), as torchrun's."""
+    return flag(*names, env=False, yaml=False, action="store_true", parse=_switch, help=help)
+
+
+def _torch_list(value: Any, _name: str) -> list[str]:
+    """torchrun's comma-separated list, ``,,`` standing for a comma (or a YAML list)."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    parts = str(value).replace(",,", "\0").split(",")
+    return [p.replace("\0", ",") for p in parts if p]
 
 
 def _hang(*names: str, **kw: Any) -> Flag:
@@ -255,27 +282,18 @@ class LaunchConfig:
     )
     node_rank: int | None = setting(
         0,
-        flag("--node-rank", argtype=int, parse=_INT, help="this node's rank (static rendezvous)"),
+        flag("--node-rank", **_AN_INT, help="this node's rank (static rendezvous)"),
     )
     standalone: bool = setting(
         False,
-        flag(
-            "--standalone",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="single node, private rendezvous",
-        ),
+        _switch_flag("--standalone", help="single node, private rendezvous"),
     )
     rdzv_backend: str = setting(
         "static",
         flag(
             "--rdzv-backend",
             help="static, c10d or etcd",
-            check=_check(
-                lambda b: b in RDZV_BACKENDS, f"expected one of {', '.join(RDZV_BACKENDS)}"
-            ),
+            check=_one_of(RDZV_BACKENDS),
         ),
     )
     rdzv_endpoint: str = setting(
@@ -308,8 +326,7 @@ class LaunchConfig:
         29500,
         flag(
             "--master-port",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             check=_check(lambda p: 0 < p < 65536, "expected 1..65535"),
         ),
     )
@@ -321,8 +338,7 @@ class LaunchConfig:
         0,
         flag(
             "--max-restarts",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             check=_check(lambda n: n >= 0, "expected >= 0"),
         ),
     )
@@ -330,8 +346,7 @@ class LaunchConfig:
         0.1,
         flag(
             "--monitor-interval",
-            argtype=float,
-            parse=_FLOAT,
+            **_A_FLOAT,
             help="seconds between checks",
             # Bounded: waits longer than the platform's timer maximum raise OverflowError
             # deep in a thread, and nan compares false with everything.
@@ -346,7 +361,7 @@ class LaunchConfig:
         flag(
             "--start-method",
             choices=START_METHODS,
-            check=_check(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
+            check=_one_of(START_METHODS),
         ),
     )
     log_dir: Path | None = setting(None, flag("--log-dir", parse=lambda v, _n: Path(str(v))))
@@ -377,44 +392,95 @@ class LaunchConfig:
     role: str = setting("default", flag("--role"))
     module: bool = setting(
         False,
-        flag(
-            "-m",
-            "--module",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="run the entrypoint as a module",
-        ),
+        _switch_flag("-m", "--module", help="run the entrypoint as a module"),
     )
     no_python: bool = setting(
         False,
-        flag(
-            "--no-python",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="run the entrypoint as a program",
-        ),
+        _switch_flag("--no-python", help="run the entrypoint as a program"),
     )
     run_path: bool = setting(
         False,
+        _switch_flag("--run-path", help="accepted for torchrun compatibility"),
+    )
+    # torchrun's flags below.  Those stalwart cannot honour accept torchrun's default and
+    # refuse anything else (rather than ignore it): docs/migrating.md says why.
+    signals_to_handle: tuple[str, ...] = setting(
+        SIGNALS_TO_HANDLE,
         flag(
-            "--run-path",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="accepted for torchrun compatibility",
+            "--signals-to-handle",
+            parse=lambda v, n: parse_signals(v if isinstance(v, str) else ",".join(v), n),
+            help="signals forwarded to the workers, e.g. SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "
+            "(TERM, INT, HUP and QUIT are always handled)",
+        ),
+    )
+    virtual_local_rank: bool = setting(
+        False,
+        _switch_flag(
+            "--virtual-local-rank",
+            help="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES its one GPU",
+        ),
+    )
+    event_log_handler: str = setting(
+        "null",
+        flag(
+            "--event-log-handler",
+            help="accepted for torchrun compatibility; events go to events.jsonl",
+            check=_one_of(EVENT_LOG_HANDLERS),
+        ),
+    )
+    logs_specs: str = setting(
+        "",
+        flag(
+            "--logs-specs",
+            help="only 'default': stalwart writes one log layout",
+            check=_check(
+                lambda s: s in ("", "default"),
+                "expected default (stalwart writes one log layout: --log-dir, -r, -t)",
+            ),
+        ),
+    )
+    numa_binding: str = setting(
+        "",
+        flag(
+            "--numa-binding",
+            help="not supported (GPU affinity); refused",
+            check=_check(
+                lambda s: s == "",
+                "not supported by stalwart run (it binds workers near their GPUs); "
+                "wrap the program with numactl and --no-python instead",
+            ),
+        ),
+    )
+    duplicate_stdout_filters: list[str] = setting(
+        factory=list,
+        f=flag(
+            "--duplicate-stdout-filters",
+            parse=_torch_list,
+            help="not supported; refused unless empty",
+            check=_check(
+                lambda s: not s,
+                "not supported by stalwart run; grep attempt_<n>/<rank>/stdout.log instead",
+            ),
+        ),
+    )
+    duplicate_stderr_filters: list[str] = setting(
+        factory=list,
+        f=flag(
+            "--duplicate-stderr-filters",
+            parse=_torch_list,
+            help="not supported; refused unless empty",
+            check=_check(
+                lambda s: not s,
+                "not supported by stalwart run; grep attempt_<n>/<rank>/stderr.log instead",
+            ),
         ),
     )
     shutdown_timeout: float = setting(
         30.0,
         flag(
             "--shutdown-timeout",
-            argtype=float,
-            parse=_FLOAT,
+            **_A_FLOAT,
+            torch_env="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
             help="TERM -> KILL grace, seconds",
             check=_check(
                 lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
@@ -427,9 +493,7 @@ class LaunchConfig:
         flag(
             "--restart-policy",
             help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
-            check=_check(
-                lambda p: p in RESTART_POLICIES, f"expected one of {', '.join(RESTART_POLICIES)}"
-            ),
+            check=_one_of(RESTART_POLICIES),
         ),
     )
     # The flag turns it off; YAML ``warm: false`` and STALWART_WARM=0 too.
@@ -460,8 +524,7 @@ class LaunchConfig:
         None,
         flag(
             "--ckpt-replicas",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             help="peer nodes that keep a copy of each node's RAM snapshots, for a node loss "
             "(default 1 with 2 or more nodes)",
             check=_check(lambda n: n is None or n >= 0, "expected a count >= 0"),
@@ -507,14 +570,7 @@ class LaunchConfig:
     monitor: MonitorConfig = field(metadata={"group": (_HANG_GROUP, HANG_FLAGS)})
     verbose: bool = setting(
         False,
-        flag(
-            "-v",
-            "--verbose",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-        ),
+        _switch_flag("-v", "--verbose"),
     )
     # Derived once from the fields above (by __post_init__).
     store_endpoints: tuple[Endpoint, ...] = field(init=False, default=())
@@ -596,6 +652,16 @@ class LaunchConfig:
             problem = _program_problem(self.entrypoint)
             if problem:
                 raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
+        visible = os.environ.get(CUDA_VISIBLE_DEVICES)
+        if (
+            self.virtual_local_rank
+            and visible is not None
+            and len(visible.split(",")) < self.nproc_per_node
+        ):
+            raise ConfigError(
+                f"--virtual-local-rank with --nproc-per-node {self.nproc_per_node}: "
+                f"CUDA_VISIBLE_DEVICES={visible!r} names fewer GPUs than workers"
+            )
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
