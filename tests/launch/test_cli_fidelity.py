@@ -241,3 +241,14 @@ def test_signal_to_the_launcher_exit_code(tmp_path: Path) -> None:
     theirs, ours = side_by_side(tmp_path, "wait", "--nproc-per-node", "2", stop=signal.SIGTERM)
     assert theirs.code == 1 and "SignalException" in theirs.stderr
     assert ours.code == 128 + signal.SIGTERM and "Traceback" not in ours.stderr
+
+
+def test_signals_to_handle_forwards_an_extra_signal(tmp_path: Path) -> None:
+    """``--signals-to-handle ...,SIGUSR1``: the launcher forwards SIGUSR1 to the workers
+    (which catch it and end) and stops, as torchrun does with that flag."""
+    flags = ("--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1")
+    ours = _launch(tmp_path, "stalwart", "wait", *flags, stop=signal.SIGUSR1)
+    out = tmp_path / "stalwart" / "out"
+    assert {p.name for p in out.glob("usr1_*")} == {"usr1_0", "usr1_1"}, ours.stderr
+    assert ours.code == 128 + signal.SIGUSR1, ours.stderr
+    assert ours.env[0]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGUSR1"

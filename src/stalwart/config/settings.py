@@ -20,7 +20,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.base.envvars import CUDA_VISIBLE_DEVICES
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.output import (
     DEFAULT_PREFIX,
@@ -361,7 +360,7 @@ class LaunchConfig:
         flag(
             "--start-method",
             choices=START_METHODS,
-            check=_one_of(START_METHODS),
+            check=_check(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
         ),
     )
     log_dir: Path | None = setting(None, flag("--log-dir", parse=lambda v, _n: Path(str(v))))
@@ -652,16 +651,6 @@ class LaunchConfig:
             problem = _program_problem(self.entrypoint)
             if problem:
                 raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
-        visible = os.environ.get(CUDA_VISIBLE_DEVICES)
-        if (
-            self.virtual_local_rank
-            and visible is not None
-            and len(visible.split(",")) < self.nproc_per_node
-        ):
-            raise ConfigError(
-                f"--virtual-local-rank with --nproc-per-node {self.nproc_per_node}: "
-                f"CUDA_VISIBLE_DEVICES={visible!r} names fewer GPUs than workers"
-            )
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
                 f"--node-rank {self.node_rank}: expected 0 <= node rank < nnodes ({self.nnodes})"
