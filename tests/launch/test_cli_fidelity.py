@@ -23,7 +23,7 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from stalwart.cli import build_config, run_parser
-from stalwart.config import ConfigError
+from stalwart.config import ConfigError, Std
 from tests.helpers import clean_env, stalwart_argv
 
 from .helpers import SCRIPTS
@@ -252,3 +252,31 @@ def test_signals_to_handle_forwards_an_extra_signal(tmp_path: Path) -> None:
     assert {p.name for p in out.glob("usr1_*")} == {"usr1_0", "usr1_1"}, ours.stderr
     assert ours.code == 128 + signal.SIGUSR1, ours.stderr
     assert ours.env[0]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGUSR1"
+
+
+# torchrun's PET_<FLAG> variables: each flag's default, as torchrun reads them
+_PET = [
+    ({"PET_TEE": "3"}, "tee", Std.ALL),
+    ({"PET_ROLE": "trainer"}, "role", "trainer"),
+    ({"PET_MONITOR_INTERVAL": "2"}, "monitor_interval", 2.0),
+    ({"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR2"}, "signals_to_handle", ("SIGTERM", "SIGUSR2")),
+    ({"PET_SHUTDOWN_TIMEOUT": "4"}, "shutdown_timeout", 4.0),
+    ({"PET_MODULE": "1"}, "module", True),
+    ({"PET_MODULE": "0"}, "module", False),
+    ({"PET_STANDALONE": "1"}, "rdzv_backend", "c10d"),
+    ({"PET_STANDALONE": "0"}, "rdzv_backend", "static"),
+]
+
+
+@pytest.mark.parametrize(("env", "field", "want"), _PET)
+def test_torchruns_pet_variables(
+    env: dict[str, str], field: str, want: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert getattr(build_config(["x.py"])[0], field) == want
+
+
+def test_a_flag_beats_its_pet_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_ROLE", "trainer")
+    assert build_config(["--role", "eval", "x.py"])[0].role == "eval"

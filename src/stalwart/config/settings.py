@@ -183,7 +183,8 @@ def _one_line(parse: Callable[[str, str], Any]) -> Parse:
 
 
 def _switch(value: Any, _name: str) -> bool:
-    return bool(value)
+    # A flag or YAML gives a bool; torchrun's PET_<FLAG> variables give "1" or "0".
+    return value if isinstance(value, bool) else not is_false(value)
 
 
 def _as_given(value: Any, _name: str) -> Any:
@@ -198,7 +199,8 @@ _HANG_GROUP = "hang detection (see docs/monitor.md)"
 
 
 def _switch_flag(*names: str, help: str | None = None) -> Flag:
-    """A switch of the command line alone (no variable, no YAML key), as torchrun's."""
+    """A switch of the command line (no STALWART_ variable, no YAML key), as torchrun's;
+    its PET_<FLAG> variable is read by ``stalwart.cluster``."""
     return flag(*names, env=False, yaml=False, action="store_true", parse=_switch, help=help)
 
 
