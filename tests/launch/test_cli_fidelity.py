@@ -238,9 +238,16 @@ def test_signal_to_the_launcher_exit_code(tmp_path: Path) -> None:
     """A documented difference: torchrun ends with its ``SignalException`` traceback and
     exit code 1; stalwart stops the workers the same way and exits 128 + the signal, the
     shell's convention, so a scheduler can tell 'stopped' from 'failed'."""
-    theirs, ours = side_by_side(tmp_path, "wait", "--nproc-per-node", "2", stop=signal.SIGTERM)
+    flags = ("--nproc-per-node", "2", "-t", "3", "--local-ranks-filter", "1")
+    theirs, ours = side_by_side(tmp_path, "wait", *flags, stop=signal.SIGTERM)
     assert theirs.code == 1 and "SignalException" in theirs.stderr
     assert ours.code == 128 + signal.SIGTERM and "Traceback" not in ours.stderr
+    # the filter: only local rank 1 on the console, every rank in the files
+    assert (
+        _worker_lines(ours.stdout) == _worker_lines(theirs.stdout) == ["[default1]:out of rank 1"]
+    )
+    assert _worker_lines(ours.stderr) == _worker_lines(theirs.stderr)
+    assert _tree(ours) == _tree(theirs)
 
 
 def test_signals_to_handle_forwards_an_extra_signal(tmp_path: Path) -> None:
