@@ -204,6 +204,19 @@ def _switch_flag(*names: str, help: str | None = None) -> Flag:
     return flag(*names, env=False, yaml=False, action="store_true", parse=_switch, help=help)
 
 
+def _filters_flag(stream: str) -> Flag:
+    """torchrun's ``--duplicate-<stream>-filters``: its default (no filter) only."""
+    return flag(
+        f"--duplicate-{stream}-filters",
+        parse=_torch_list,
+        help="not supported; refused unless empty",
+        check=_check(
+            lambda s: not s,
+            f"not supported by stalwart run; grep attempt_<n>/<rank>/{stream}.log instead",
+        ),
+    )
+
+
 def _torch_list(value: Any, _name: str) -> list[str]:
     """torchrun's comma-separated list, ``,,`` standing for a comma (or a YAML list)."""
     if isinstance(value, list):
@@ -454,27 +467,11 @@ class LaunchConfig:
     )
     duplicate_stdout_filters: list[str] = setting(
         factory=list,
-        f=flag(
-            "--duplicate-stdout-filters",
-            parse=_torch_list,
-            help="not supported; refused unless empty",
-            check=_check(
-                lambda s: not s,
-                "not supported by stalwart run; grep attempt_<n>/<rank>/stdout.log instead",
-            ),
-        ),
+        f=_filters_flag("stdout"),
     )
     duplicate_stderr_filters: list[str] = setting(
         factory=list,
-        f=flag(
-            "--duplicate-stderr-filters",
-            parse=_torch_list,
-            help="not supported; refused unless empty",
-            check=_check(
-                lambda s: not s,
-                "not supported by stalwart run; grep attempt_<n>/<rank>/stderr.log instead",
-            ),
-        ),
+        f=_filters_flag("stderr"),
     )
     shutdown_timeout: float = setting(
         30.0,
