@@ -24,6 +24,7 @@ from torch.distributed.run import get_args_parser
 
 from stalwart.cli import build_config, run_parser
 from stalwart.config import ConfigError, Std
+from stalwart.launch.environment import virtual_local_rank
 from tests.helpers import clean_env, stalwart_argv
 
 from .helpers import SCRIPTS
@@ -127,6 +128,8 @@ class Run:
 
 
 def _launch(tmp: Path, launcher: str, mode: str, *flags: str, stop: int = 0) -> Run:
+    env = clean_env()
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # --virtual-local-rank picks from it when set
     out, logs = tmp / launcher / "out", tmp / launcher / "logs"
     out.mkdir(parents=True)
     head = (
@@ -136,7 +139,7 @@ def _launch(tmp: Path, launcher: str, mode: str, *flags: str, stop: int = 0) -> 
     )
     argv = [*head, *flags, "--log-dir", str(logs), str(PROBE), mode, str(out)]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     if stop:
         deadline = time.monotonic() + 60
@@ -184,6 +187,7 @@ def test_same_console_env_and_files(tmp_path: Path) -> None:
         "trainer",
         "--signals-to-handle",
         "SIGTERM,SIGINT,SIGUSR1",
+        "--virtual-local-rank",
     )
     assert theirs.code == ours.code == 0, ours.stderr
     assert _worker_lines(ours.stdout) == _worker_lines(theirs.stdout)
@@ -206,6 +210,7 @@ def test_same_console_env_and_files(tmp_path: Path) -> None:
             assert a.pop(key) and b.pop(key)  # the run's own id and folder
         assert a == b
         assert a["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGUSR1"
+        assert a["LOCAL_RANK"] == "0" and a["CUDA_VISIBLE_DEVICES"] == str(rank)
 
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
@@ -287,3 +292,14 @@ def test_torchruns_pet_variables(
 def test_a_flag_beats_its_pet_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PET_ROLE", "trainer")
     assert build_config(["--role", "eval", "x.py"])[0].role == "eval"
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "visible", "want"),
+    [(1, None, "1"), (1, "4,6", "6"), (0, " 5 ,7", "5")],
+)
+def test_virtual_local_rank_picks_the_workers_gpu(
+    local_rank: int, visible: str | None, want: str
+) -> None:
+    env = virtual_local_rank(local_rank, visible)
+    assert env == {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": want}

@@ -39,13 +39,14 @@ KEYS = (
     "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
 )
 
 
 @record
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ["RANK"])  # LOCAL_RANK is 0 everywhere with --virtual-local-rank
     env = {k: os.environ[k] for k in KEYS if k in os.environ}
     (out / f"env_{rank}.json").write_text(json.dumps(env))
     print(f"out of rank {rank}", flush=True)
