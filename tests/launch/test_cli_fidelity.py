@@ -215,7 +215,7 @@ def test_same_console_env_and_files(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_same_exit_code_and_error_file_for_a_failed_worker(tmp_path: Path, mode: str) -> None:
-    theirs, ours = side_by_side(tmp_path, mode, "--nproc-per-node", "2")
+    theirs, ours = side_by_side(tmp_path, mode, "--standalone", "--nproc-per-node", "2")
     assert theirs.code == ours.code == 1, ours.stderr
     assert "FAILED" in theirs.stderr and "FAILED" in ours.stderr
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", theirs.stderr)
@@ -236,6 +236,8 @@ def test_same_exit_code_when_restarts_run_out(tmp_path: Path) -> None:
     assert theirs.code == ours.code == 1, ours.stderr
     for run in (theirs, ours):  # two attempts each: the first and one restart
         assert run.stdout.count("out of rank 1") == 2, run.stdout
+        assert run.env[1]["TORCHELASTIC_RESTART_COUNT"] == "1"  # the last attempt's
+        assert run.env[1]["TORCHELASTIC_MAX_RESTARTS"] == "1"
     assert "exit code 3" in ours.stderr and re.search(r"exitcode\s*: 3 ", theirs.stderr)
 
 
