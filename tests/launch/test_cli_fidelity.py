@@ -175,6 +175,7 @@ def _worker_lines(text: str) -> list[str]:
     return sorted(ln for ln in text.splitlines() if re.search(r"(out|err) of rank \d", ln))
 
 
+@pytest.mark.slow
 def test_same_console_env_and_files(tmp_path: Path) -> None:
     theirs, ours = side_by_side(
         tmp_path,
@@ -213,6 +214,7 @@ def test_same_console_env_and_files(tmp_path: Path) -> None:
         assert a["LOCAL_RANK"] == "0" and a["CUDA_VISIBLE_DEVICES"] == str(rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_same_exit_code_and_error_file_for_a_failed_worker(tmp_path: Path, mode: str) -> None:
     theirs, ours = side_by_side(tmp_path, mode, "--standalone", "--nproc-per-node", "2")
@@ -231,6 +233,7 @@ def test_same_exit_code_and_error_file_for_a_failed_worker(tmp_path: Path, mode:
     assert "ValueError: boom from rank 1" in ours.stderr
 
 
+@pytest.mark.slow
 def test_same_exit_code_when_restarts_run_out(tmp_path: Path) -> None:
     theirs, ours = side_by_side(tmp_path, "exit3", "--nproc-per-node", "2", "--max-restarts", "1")
     assert theirs.code == ours.code == 1, ours.stderr
@@ -241,6 +244,7 @@ def test_same_exit_code_when_restarts_run_out(tmp_path: Path) -> None:
     assert "exit code 3" in ours.stderr and re.search(r"exitcode\s*: 3 ", theirs.stderr)
 
 
+@pytest.mark.slow
 def test_signal_to_the_launcher_exit_code(tmp_path: Path) -> None:
     """A documented difference: torchrun ends with its ``SignalException`` traceback and
     exit code 1; stalwart stops the workers the same way and exits 128 + the signal, the
@@ -257,6 +261,7 @@ def test_signal_to_the_launcher_exit_code(tmp_path: Path) -> None:
     assert _tree(ours) == _tree(theirs)
 
 
+@pytest.mark.slow
 def test_signals_to_handle_forwards_an_extra_signal(tmp_path: Path) -> None:
     """``--signals-to-handle ...,SIGUSR1``: the launcher forwards SIGUSR1 to the workers
     (which catch it and end) and stops, as torchrun does with that flag."""
