@@ -30,6 +30,14 @@ STALWART = [sys.executable, "-m", "stalwart.cli"]
 # pytest (a job's own environment, a SLURM allocation, a Kubernetes pod) would test
 # something else: stalwart's own, torchrun's, SLURM's and the PyTorch operator's.
 LAUNCHER_ENV_PREFIXES = ("STALWART_", "TORCHELASTIC_", "SLURM_", "PET_")
+# Kubernetes' indexed Job and JobSet (a node rank and the master's name: see
+# stalwart.cluster) and torchrun's own shutdown grace.
+LAUNCHER_ENV_NAMES = (
+    "JOB_COMPLETION_INDEX",
+    "JOBSET_NAME",
+    "REPLICATED_JOB_NAME",
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+)
 
 warm_and_cold = pytest.mark.usefixtures("start_mode")
 """Run the test twice: workers forked from the warm template, and cold."""
@@ -42,7 +50,11 @@ START = {"warm": True}
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without anything that steers a launcher, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_ENV_PREFIXES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(LAUNCHER_ENV_PREFIXES) and k not in LAUNCHER_ENV_NAMES
+    }
     env.pop("OMP_NUM_THREADS", None)
     if not START["warm"]:
         env["STALWART_WARM"] = "0"

@@ -13,12 +13,18 @@ def test_clean_env_drops_what_steers_a_launcher(monkeypatch: pytest.MonkeyPatch)
         "TORCHELASTIC_RESTART_COUNT",
         "SLURM_NNODES",
         "PET_NNODES",
+        "JOB_COMPLETION_INDEX",
+        "JOBSET_NAME",
+        "REPLICATED_JOB_NAME",
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
     ):
         monkeypatch.setenv(name, "4")
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     monkeypatch.setenv("SOMETHING_ELSE", "kept")
     env = clean_env(EXTRA="1")
     assert not [k for k in env if k.startswith(("STALWART_", "TORCHELASTIC_", "SLURM_", "PET_"))]
+    assert not {"JOB_COMPLETION_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME"} & set(env)
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in env
     assert "OMP_NUM_THREADS" not in env
     assert env["SOMETHING_ELSE"] == "kept" and env["EXTRA"] == "1"
 

@@ -55,10 +55,23 @@ def _monitor_config(data: dict[str, Any]) -> MonitorConfig:
         raise ConfigError(f"hang detection: {err}") from None
 
 
+def _check_visible_devices(cfg: LaunchConfig, visible: str | None) -> None:
+    """``--virtual-local-rank`` gives each worker one entry of CUDA_VISIBLE_DEVICES."""
+    from stalwart.config import ConfigError
+
+    few = visible is not None and len(visible.split(",")) < cfg.nproc_per_node
+    if cfg.virtual_local_rank and few:
+        raise ConfigError(
+            f"--virtual-local-rank with --nproc-per-node {cfg.nproc_per_node}: "
+            f"CUDA_VISIBLE_DEVICES={visible!r} names fewer GPUs than workers"
+        )
+
+
 def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     """argv, the environment, the ``--config`` file and the cluster -> the settings
     (and whether to log verbosely); the reading happens here, the rules in config."""
     from stalwart import cluster, inject
+    from stalwart.base import envvars as ev
     from stalwart.config import ConfigError, LaunchConfig, layers
 
     ns = run_parser().parse_args(argv)
@@ -71,6 +84,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     kw = layers.launch_kwargs(merged, given)
     monitor = _monitor_config(layers.monitor_settings(yaml, os.environ, given, merged))
     cfg = LaunchConfig(monitor=monitor, **kw)
+    _check_visible_devices(cfg, os.environ.get(ev.CUDA_VISIBLE_DEVICES))
     if cfg.inject:
         try:
             inject.parse(cfg.inject)
@@ -112,8 +126,12 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
+    from stalwart.launch.environment import OMP_NOTICE, sets_omp_threads
     from stalwart.launch.runfiles import RunFolderError
     from stalwart.launch.supervisor import Supervisor
+
+    if sets_omp_threads(cfg, os.environ):
+        print(OMP_NOTICE, file=sys.stderr, flush=True)
     from stalwart.rendezvous import RendezvousError
 
     try:

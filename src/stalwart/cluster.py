@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# torchrun reads PET_<DEST> as the default of each flag: all of them, so that a job
+# steered by these variables under torchrun is steered the same way here.
 _PET_FIELDS = {
     "NNODES": "nnodes",
     "NPROC_PER_NODE": "nproc_per_node",
@@ -20,6 +22,24 @@ _PET_FIELDS = {
     "MASTER_ADDR": "master_addr",
     "MASTER_PORT": "master_port",
     "MAX_RESTARTS": "max_restarts",
+    "STANDALONE": "standalone",
+    "MONITOR_INTERVAL": "monitor_interval",
+    "START_METHOD": "start_method",
+    "EVENT_LOG_HANDLER": "event_log_handler",
+    "ROLE": "role",
+    "MODULE": "module",
+    "NO_PYTHON": "no_python",
+    "RUN_PATH": "run_path",
+    "LOG_DIR": "log_dir",
+    "REDIRECTS": "redirects",
+    "TEE": "tee",
+    "LOCAL_RANKS_FILTER": "local_ranks_filter",
+    "DUPLICATE_STDOUT_FILTERS": "duplicate_stdout_filters",
+    "DUPLICATE_STDERR_FILTERS": "duplicate_stderr_filters",
+    "LOCAL_ADDR": "local_addr",
+    "SIGNALS_TO_HANDLE": "signals_to_handle",
+    "SHUTDOWN_TIMEOUT": "shutdown_timeout",
+    "VIRTUAL_LOCAL_RANK": "virtual_local_rank",
 }
 
 

@@ -30,6 +30,10 @@ _VALID: list[tuple[str | dict[str, Any], dict[str, Any]]] = [
     ("read_timeout=7.5", {"read_timeout": 7.5}),
     ({"join_timeout": 30, "is_host": True}, {"join_timeout": 30.0, "is_host": True}),
     ("username=u,password_file=/p", {"username": "u", "password_file": "/p"}),
+    # torch's other spellings: etcd's total timeout, the etcd-v2 store's TLS files
+    ("timeout=900", {"join_timeout": 900.0}),
+    ("ca_cert=/ca,ssl_cert=/c,ssl_cert_key=/k", {"cacert": "/ca", "cert": "/c", "key": "/k"}),
+    ("store_type=TCP,join_timeout=5", {"join_timeout": 5.0}),
 ]
 
 
@@ -46,6 +50,9 @@ _INVALID = [
     ("close_timeout=-1", "close_timeout='-1'"),
     ("keep_alive_max_attempt=0", "keep_alive_max_attempt='0'"),
     ("read_timeout=soon", "read_timeout='soon': expected seconds"),
+    ("store_type=file", "store_type='file': expected tcp"),
+    ("timeout=5,join_timeout=6", "join_timeout is already given"),
+    ("timeout=never", "timeout='never': expected seconds"),
 ]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli import build_config
-from stalwart.config import ConfigError
+from stalwart.config import DEFAULT_PREFIX, ConfigError
 from stalwart.launch.logs import Std
 from tests.helpers import clean_env, stalwart
 
@@ -121,9 +121,9 @@ def test_torchelastic_prefix_template_env_as_torchrun(
         monkeypatch.delenv(k, raising=False)
     conf = tmp_path / "c.yaml"
     conf.write_text("log_line_prefix_template: 'yaml-${rank}:'\n")
-    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    assert build_config(["x.py"])[0].log_line_prefix_template == DEFAULT_PREFIX
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "")
-    assert build_config(["x.py"])[0].log_line_prefix_template == "[${rank}]:"
+    assert build_config(["x.py"])[0].log_line_prefix_template == DEFAULT_PREFIX
     monkeypatch.setenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "te-${local_rank}:")
     assert build_config(["x.py"])[0].log_line_prefix_template == "te-${local_rank}:"
     cfg, _ = build_config(["--config", str(conf), "x.py"])
@@ -220,3 +220,29 @@ def test_yaml_error_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         build_config(["--config", str(conf), "x.py"])
     assert "\n" not in str(info.value) and str(conf) in str(info.value)
+
+
+def test_yaml_takes_torchruns_key_names(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text("rdzv_id: job-7\nnproc_per_node: 2\n")
+    cfg, _ = build_config(["--config", str(conf), "x.py"])
+    assert cfg.run_id == "job-7" and cfg.nproc_per_node == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("rdzv_idx: job-7\n", "unknown key 'rdzv_idx'"),
+        ("hb_timeout: 5\n", "unknown key 'hb_timeout' (hang-detection settings go under"),
+        ("rdzv_id: a\nrun_id: b\n", "'rdzv_id' and 'run_id' set the same setting"),
+    ],
+)
+def test_yaml_key_that_sets_nothing_is_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        build_config(["--config", str(conf), "x.py"])
+    assert "\n" not in str(info.value)
+    assert needle in str(info.value)
+    if "unknown" in needle:
+        assert "expected one of" in str(info.value) and "run_id" in str(info.value)

@@ -56,12 +56,12 @@ def test_tee_prefixes_filter_and_crash_mid_line(tmp_path: Path) -> None:
 
 
 @warm_and_cold
-def test_default_prefix_is_global_rank(tmp_path: Path) -> None:
+def test_default_prefix_is_torchruns_role_and_local_rank(tmp_path: Path) -> None:
     proc = stalwart(
         "--nproc-per-node", "2", "-t", "1", "--log-dir", tmp_path, SCRIPTS / "output.py"
     )
     assert proc.returncode == 0, proc.stderr
-    assert "[0]:py-out rank=0" in proc.stdout and "[1]:fd-out rank=1" in proc.stdout
+    assert "[default0]:py-out rank=0" in proc.stdout and "[default1]:fd-out rank=1" in proc.stdout
     evs = events(tmp_path)
     ipc = next(e for e in evs if e["event"] == "monitor_started")["run_dir"]
     assert not Path(ipc).exists()  # nothing left in /tmp after a normal run

@@ -33,6 +33,8 @@ ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 #: "1": torch's file timer is in use (torchrun sets the pipe only then).
 ENABLE_FILE_TIMER = "TORCHELASTIC_ENABLE_FILE_TIMER"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
+#: Set per worker only with ``--virtual-local-rank`` (its one GPU), as torchrun.
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 # -- stalwart's own -----------------------------------------------------------------------
 #: The launcher's pid: a worker's parent-death signal names it.

@@ -10,7 +10,6 @@ checked here, once: downstream code gets typed values (`Std`, `Endpoint`,
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.output import (
     DEFAULT_PREFIX,
-    MULTI_NODE_PREFIX,
     Std,
     parse_ranks_filter,
     parse_std,
@@ -37,7 +36,6 @@ from stalwart.config.values import (
 __all__ = [
     "DEFAULT_PREFIX",
     "HANG_FLAGS",
-    "MULTI_NODE_PREFIX",
     "RDZV_BACKENDS",
     "RESTART_POLICIES",
     "ConfigError",

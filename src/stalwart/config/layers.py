@@ -72,13 +72,49 @@ def from_environment(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[s
     return torch, ours
 
 
+def yaml_keys() -> dict[str, Flag]:
+    """The top-level YAML keys and the flag each sets: the setting's key, and torchrun's
+    name for it where that differs (``rdzv_id`` for ``run_id``).  Switches that turn a
+    setting off (``--no-warm``) keep their one key: ``no_warm: true`` would read backwards."""
+    out: dict[str, Flag] = {}
+    for f in launch_flags():
+        if not f.yaml:
+            continue
+        out[f.key] = f
+        if f.action is None:
+            out.setdefault(f.flag.lstrip("-").replace("-", "_"), f)
+    return out
+
+
 def from_yaml(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The top-level keys a YAML file may set (null: not set)."""
-    return {
-        f.key: data[f.key]
-        for f in launch_flags()
-        if f.yaml and f.key in data and data[f.key] is not None
-    }
+    """The top-level keys a YAML file may set (null: not set).  A key that sets nothing is
+    an error naming it, so a misspelt or misplaced setting never passes silently."""
+    known = yaml_keys()
+    unknown = sorted(k for k in data if k not in known and k != "monitor")
+    if unknown:
+        hang = {f.key for f in HANG_FLAGS} | {f.sets for f in HANG_FLAGS}
+        where = (
+            " (hang-detection settings go under 'monitor:')"
+            if any(k in hang for k in unknown)
+            else ""
+        )
+        raise ConfigError(
+            f"--config: unknown key {unknown[0]!r}{where}; expected one of "
+            f"{', '.join(sorted([*known, 'monitor']))}"
+        )
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for name, value in data.items():
+        if name == "monitor" or value is None:
+            continue
+        f = known[name]
+        if f.key in out and out[f.key] != value:
+            raise ConfigError(
+                f"--config: {spelt[f.key]!r} and {name!r} set the same setting "
+                f"to different values ({out[f.key]!r}, {value!r}); expected one of them"
+            )
+        out[f.key], spelt[f.key] = value, name
+    return out
 
 
 def merge(*layers: Mapping[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,6 @@ def parse_ranks_filter(value: str) -> set[int]:
     return ranks
 
 
-DEFAULT_PREFIX = "[${rank}]:"
-# Several nodes' consoles often end up in one place (SLURM's output file, a log shipper).
-MULTI_NODE_PREFIX = "[${hostname}:${rank}]:"
+# torchrun's own (role and local rank: ``[default0]:``), on one node or many; a template
+# with ``${hostname}`` or ``${rank}`` is one flag away.
+DEFAULT_PREFIX = "[${role_name}${local_rank}]:"

@@ -26,6 +26,16 @@ SECONDS_KEYS = (
 )
 # The keys that configure access to etcd, named as torch's etcd rendezvous names them.
 ACCESS_KEYS = ("protocol", "cacert", "cert", "key", "username", "password", "password_file")
+# torch's other spellings of the same settings: the etcd backend's total ``timeout``, the
+# etcd-v2 store's TLS files.
+ALIASES = {
+    "timeout": "join_timeout",
+    "ca_cert": "cacert",
+    "ssl_cert": "cert",
+    "ssl_cert_key": "key",
+}
+# c10d's ``store_type``: stalwart's stores are TCP stores.
+STORE_TYPES = ("tcp",)
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
 
@@ -66,13 +76,22 @@ class RendezvousConf:
             items = parse_kv(str(raw), "--rdzv-conf")
         known = [f.name for f in fields(cls)]
         kw: dict[str, Any] = {}
-        for key, text in items.items():
+        for given, text in items.items():
+            key = ALIASES.get(given, given)
+            if key == "store_type":
+                if text.strip().lower() not in STORE_TYPES:
+                    raise ConfigError(f"--rdzv-conf store_type={text!r}: expected tcp")
+                continue
             if key not in known:
+                names = sorted([*known, *ALIASES, "store_type"])
+                raise ConfigError(f"--rdzv-conf key {given!r}: expected one of {', '.join(names)}")
+            if key in kw:
                 raise ConfigError(
-                    f"--rdzv-conf key {key!r}: expected one of {', '.join(sorted(known))}"
+                    f"--rdzv-conf {given}={text!r}: {key} is already given (torch spells "
+                    f"it both ways); expected one of them"
                 )
             if key in SECONDS_KEYS:
-                kw[key] = _seconds(key, text)
+                kw[key] = _seconds(given, text)
             elif key == "keep_alive_max_attempt":
                 if not text.isdigit() or int(text) < 1:
                     raise ConfigError(

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.output import (
     DEFAULT_PREFIX,
-    MULTI_NODE_PREFIX,
     Std,
     parse_ranks_filter,
     parse_std,
@@ -35,6 +34,7 @@ from stalwart.config.values import (
     parse_list,
     parse_nnodes,
     parse_nproc,
+    parse_signals,
     parse_size,
 )
 
@@ -144,6 +144,11 @@ RESTART_POLICIES = ("any-failed", "all-failed")
 
 RDZV_BACKENDS = ("static", "c10d", "etcd")
 START_METHODS = ("spawn", "fork", "forkserver")
+# torchrun's: its workers' TORCHELASTIC_SIGNALS_TO_HANDLE, and what the launcher forwards.
+SIGNALS_TO_HANDLE = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# torch.distributed.elastic.events' registered handlers; stalwart's event log is
+# events.jsonl whichever is named (torchrun's default, "null", writes nothing).
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
 
 
 def _check(ok: Callable[[Any], bool], expected: str) -> Check:
@@ -151,6 +156,10 @@ def _check(ok: Callable[[Any], bool], expected: str) -> Check:
         return "" if ok(value) else expected
 
     return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Check:
+    return _check(lambda v: v in choices, f"expected one of {', '.join(choices)}")
 
 
 def _typed(conv: Callable[[Any], Any]) -> Parse:
@@ -174,7 +183,8 @@ def _one_line(parse: Callable[[str, str], Any]) -> Parse:
 
 
 def _switch(value: Any, _name: str) -> bool:
-    return bool(value)
+    # A flag or YAML gives a bool; torchrun's PET_<FLAG> variables give "1" or "0".
+    return value if isinstance(value, bool) else not is_false(value)
 
 
 def _as_given(value: Any, _name: str) -> Any:
@@ -182,7 +192,37 @@ def _as_given(value: Any, _name: str) -> Any:
 
 
 _INT, _FLOAT = _typed(int), _typed(float)
+# A number flag: argparse checks the command line, the parser YAML and variables.
+_AN_INT: dict[str, Any] = {"argtype": int, "parse": _INT}
+_A_FLOAT: dict[str, Any] = {"argtype": float, "parse": _FLOAT}
 _HANG_GROUP = "hang detection (see docs/monitor.md)"
+
+
+def _switch_flag(*names: str, help: str | None = None) -> Flag:
+    """A switch of the command line (no STALWART_ variable, no YAML key), as torchrun's;
+    its PET_<FLAG> variable is read by ``stalwart.cluster``."""
+    return flag(*names, env=False, yaml=False, action="store_true", parse=_switch, help=help)
+
+
+def _filters_flag(stream: str) -> Flag:
+    """torchrun's ``--duplicate-<stream>-filters``: its default (no filter) only."""
+    return flag(
+        f"--duplicate-{stream}-filters",
+        parse=_torch_list,
+        help="not supported; refused unless empty",
+        check=_check(
+            lambda s: not s,
+            f"not supported by stalwart run; grep attempt_<n>/<rank>/{stream}.log instead",
+        ),
+    )
+
+
+def _torch_list(value: Any, _name: str) -> list[str]:
+    """torchrun's comma-separated list, ``,,`` standing for a comma (or a YAML list)."""
+    if isinstance(value, list):
+        return [str(v) for v in value]
+    parts = str(value).replace(",,", "\0").split(",")
+    return [p.replace("\0", ",") for p in parts if p]
 
 
 def _hang(*names: str, **kw: Any) -> Flag:
@@ -256,27 +296,18 @@ class LaunchConfig:
     )
     node_rank: int | None = setting(
         0,
-        flag("--node-rank", argtype=int, parse=_INT, help="this node's rank (static rendezvous)"),
+        flag("--node-rank", **_AN_INT, help="this node's rank (static rendezvous)"),
     )
     standalone: bool = setting(
         False,
-        flag(
-            "--standalone",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="single node, private rendezvous",
-        ),
+        _switch_flag("--standalone", help="single node, private rendezvous"),
     )
     rdzv_backend: str = setting(
         "static",
         flag(
             "--rdzv-backend",
             help="static, c10d or etcd",
-            check=_check(
-                lambda b: b in RDZV_BACKENDS, f"expected one of {', '.join(RDZV_BACKENDS)}"
-            ),
+            check=_one_of(RDZV_BACKENDS),
         ),
     )
     rdzv_endpoint: str = setting(
@@ -309,8 +340,7 @@ class LaunchConfig:
         29500,
         flag(
             "--master-port",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             check=_check(lambda p: 0 < p < 65536, "expected 1..65535"),
         ),
     )
@@ -322,8 +352,7 @@ class LaunchConfig:
         0,
         flag(
             "--max-restarts",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             check=_check(lambda n: n >= 0, "expected >= 0"),
         ),
     )
@@ -331,8 +360,7 @@ class LaunchConfig:
         0.1,
         flag(
             "--monitor-interval",
-            argtype=float,
-            parse=_FLOAT,
+            **_A_FLOAT,
             help="seconds between checks",
             # Bounded: waits longer than the platform's timer maximum raise OverflowError
             # deep in a thread, and nan compares false with everything.
@@ -367,56 +395,90 @@ class LaunchConfig:
             help="local ranks shown on the console",
         ),
     )
-    # "": torchrun's, or with the host for several nodes
     log_line_prefix_template: str = setting(
-        "",
+        DEFAULT_PREFIX,
         flag(
             "--log-line-prefix-template",
             torch_env="TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-            help=f"default {DEFAULT_PREFIX!r}; {MULTI_NODE_PREFIX!r} for several nodes",
+            help=f"console prefix of worker lines (default {DEFAULT_PREFIX!r}, as torchrun)",
         ),
     )
     role: str = setting("default", flag("--role"))
     module: bool = setting(
         False,
-        flag(
-            "-m",
-            "--module",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="run the entrypoint as a module",
-        ),
+        _switch_flag("-m", "--module", help="run the entrypoint as a module"),
     )
     no_python: bool = setting(
         False,
-        flag(
-            "--no-python",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="run the entrypoint as a program",
-        ),
+        _switch_flag("--no-python", help="run the entrypoint as a program"),
     )
     run_path: bool = setting(
         False,
+        _switch_flag("--run-path", help="accepted for torchrun compatibility"),
+    )
+    # torchrun's flags below.  Those stalwart cannot honour accept torchrun's default and
+    # refuse anything else (rather than ignore it): docs/migrating.md says why.
+    signals_to_handle: tuple[str, ...] = setting(
+        SIGNALS_TO_HANDLE,
         flag(
-            "--run-path",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-            help="accepted for torchrun compatibility",
+            "--signals-to-handle",
+            parse=lambda v, n: parse_signals(v if isinstance(v, str) else ",".join(v), n),
+            help="signals forwarded to the workers, e.g. SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 "
+            "(TERM, INT, HUP and QUIT are always handled)",
         ),
+    )
+    virtual_local_rank: bool = setting(
+        False,
+        _switch_flag(
+            "--virtual-local-rank",
+            help="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES its one GPU",
+        ),
+    )
+    event_log_handler: str = setting(
+        "null",
+        flag(
+            "--event-log-handler",
+            help="accepted for torchrun compatibility; events go to events.jsonl",
+            check=_one_of(EVENT_LOG_HANDLERS),
+        ),
+    )
+    logs_specs: str = setting(
+        "",
+        flag(
+            "--logs-specs",
+            help="only 'default': stalwart writes one log layout",
+            check=_check(
+                lambda s: s in ("", "default"),
+                "expected default (stalwart writes one log layout: --log-dir, -r, -t)",
+            ),
+        ),
+    )
+    numa_binding: str = setting(
+        "",
+        flag(
+            "--numa-binding",
+            help="not supported (GPU affinity); refused",
+            check=_check(
+                lambda s: s == "",
+                "not supported by stalwart run (it binds workers near their GPUs); "
+                "wrap the program with numactl and --no-python instead",
+            ),
+        ),
+    )
+    duplicate_stdout_filters: list[str] = setting(
+        factory=list,
+        f=_filters_flag("stdout"),
+    )
+    duplicate_stderr_filters: list[str] = setting(
+        factory=list,
+        f=_filters_flag("stderr"),
     )
     shutdown_timeout: float = setting(
         30.0,
         flag(
             "--shutdown-timeout",
-            argtype=float,
-            parse=_FLOAT,
+            **_A_FLOAT,
+            torch_env="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
             help="TERM -> KILL grace, seconds",
             check=_check(
                 lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
@@ -429,9 +491,7 @@ class LaunchConfig:
         flag(
             "--restart-policy",
             help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
-            check=_check(
-                lambda p: p in RESTART_POLICIES, f"expected one of {', '.join(RESTART_POLICIES)}"
-            ),
+            check=_one_of(RESTART_POLICIES),
         ),
     )
     # The flag turns it off; YAML ``warm: false`` and STALWART_WARM=0 too.
@@ -462,8 +522,7 @@ class LaunchConfig:
         None,
         flag(
             "--ckpt-replicas",
-            argtype=int,
-            parse=_INT,
+            **_AN_INT,
             help="peer nodes that keep a copy of each node's RAM snapshots, for a node loss "
             "(default 1 with 2 or more nodes)",
             check=_check(lambda n: n is None or n >= 0, "expected a count >= 0"),
@@ -509,14 +568,7 @@ class LaunchConfig:
     monitor: MonitorConfig = field(metadata={"group": (_HANG_GROUP, HANG_FLAGS)})
     verbose: bool = setting(
         False,
-        flag(
-            "-v",
-            "--verbose",
-            env=False,
-            yaml=False,
-            action="store_true",
-            parse=_switch,
-        ),
+        _switch_flag("-v", "--verbose"),
     )
     # Derived once from the fields above (by __post_init__).
     store_endpoints: tuple[Endpoint, ...] = field(init=False, default=())
@@ -527,10 +579,7 @@ class LaunchConfig:
             # One node can pick its own id; several must share one, as with torchrun.
             self._set("run_id", uuid.uuid4().hex[:12] if self.max_nodes == 1 else "none")
         if not self.log_line_prefix_template:
-            self._set(
-                "log_line_prefix_template",
-                MULTI_NODE_PREFIX if self.max_nodes > 1 else DEFAULT_PREFIX,
-            )
+            self._set("log_line_prefix_template", DEFAULT_PREFIX)
         self.validate()
 
     def _set(self, name: str, value: Any) -> None:

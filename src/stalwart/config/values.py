@@ -24,25 +24,54 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return a, b
 
 
+def _cpus() -> int:
+    # torchrun's count: the CPUs this process may run on (taskset, cgroup cpusets).
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def parse_nproc(value: str) -> int:
-    if value in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    if value == "gpu":
+    if value == "cpu":
+        return _cpus()
+    if value in ("auto", "gpu", "xpu"):
         import torch
 
-        n = torch.cuda.device_count()
+        if value == "auto":  # as torchrun: one per accelerator, else one per CPU
+            acc = torch.accelerator
+            return acc.device_count() if acc.is_available() else _cpus()
+        dev = torch.cuda if value == "gpu" else torch.xpu
+        n = dev.device_count() if dev.is_available() else 0
         if n == 0:
-            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible on this node")
+            kind = "CUDA" if value == "gpu" else "XPU"
+            raise ConfigError(f"--nproc-per-node {value}: no {kind} device is visible on this node")
         return n
     try:
         n = int(value)
     except ValueError:
         raise ConfigError(
-            f"--nproc-per-node {value!r}: expected a positive integer, auto, cpu or gpu"
+            f"--nproc-per-node {value!r}: expected a positive integer, auto, cpu, gpu or xpu"
         ) from None
     if n < 1:
         raise ConfigError(f"--nproc-per-node {value!r}: expected a positive integer")
     return n
+
+
+def parse_signals(value: str, name: str) -> tuple[str, ...]:
+    """torchrun's ``SIGTERM,SIGUSR1`` list: the names, checked (torchrun skips a bad one
+    with a warning; here it is an error naming it)."""
+    import signal
+
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise ConfigError(f"{name} {value!r}: expected signal names like SIGTERM,SIGUSR1")
+    for n in names:
+        sig = getattr(signal, n, None) if n.startswith("SIG") and "_" not in n else None
+        if not isinstance(sig, signal.Signals):
+            raise ConfigError(f"{name} {value!r}: {n!r} is not a signal name (like SIGUSR1)")
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"{name} {value!r}: {n} cannot be handled")
+    return names
 
 
 _SIZE_UNITS = {

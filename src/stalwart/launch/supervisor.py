@@ -183,7 +183,9 @@ class Supervisor:
         raise SignalReceived(signum)
 
     def _install_signals(self) -> None:
-        for sig in _FORWARDED:
+        # torchrun's four always (a worker must never be orphaned), plus those asked for.
+        asked = tuple(signal.Signals[name] for name in self.cfg.signals_to_handle)
+        for sig in dict.fromkeys((*_FORWARDED, *asked)):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_signals(self) -> None:
