@@ -268,7 +268,7 @@ class ProcessContext:
                 env=self._env(spec),
                 stdout=out,
                 stderr=err,
-                process_group=0,
+                start_new_session=True,  # as torchrun's workers: own session and group
                 preexec_fn=prepare,
             )
         finally:
