@@ -162,3 +162,25 @@ def test_a_worker_sees_what_it_would_see_under_torchrun(tmp_path: Path) -> None:
                 assert (outs[mode] / f"atexit_{attempt}_{rank}").exists(), (mode, rank)
         assert (outs["torchrun"] / f"atexit_0_{rank}").exists()
     assert len(seen_random) == 6  # every rank of every attempt drew its own numbers
+
+
+@pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
+def test_main_module_is_the_one_python_makes(tmp_path: Path, as_module: bool) -> None:
+    target = (
+        ["-m", "tests.warm.programs.mainprobe"]
+        if as_module
+        else [str(HERE / "programs" / "mainprobe.py")]
+    )
+    env = clean_env(PROBE_OUT=str(tmp_path), PROBE_MODE="python")
+    direct = subprocess.run([sys.executable, "-u", *target], env=env, cwd=ROOT, timeout=60)
+    assert direct.returncode == 0
+    for mode, extra in (("warm", []), ("cold", ["--no-warm"])):
+        proc = stalwart(
+            "--nproc-per-node", "1", "--log-dir", tmp_path / mode, *extra, *target,
+            env=clean_env(PROBE_OUT=str(tmp_path), PROBE_MODE=mode),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    want = json.loads((tmp_path / "main_python.json").read_text())
+    assert want["main_at_exit"] and want["builtins_is_module"]
+    for mode in ("warm", "cold"):
+        assert json.loads((tmp_path / f"main_{mode}.json").read_text()) == want, mode
