@@ -166,11 +166,12 @@ def test_a_worker_sees_what_it_would_see_under_torchrun(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("as_module", [False, True], ids=["script", "module"])
 def test_main_module_is_the_one_python_makes(tmp_path: Path, as_module: bool) -> None:
-    target = (
-        ["-m", "tests.warm.programs.mainprobe"]
-        if as_module
-        else [str(HERE / "programs" / "mainprobe.py")]
-    )
+    # The script through a symbolic link: sys.path[0] is the folder of the file it points
+    # to, __file__ the link's absolute path.
+    link = tmp_path / "link" / "probe.py"
+    link.parent.mkdir()
+    link.symlink_to(HERE / "programs" / "mainprobe.py")
+    target = ["-m", "tests.warm.programs.mainprobe"] if as_module else [str(link)]
     env = clean_env(PROBE_OUT=str(tmp_path), PROBE_MODE="python")
     direct = subprocess.run([sys.executable, "-u", *target], env=env, cwd=ROOT, timeout=60)
     assert direct.returncode == 0
@@ -182,5 +183,6 @@ def test_main_module_is_the_one_python_makes(tmp_path: Path, as_module: bool) ->
         assert proc.returncode == 0, proc.stderr[-3000:]
     want = json.loads((tmp_path / "main_python.json").read_text())
     assert want["main_at_exit"] and want["builtins_is_module"]
+    assert want["path0"] == (str(ROOT) if as_module else str(HERE / "programs"))
     for mode in ("warm", "cold"):
         assert json.loads((tmp_path / f"main_{mode}.json").read_text()) == want, mode
