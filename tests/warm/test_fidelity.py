@@ -6,15 +6,19 @@ reason it must stay (docs/launcher.md, "What a worker sees"), or a failure."""
 from __future__ import annotations
 
 import json
+import os
+import pty
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, stalwart
+from tests.helpers import ROOT, clean_env, stalwart, stalwart_argv
 
 HERE = Path(__file__).parent
 PROBE = HERE / "programs" / "fingerprint.py"
@@ -186,3 +190,45 @@ def test_main_module_is_the_one_python_makes(tmp_path: Path, as_module: bool) ->
     assert want["path0"] == (str(ROOT) if as_module else str(HERE / "programs"))
     for mode in ("warm", "cold"):
         assert json.loads((tmp_path / f"main_{mode}.json").read_text()) == want, mode
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_a_worker_reads_the_terminal_as_under_torchrun(tmp_path: Path, mode: str) -> None:
+    # torchrun's workers lead a session of their own; ours used to lead only a process
+    # group in the launcher's session, a background job of the terminal: input() or
+    # breakpoint() stopped the worker with SIGTTIN and the job hung.
+    env = clean_env(**({} if mode == "warm" else {"STALWART_WARM": "0"}))
+    argv = stalwart_argv(
+        "--nproc-per-node", "1", "--shutdown-timeout", "1", "--log-dir", tmp_path,
+        HERE / "programs" / "reads_tty.py",
+    )  # fmt: skip
+    pid, fd = pty.fork()
+    if pid == 0:  # the launcher, with the terminal as its controlling one
+        try:
+            os.chdir(ROOT)
+            os.execve(argv[0], argv, env)
+        finally:
+            os._exit(127)
+    out = b""
+    sent = False
+    deadline = time.monotonic() + 90
+    try:
+        while b"got 'hello'" not in out and time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:  # the launcher ended: the terminal is gone
+                    break
+            if not sent and b"READY" in out:
+                os.write(fd, b"hello\n")
+                sent = True
+        assert b"got 'hello'" in out, out.decode(errors="replace")[-2000:]
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        pid = 0
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)  # the guardian takes the workers with it
+            os.waitpid(pid, 0)
+        os.close(fd)
