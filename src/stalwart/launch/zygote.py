@@ -232,16 +232,28 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
 HIGH_FD = 1000
 
 
+def learn_fd_floor(soft_limit: int) -> int | None:
+    """The lowest descriptor the learn pipe may move to under a soft RLIMIT_NOFILE of
+    *soft_limit* (negative: unlimited), or None to leave it where it is: HIGH_FD, or half
+    the limit where that is lower (the program keeps the room above for its own files),
+    never within 3..255."""
+    if soft_limit < 0 or soft_limit >= 2 * HIGH_FD:
+        return HIGH_FD
+    floor = soft_limit // 2
+    return floor if floor > 255 else None
+
+
 def _out_of_the_way(fd: int) -> int:
-    """Moves *fd* to the lowest free descriptor from HIGH_FD (or keeps it where the
-    descriptor limit is lower), close-on-exec: never inherited by the program's children."""
+    """Moves *fd* up to ``learn_fd_floor``, close-on-exec either way: never inherited by
+    the program's children."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft > HIGH_FD + 64:
-        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, HIGH_FD)
-        os.close(fd)
-        return high
-    os.set_inheritable(fd, False)
-    return fd
+    floor = learn_fd_floor(soft)
+    if floor is None:
+        os.set_inheritable(fd, False)
+        return fd
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+    os.close(fd)
+    return high
 
 
 def _adopted_by(launcher: int) -> None:
