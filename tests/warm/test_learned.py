@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.zygote import SETTLE_S, learned_modules, report_due
+from stalwart.launch.zygote import HIGH_FD, SETTLE_S, learn_fd_floor, learned_modules, report_due
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -36,3 +36,19 @@ def test_learned_modules_keeps_new_libraries_in_import_order() -> None:
     ]
     got = learned_modules(mods, known={"torch"}, own_dirs=["/job"])
     assert got == ["lightning", "jobby", "lightning.pytorch"]
+
+
+@pytest.mark.parametrize(
+    ("soft", "floor"),
+    [
+        (-1, HIGH_FD),  # unlimited
+        (1 << 20, HIGH_FD),
+        (2 * HIGH_FD, HIGH_FD),
+        (1024, 512),  # the usual default: half of it, the program keeps the rest
+        (512, 256),
+        (256, None),  # so few that any number it could take is one programs use
+        (64, None),
+    ],
+)
+def test_learn_fd_floor(soft: int, floor: int | None) -> None:
+    assert learn_fd_floor(soft) == floor

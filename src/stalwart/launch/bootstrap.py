@@ -17,10 +17,15 @@ It imports only the standard library, ``setproctitle`` and ``stalwart.launch.err
 from __future__ import annotations
 
 import atexit
+import builtins
+import io
 import os
 import runpy
 import signal
 import sys
+import types
+import zipimport
+from importlib.machinery import SourceFileLoader
 
 from stalwart.base import envvars
 from stalwart.monitor import stacks
@@ -71,10 +76,13 @@ def run_target(args: list[str]) -> None:
         if as_module:
             # -m semantics: sys.path[0] is the working directory.
             sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            _fresh_main()
+            # What ``python -m`` itself calls: the module runs in ``__main__``'s own
+            # namespace, ``sys.argv[0]`` becomes its file, and a missing module is
+            # "python: No module named X" with exit 1, as there.
+            runpy._run_module_as_main(target, True)  # type: ignore[attr-defined]
         else:
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            _run_script(target)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             write_error_file(exc)
@@ -83,6 +91,49 @@ def run_target(args: list[str]) -> None:
         _drop_own_frames(exc)
         write_error_file(exc)
         _exit_uncaught(exc)
+
+
+def _fresh_main() -> types.ModuleType:
+    """Installs the ``__main__`` module a new interpreter starts with (``__builtins__`` the
+    module, an empty ``__annotations__``); ours (the bootstrap's, or the template's) must
+    not show through to the program, and runpy's stand-in module lacks both."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__annotations__={}, __builtins__=builtins)
+    _previous_mains.append(sys.modules["__main__"])
+    sys.modules["__main__"] = main
+    return main
+
+
+def _is_zip(path: str) -> bool:
+    # How the interpreter tells (zipimport is always loaded: zipfile would import more).
+    try:
+        zipimport.zipimporter(path)
+    except zipimport.ZipImportError:
+        return False
+    return True
+
+
+# The modules ``_fresh_main`` replaced: our own code still runs in their namespaces.
+_previous_mains: list[types.ModuleType] = []
+
+
+def _run_script(target: str) -> None:
+    """``python SCRIPT``: ``__file__`` and the code's file name are the absolute path,
+    ``sys.path[0]`` the folder of the script's real path (symbolic links resolved), the
+    loader a ``SourceFileLoader``.  A folder or zip file with ``__main__.py`` goes
+    through runpy, as the interpreter's own does."""
+    path = os.path.abspath(target)
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
+    if not os.path.isfile(path) or path.endswith((".pyc", ".pyo")) or _is_zip(path):
+        runpy.run_path(target, run_name="__main__")
+        return
+    main = _fresh_main()
+    loader = SourceFileLoader("__main__", path)
+    main.__dict__.update(__file__=path, __cached__=None, __loader__=loader)
+    with io.open_code(path) as fh:
+        source = fh.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
 
 
 _interrupted = False

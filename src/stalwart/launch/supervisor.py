@@ -284,6 +284,8 @@ class Supervisor:
         """What ``run`` closes when it ends, in this order.  Each step looks at what
         exists when it runs: ``run`` may end before a resource was made."""
         return [
+            # First: no warm template is forked while the rest is torn down.
+            lambda: self._warm.stop_learning() if self._warm is not None else None,
             self._stop_workers,
             lambda: self._rdzv.leave() if self._rdzv is not None else None,
             lambda: self._progress.close() if self._progress is not None else None,

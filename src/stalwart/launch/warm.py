@@ -15,6 +15,7 @@ be used, the first one stays and learning stops for the run (one warning).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stalwart.base import envvars, procs
@@ -107,11 +108,15 @@ class WarmPool:
         self._proc: Template | None = None
         self._sock: socket.socket | None = None
         self._ready = False
-        self._lock = threading.Lock()
+        # Reentrant: ``paused()`` holds it around a scan that asks ``owned_pids()``.
+        self._lock = threading.RLock()
         self._modules: set[str] = set()  # what the serving template imported
         self._learned: list[str] = []  # learned modules, in import order
         self._next: tuple[Template, socket.socket] | None = None
         self._learning_off = False
+        # Set once the launcher's teardown began: from then on no template is forked or
+        # started, and nothing is emitted.
+        self._closing = False
         self._rebuilds = 0
         # Templates with learned modules are started from one thread that lives as long as
         # this pool: a child's parent-death signal fires when the thread that forked it
@@ -209,7 +214,7 @@ class WarmPool:
     def ensure(self) -> bool:
         """True when a usable template is running; restarts one that died."""
         with self._lock:
-            if self.disabled_reason is not None:
+            if self.disabled_reason is not None or self._closing:
                 return False
             if self._proc is not None and not self._alive():
                 code = self._proc.returncode
@@ -234,7 +239,7 @@ class WarmPool:
 
     def _learn(self, names: list[str]) -> None:
         with self._lock:
-            if self._learning_off:
+            if self._learning_off or self._closing:
                 return
             if self._learner is None:
                 self._learner = threading.Thread(
@@ -246,7 +251,12 @@ class WarmPool:
     def _learn_loop(self) -> None:
         while (names := self._learn_queue.get()) is not None:
             with self._lock:
-                if self._learning_off or self.disabled_reason or self._rebuilds >= MAX_REBUILDS:
+                if (
+                    self._learning_off
+                    or self._closing
+                    or self.disabled_reason
+                    or self._rebuilds >= MAX_REBUILDS
+                ):
                     continue
                 known = self._modules | set(self._learned)
                 new = [n for n in names if n not in known]
@@ -261,13 +271,14 @@ class WarmPool:
                     continue
                 self._next = (proc, sock)
                 self._rebuilds += 1
-            self.emit(
-                Event.TEMPLATE_LEARN,
-                template_pid=proc.pid,
-                learned=len(learned),
-                new=new[:20],
-                forked=isinstance(proc, ForkedProcess),
-            )
+                # Under the lock: once close() has begun, no event of ours follows.
+                self.emit(
+                    Event.TEMPLATE_LEARN,
+                    template_pid=proc.pid,
+                    learned=len(learned),
+                    new=new[:20],
+                    forked=isinstance(proc, ForkedProcess),
+                )
             self._adopt(proc, sock)
 
     def _fork_next(self, learned: list[str]) -> tuple[ForkedProcess, socket.socket] | None:
@@ -310,38 +321,39 @@ class WarmPool:
                 len(dropped),
                 "; ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else ""),
             )
-        old: tuple[Template | None, socket.socket | None] = (None, None)
+        # All of it under the lock, so that close() finds either the old template serving
+        # (and stops it) or the new one serving with the old one already stopped: never
+        # a template that another thread is still about to stop, or an event after it.
         with self._lock:
             self._next = None
-            closed = self._learning_off and self._sock is None
-            if info.get("ready") and self.disabled_reason is None and self._sock is not None:
-                old = (self._proc, self._sock)
-                self._proc, self._sock, self._ready = proc, sock, True
-                self._learned = list(info.get("learned") or [])
-                self._modules = set(info.get("modules") or []) | set(self._learned)
-            else:
-                self._learning_off = True
-        if old[0] is None:
-            _stop(proc, sock)
-            if closed:  # the launcher is shutting down
+            if self._closing:
+                _stop(proc, sock)
                 return
-            logger.warning(
-                "learned preload off for this run: the template with the modules the "
-                "program imported is not usable (%s)",
-                info.get("error", "closed"),
+            usable = info.get("ready") and self.disabled_reason is None and self._sock is not None
+            if not usable:
+                self._learning_off = True
+                _stop(proc, sock)
+                logger.warning(
+                    "learned preload off for this run: the template with the modules the "
+                    "program imported is not usable (%s)",
+                    info.get("error", "closed"),
+                )
+                self.emit(Event.TEMPLATE_LEARN_FAILED, reason=str(info.get("error", "closed")))
+                return
+            old = (self._proc, self._sock)
+            self._proc, self._sock, self._ready = proc, sock, True
+            self._learned = list(info.get("learned") or [])
+            self._modules = set(info.get("modules") or []) | set(self._learned)
+            self.emit(
+                Event.TEMPLATE_READY,
+                template_pid=proc.pid,
+                rss_bytes=info.get("rss"),
+                import_s=info.get("import_s"),
+                modules=info.get("modules"),
+                learned=info.get("learned"),
+                dropped=info.get("dropped"),
             )
-            self.emit(Event.TEMPLATE_LEARN_FAILED, reason=str(info.get("error", "closed")))
-            return
-        self.emit(
-            Event.TEMPLATE_READY,
-            template_pid=proc.pid,
-            rss_bytes=info.get("rss"),
-            import_s=info.get("import_s"),
-            modules=info.get("modules"),
-            learned=info.get("learned"),
-            dropped=info.get("dropped"),
-        )
-        _stop(old[0], old[1])
+            _stop(old[0], old[1])
 
     # -- workers -----------------------------------------------------------------------
     def spawn(
@@ -396,8 +408,17 @@ class WarmPool:
     def owned_pids(self) -> set[int]:
         """Every template process our ``Popen``s own: the serving one and one being
         prepared with learned modules."""
-        nxt = self._next
-        return {p.pid for p in (self._proc, nxt[0] if nxt else None) if p is not None}
+        with self._lock:
+            nxt = self._next
+            return {p.pid for p in (self._proc, nxt[0] if nxt else None) if p is not None}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No template is forked, started or retired while this is held: a caller that
+        scans the launcher's children for strays and spares ``owned_pids()`` sees every
+        template it must spare (a learned one forked mid-scan would look like an orphan)."""
+        with self._lock:
+            yield
 
     def _shutdown(self) -> None:
         _stop(self._proc, self._sock)
@@ -405,18 +426,39 @@ class WarmPool:
         self._proc = None
         self._ready = False
 
-    def close(self) -> None:
+    def stop_learning(self) -> None:
+        """The launcher's teardown began: no template is forked or started from now on,
+        and one being prepared with learned modules is stopped.  The serving template
+        stays until ``close``.  Safe to call more than once."""
         with self._lock:
-            self._shutdown()
+            self._closing = True
             self._learning_off = True
             if self._next is not None:
+                # Its socket shut, the thread waiting for it to be ready wakes at once.
                 _stop(*self._next)
                 self._next = None
+
+    def close(self) -> None:
+        """Stops every template; when it returns none is left, none will be forked and no
+        event of ours follows.  Safe to call more than once."""
+        self.stop_learning()
+        with self._lock:
+            self._shutdown()
+            learner = self._learner
         self._learn_queue.put(None)
+        if learner is not None and learner is not threading.current_thread():
+            # Bounded: all it could wait on (a template's reply, a learned template's
+            # readiness) was just stopped.
+            learner.join(self.ready_timeout)
 
 
 def _stop(proc: Template | None, sock: socket.socket | None) -> None:
     if sock is not None:
+        try:
+            # Wakes a thread blocked in recv() on it (close() alone would not).
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         sock.close()
     if proc is not None:
         if proc.poll() is None:

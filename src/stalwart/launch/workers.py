@@ -14,6 +14,7 @@ result once every worker succeeded or any failed), ``wait(timeout, period)``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -268,7 +269,7 @@ class ProcessContext:
                 env=self._env(spec),
                 stdout=out,
                 stderr=err,
-                process_group=0,
+                start_new_session=True,  # as torchrun's workers: own session and group
                 preexec_fn=prepare,
             )
         finally:
@@ -448,9 +449,18 @@ class ProcessContext:
             self._watcher.changed.clear()
             self._watcher.changed.wait(min(left, 0.05))
 
+    def _templates_paused(self) -> contextlib.AbstractContextManager[None]:
+        """While the launcher's children are scanned, no warm template is forked: one
+        born mid-scan is not yet among those spared, and would look like an orphan."""
+        return self.warm.paused() if self.warm is not None else contextlib.nullcontext()
+
     def strays(self) -> dict[int, float]:
         """Descendants of the workers, and orphans re-parented to us, that left every
         worker's process group (pid -> start time): what a group kill would miss."""
+        with self._templates_paused():
+            return self._strays()
+
+    def _strays(self) -> dict[int, float]:
         groups = {w.pid for w in self._workers.values()}
         # One pass over the process table per call (this runs every half second), not
         # one per worker as psutil's recursive children() would.
@@ -487,6 +497,10 @@ class ProcessContext:
         is usable), what we see as a child subreaper (descendants of the workers, and
         orphans re-parented to us), and the run token in the environment (processes of
         ours the kernel re-parented elsewhere, e.g. to a restarted template)."""
+        with self._templates_paused():
+            self._kill_strays_now(descendants)
+
+    def _kill_strays_now(self, descendants: set[int]) -> None:
         spare = self._spare()
         worker_pids = {w.pid for w in self._workers.values()}
         if self.cgroup is not None:

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import fcntl
 import gc
 import importlib
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -129,6 +131,10 @@ class _Reporter:
 
     def __init__(self, fd: int, known: set[str], own_dirs: list[str]) -> None:
         self.fd = fd
+        st = os.fstat(fd)
+        # The program may close the descriptor and open a file that gets its number:
+        # nothing of ours is ever written there.
+        self.identity = (st.st_dev, st.st_ino)
         self.known = known
         self.own_dirs = own_dirs
         self.t0 = self.changed = time.monotonic()
@@ -138,15 +144,23 @@ class _Reporter:
     def install(self) -> None:
         _thread.start_new_thread(self._run, ())
 
+    def _still_ours(self) -> bool:
+        try:
+            st = os.fstat(self.fd)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
     def _run(self) -> None:
         try:
             while self.check(time.monotonic()):
                 time.sleep(_CHECK_EVERY_S)
         finally:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
+            if self._still_ours():
+                try:
+                    os.close(self.fd)
+                except OSError:
+                    pass
 
     def check(self, now: float) -> bool:
         """Reports if due; whether to keep watching."""
@@ -158,6 +172,8 @@ class _Reporter:
             names = learned_modules(pairs, self.known, self.own_dirs)
             self.reported = count
             try:
+                if not self._still_ours():
+                    return False
                 os.write(self.fd, (json.dumps(names) + "\n").encode())
             except OSError:
                 return False  # the launcher stopped listening, or the program closed the fd
@@ -176,8 +192,10 @@ def _send(sock: socket.socket, obj: dict[str, Any]) -> None:
 def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> list[str]:
     """In the forked worker: take the state of a fresh interpreter; returns the argv."""
     sock.close()
-    os.setpgid(0, 0)
-    learn_fd = fds[3] if len(fds) > 3 else None
+    # Its own session (and so its own process group), as torchrun's workers: a program
+    # that checks ``os.getsid`` or opens a terminal sees what it would see there.
+    os.setsid()
+    learn_fd = _out_of_the_way(fds[3]) if len(fds) > 3 else None
     for target, fd in zip((0, 1, 2), fds[:3], strict=True):
         os.dup2(fd, target)
     for fd in fds[:3]:
@@ -202,12 +220,40 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
         torch.set_num_threads(int(threads))
     argv = list(req["argv"])
     if learn_fd is not None:
-        os.set_inheritable(learn_fd, False)  # never into the program's own children
         own = (
             req["cwd"] if argv[:1] == ["-m"] else os.path.dirname(os.path.join(req["cwd"], argv[0]))
         )
         _Reporter(learn_fd, set(sys.modules), [own]).install()
     return argv
+
+
+# Where the learn pipe goes in a worker: above the descriptors programs use by number
+# (``dup2(f, 3)``, ``closerange(3, 256)``), where it cannot take one the program expects.
+HIGH_FD = 1000
+
+
+def learn_fd_floor(soft_limit: int) -> int | None:
+    """The lowest descriptor the learn pipe may move to under a soft RLIMIT_NOFILE of
+    *soft_limit* (negative: unlimited), or None to leave it where it is: HIGH_FD, or half
+    the limit where that is lower (the program keeps the room above for its own files),
+    never within 3..255."""
+    if soft_limit < 0 or soft_limit >= 2 * HIGH_FD:
+        return HIGH_FD
+    floor = soft_limit // 2
+    return floor if floor > 255 else None
+
+
+def _out_of_the_way(fd: int) -> int:
+    """Moves *fd* up to ``learn_fd_floor``, close-on-exec either way: never inherited by
+    the program's children."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    floor = learn_fd_floor(soft)
+    if floor is None:
+        os.set_inheritable(fd, False)
+        return fd
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+    os.close(fd)
+    return high
 
 
 def _adopted_by(launcher: int) -> None:
