@@ -8,11 +8,16 @@ import time
 from dataclasses import dataclass
 
 from stalwart.base.events import Event
+from stalwart.checkpoint import ramlayout as rl
 from stalwart.launch import replicawire as wire
+from stalwart.launch.replica_ring import fetch_order
 from stalwart.launch.replica_segments import Emit, ReplicaHolder
 from stalwart.launch.replica_server import PeerAddress, connect
 
 logger = logging.getLogger(__name__)
+
+# A worker's own segment (``ramlayout.segment_name``), as opposed to a replica or pin.
+LOCAL_PREFIX = rl.segment_name(0).removesuffix(f"0{rl.SEGMENT_SUFFIX}")
 
 REPLICA_FETCHED = Event.REPLICA_FETCHED
 REPLICA_FETCH_FAILED = Event.REPLICA_FETCH_FAILED
@@ -55,13 +60,17 @@ def fetch_missing(
     peers: dict[int, PeerAddress],
     emit: Emit,
 ) -> list[Fetched]:
-    """For each of ``ranks`` this folder holds no snapshot of, copy the newest a peer has."""
+    """For each of ``ranks``, copy the newest snapshot a peer has, unless this folder
+    holds that step already (or the rank ran here: its own segment is the newest)."""
     out: list[Fetched] = []
     for rank in ranks:
         have = holder.newest(rank, world_size)
+        have_step: int | None = None
         if have is not None:
             have[0].close()
-            continue
+            if have[0].path.name.startswith(LOCAL_PREFIX):
+                continue  # the rank ran here: peers hold copies of this segment, not newer
+            have_step = have[2].step
         t0 = time.monotonic()
         offers: list[tuple[int, int, int]] = []  # (step, seq, node)
         errors: list[str] = []
@@ -73,8 +82,11 @@ def fetch_missing(
                 continue
             if man is not None:
                 offers.append((man.record.step, man.record.seq, node))
+        order = fetch_order(have_step, offers)
+        if have_step is not None and not order:
+            continue  # what this node holds is as new as any peer's
         got: Fetched | None = None
-        for _step, _seq, node in sorted(offers, reverse=True):
+        for node in order:
             try:
                 man = fetch(peers[node], holder, rank, world_size)
             except (OSError, wire.WireError) as exc:
@@ -97,6 +109,14 @@ def fetch_missing(
                 seconds=round(got.seconds, 4),
             )
             break
+        if got is None and have_step is not None:
+            logger.warning(
+                "rank %d restores from its older replica at step %d: %s",
+                rank,
+                have_step,
+                "; ".join(errors),
+            )
+            continue
         if got is None:
             why = "; ".join(errors) or "no peer holds a snapshot of it"
             got = Fetched(rank, None, None, 0, time.monotonic() - t0, why)

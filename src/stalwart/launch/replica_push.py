@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,11 @@ class Replicator:
         emit: Emit,
         *,
         poll_s: float = 0.05,
+        after_pass: Callable[[], None] | None = None,
     ) -> None:
+        """``after_pass``: called on this thread after each look at the segments."""
         self._folder = folder
+        self._after_pass = after_pass
         self._nproc = nproc
         self._kv = kv
         self._emit = emit
@@ -137,6 +141,11 @@ class Replicator:
                         self._pass(ring, segs)
                     except Exception:
                         logger.exception("replication pass failed; trying again")
+                if self._after_pass is not None:
+                    try:
+                        self._after_pass()
+                    except Exception:
+                        logger.exception("after a replication pass")
                 with self._cond:
                     if self._stop:
                         return

@@ -16,3 +16,12 @@ def effective_replicas(flag: int | None, max_nodes: int) -> int:
     if flag is None:
         return 1 if max_nodes >= 2 else 0
     return flag
+
+
+def fetch_order(have_step: int | None, offers: list[tuple[int, int, int]]) -> list[int]:
+    """The nodes to fetch a rank's snapshot from, best first, given the ``(step, seq,
+    node)`` each offers and the step this node holds already (None: nothing): only a
+    newer step is worth the copy, the newest first (seq breaks a tie within a node's
+    segment; between nodes the lower node rank)."""
+    newer = [o for o in offers if have_step is None or o[0] > have_step]
+    return [node for _, _, node in sorted(newer, key=lambda o: (-o[0], -o[1], o[2]))]

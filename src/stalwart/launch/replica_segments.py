@@ -70,10 +70,14 @@ class SegmentFile:
         start = rl.data_offset(slot, self.slot_bytes) + offset
         return memoryview(self._map)[start : start + length]
 
-    def populate(self) -> None:
-        """Fill this mapping's page tables now rather than one fault per page later."""
+    def populate(self, length: int | None = None) -> None:
+        """Fill this mapping's page tables now rather than one fault per page later
+        (the first ``length`` bytes only, when given: the rest may be a hole)."""
         try:
-            self._map.madvise(_MADV_POPULATE_WRITE)
+            if length is None:
+                self._map.madvise(_MADV_POPULATE_WRITE)
+            else:
+                self._map.madvise(_MADV_POPULATE_WRITE, 0, length)
         except (OSError, ValueError) as exc:
             logger.debug("could not pre-fault %s: %s", self.path, exc)
 
@@ -111,13 +115,56 @@ class NoRoom(Exception):
     """No memory for a replica segment; the message is one line."""
 
 
+def allocate_segment(path: Path, size: int, *, book: int | None = None) -> None:
+    """Create a segment file of ``size`` bytes at ``path``, its first ``book`` bytes (all
+    by default) reserved now; the rest stays a hole that takes no memory until written.
+    Raises ``NoRoom`` (one line) when the folder or the host lacks the memory."""
+    booked = size if book is None else min(book, size)
+    folder = path.parent
+    try:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+    except OSError as exc:
+        raise NoRoom(f"cannot use {folder}: {exc.strerror}") from None
+    memory = psutil.virtual_memory().available
+    if booked > min(free, memory):
+        where = f"{folder} has {_mib(free)}" if free < memory else f"{_mib(memory)} is"
+        raise NoRoom(f"needs {_mib(booked)} but {where} free")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        no_room = reserve(fd, booked)
+        if no_room is not None:
+            raise NoRoom(f"cannot reserve {_mib(booked)} in {folder} ({no_room})")
+        if booked < size:
+            os.ftruncate(fd, size)
+        # Named only once whole: a worker never maps a half-reserved segment.
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+
+
 class ReplicaHolder:
     """This node's replicas of other nodes' ranks, in its snapshot folder."""
 
-    def __init__(self, folder: Path, slot_bytes: int, emit: Emit, *, reserve: int = 0) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        slot_bytes: int,
+        emit: Emit,
+        *,
+        reserve: int = 0,
+        on_commit: Callable[[rl.CommitRecord], None] | None = None,
+    ) -> None:
         """``reserve``: segments to allocate now, so that taking a rank's first replica
         (a spare's fetch after a node loss included) does not wait for the allocation,
-        and a host without the memory says so at start-up."""
+        and a host without the memory says so at start-up. ``on_commit``: called with
+        each replica's record once it is committed (the pins follow it)."""
+        self.on_commit = on_commit
         self.folder = folder
         self.slot_bytes = slot_bytes
         self.segment_bytes = rl.segment_bytes(slot_bytes)
@@ -195,31 +242,7 @@ class ReplicaHolder:
             seg.close()
 
     def _allocate(self, path: Path) -> None:
-        try:
-            st = os.statvfs(self.folder)
-            free = st.f_bavail * st.f_frsize
-        except OSError as exc:
-            raise NoRoom(f"cannot use {self.folder}: {exc.strerror}") from None
-        memory = psutil.virtual_memory().available
-        if self.segment_bytes > min(free, memory):
-            where = f"{self.folder} has {_mib(free)}" if free < memory else f"{_mib(memory)} is"
-            raise NoRoom(f"needs {_mib(self.segment_bytes)} but {where} free")
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            no_room = reserve(fd, self.segment_bytes)
-            if no_room is not None:
-                raise NoRoom(
-                    f"cannot reserve {_mib(self.segment_bytes)} in {self.folder} ({no_room})"
-                )
-            # Named only once whole: a worker never maps a half-reserved segment.
-            os.rename(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
+        allocate_segment(path, self.segment_bytes)
 
     def receive(
         self, sock: socket.socket, manifest: wire.Manifest, *, announce: bool
@@ -277,6 +300,11 @@ class ReplicaHolder:
                 # The job went back to an older step: the newer replica is not its future.
                 seg.invalidate(other)
         self._no_room_told.discard(rec.rank)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(rec)
+            except Exception:  # the replica stands; the pin is an extra
+                logger.exception("could not pin the step of rank %d's replica", rec.rank)
         return wire.Reply(True)
 
     def newest(self, rank: int, world_size: int) -> tuple[SegmentFile, int, rl.CommitRecord] | None:

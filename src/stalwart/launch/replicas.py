@@ -27,6 +27,7 @@ from stalwart.launch.replica_fetch import (
     fetch_missing,
     offer,
 )
+from stalwart.launch.replica_pins import Pins
 from stalwart.launch.replica_push import (
     REPLICA_PEER_LOST,
     REPLICA_REFUSED,
@@ -135,13 +136,32 @@ class NodeReplicas:
         # In a steady ring this node holds the replicas of K nodes' ranks (as many as it
         # runs, with the same --nproc-per-node everywhere).
         reserve = min(k, max(0, max_nodes - 1)) * nproc
-        self.holder = ReplicaHolder(folder, slot_bytes, emit, reserve=reserve)
+        self.pins: Pins | None = None
+        if reserve:
+            try:
+                self.pins = Pins(folder, slot_bytes, nproc)
+            except NoRoom as exc:
+                error = f"no room to pin this node's snapshots at its replicas' step ({exc})"
+                logger.warning("%s", error)
+                emit(REPLICA_NO_ROOM, rank=None, error=error)
+        pins = self.pins
+        self.holder = ReplicaHolder(
+            folder,
+            slot_bytes,
+            emit,
+            reserve=reserve,
+            on_commit=None if pins is None else lambda rec: pins.follow(rec.step, rec.world_size),
+        )
         self.server = ReplicaServer(self.holder, addr, lambda: self._node)
         try:
-            self.replicator = Replicator(folder, nproc, kv, emit)
+            self.replicator = Replicator(
+                folder, nproc, kv, emit, after_pass=None if pins is None else pins.drop_stale
+            )
         except BaseException:
             self.server.close()
             self.holder.close()
+            if pins is not None:
+                pins.close()
             raise
 
     def begin_round(
@@ -169,3 +189,5 @@ class NodeReplicas:
         self.replicator.close()
         self.server.close()
         self.holder.close()
+        if self.pins is not None:
+            self.pins.close()
