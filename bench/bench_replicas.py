@@ -39,7 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 from common import fmt, machine, med, show, spread  # noqa: E402
-from netns import Host, Network, free_port, netns_usable  # noqa: E402
+from netns import Host, Network, free_port, netns_usable, rdzv_args  # noqa: E402
 
 JOB = ROOT / "bench" / "ram_train.py"
 CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3,join_timeout=60"
@@ -53,20 +53,14 @@ def _launch(
     host: Host, work: Path, endpoint: str, name: str, mode: str, state_mb: int
 ) -> subprocess.Popen[str]:
     return host.stalwart(
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        "3",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "bench",
-        "--rdzv-conf",
-        CONF,
+        *rdzv_args(
+            backend="c10d",
+            endpoint=endpoint,
+            nnodes="1:2",
+            run_id="bench",
+            conf=CONF,
+            max_restarts=3,
+        ),
         "--shutdown-timeout",
         "3",
         "--ckpt-ram",

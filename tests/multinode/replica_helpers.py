@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,26 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
 def server(mem: SnapshotMemory, events: Events, node: int) -> rp.ReplicaServer:
     holder = rp.ReplicaHolder(mem.folder, mem.slot_bytes, events)
     return rp.ReplicaServer(holder, "127.0.0.1", lambda: node)
+
+
+@contextmanager
+def replicating(
+    kv: rp.KVLike,
+    sender: SnapshotMemory,
+    nproc: int,
+    ring: rp.Ring,
+    receivers: dict[int, rp.ReplicaServer],
+    events: Events,
+) -> Iterator[rp.Replicator]:
+    """``sender``'s replicator on ``ring``, the receivers' servers published for it;
+    the replicator and the servers are closed after."""
+    for node, srv in receivers.items():
+        rp.publish(kv, ring.round, node, srv.address)
+    rep = rp.Replicator(sender.folder, nproc, kv, events, poll_s=0.02)
+    try:
+        rep.set_ring(ring)
+        yield rep
+    finally:
+        rep.close()
+        for srv in receivers.values():
+            srv.close()

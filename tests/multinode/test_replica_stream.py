@@ -25,7 +25,17 @@ from stalwart.launch import replicawire as wire
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 
-from .replica_helpers import SLOT, WORLD, Events, replica_steps, server, snapshot, state, wait_for
+from .replica_helpers import (
+    SLOT,
+    WORLD,
+    Events,
+    replica_steps,
+    replicating,
+    server,
+    snapshot,
+    state,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,11 +72,7 @@ def test_newest_snapshot_reaches_the_next_node_and_loads_there(
 ) -> None:
     a, b = make_node("a", nproc=2), make_node("b", nproc=2)
     ev_a, ev_b = Events(), Events()
-    srv = server(b, ev_b, 1)
-    rp.publish(kv, 0, 1, srv.address)
-    rep = rp.Replicator(a.folder, 2, kv, ev_a, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 2, 1))
+    with replicating(kv, a, 2, rp.Ring(0, 0, 2, 1), {1: server(b, ev_b, 1)}, ev_a):
         snapshot(a, 0, rank=0, step=3)
         snapshot(a, 1, rank=1, step=3)
         wait_for(lambda: replica_steps(b.folder, 1) == [3], "rank 1's step 3 on node b")
@@ -75,9 +81,6 @@ def test_newest_snapshot_reaches_the_next_node_and_loads_there(
         # The replica keeps two generations, like the local segment.
         wait_for(lambda: replica_steps(b.folder, 1) == [4, 3], "step 4 after step 3")
         wait_for(lambda: replica_steps(b.folder, 0) == [4, 3], "rank 0 too")
-    finally:
-        rep.close()
-        srv.close()
     (snap,) = [s for s in find_snapshots(b.folder, 1, WORLD) if s.step == 4]
     got = load_snapshot(snap)
     assert got["step"] == 4 and torch.equal(got["w"], state(4, 1)["w"])
@@ -160,11 +163,7 @@ def test_a_lost_peer_moves_replication_to_the_next_node(
     a, b, c = make_node("a"), make_node("b"), make_node("c")
     ev = Events()
     srv_b, srv_c = server(b, Events(), 1), server(c, Events(), 2)
-    rp.publish(kv, 0, 1, srv_b.address)
-    rp.publish(kv, 0, 2, srv_c.address)
-    rep = rp.Replicator(a.folder, 1, kv, ev, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 3, 1))
+    with replicating(kv, a, 1, rp.Ring(0, 0, 3, 1), {1: srv_b, 2: srv_c}, ev) as rep:
         snapshot(a, 0, rank=0, step=1)
         wait_for(lambda: replica_steps(b.folder, 0) == [1], "step 1 on node 1")
         assert replica_steps(c.folder, 0) == []
@@ -178,9 +177,6 @@ def test_a_lost_peer_moves_replication_to_the_next_node(
         # A new round forgets the loss: the ring is recomputed from who joined.
         rep.set_ring(rp.Ring(1, 0, 2, 1))
         assert rep.targets() == [1]
-    finally:
-        rep.close()
-        srv_c.close()
     assert ev.kinds().count(rp.REPLICA_PEER_LOST) == 1
 
 
@@ -209,11 +205,7 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
     a = make_node("a", nproc=2)
     b = make_node("b", base=tiny_tmpfs)  # its own local segment takes most of the room
     ev_a, ev_b = Events(), Events()
-    srv = server(b, ev_b, 1)
-    rp.publish(kv, 0, 1, srv.address)
-    rep = rp.Replicator(a.folder, 2, kv, ev_a, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 2, 1))
+    with replicating(kv, a, 2, rp.Ring(0, 0, 2, 1), {1: server(b, ev_b, 1)}, ev_a) as rep:
         for step in (1, 2):
             snapshot(a, 0, rank=0, step=step)
             snapshot(a, 1, rank=1, step=step)
@@ -233,9 +225,6 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
         # Nothing half-reserved is left behind, and the sender's thread is still alive.
         assert sorted(p.name for p in b.folder.iterdir()) == ["local_0.snap", "owner.json"]
         assert rep.targets() == [1]
-    finally:
-        rep.close()
-        srv.close()
 
 
 def test_a_node_taking_over_a_rank_fetches_the_newest_replica(

@@ -54,13 +54,11 @@ class SegmentFile:
             os.close(fd)
 
     def record(self, slot: int) -> rl.CommitRecord | None:
-        at = rl.header_offset(slot, self.slot_bytes)
-        return rl.decode_header(self._map[at : at + rl.SLOT_HEADER])
+        return rl.slot_record(self._map, slot, self.slot_bytes)
 
     def records(self) -> list[tuple[int, rl.CommitRecord]]:
         """Committed slots, newest (highest seq) first."""
-        found = [(s, r) for s in range(rl.GENERATIONS) if (r := self.record(s)) is not None]
-        return sorted(found, key=lambda sr: sr[1].seq, reverse=True)
+        return rl.committed_slots(self._map, self.slot_bytes)
 
     def newest_of(self, rank: int, world_size: int) -> tuple[int, rl.CommitRecord] | None:
         mine = [(s, r) for s, r in self.records() if r.rank == rank and r.world_size == world_size]
