@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -80,18 +81,19 @@ def test_fetch_order(have: int | None, offers: list[tuple[int, int, int]], want:
 
 
 _RESTORE = """
-import json, sys
+import json, logging, sys
 from datetime import timedelta
 from torch.distributed import TCPStore
 from stalwart.checkpoint import restore
 root, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+logging.basicConfig(level=logging.INFO)
 got = restore(root, rank=rank, world_size=2, store=store, timeout_s=60)
 print(json.dumps(None if got is None else [got.step, got.source, float(got.state_dict["w"][0])]))
 """
 
 
-def _agree(root: Path, folders: list[Path]) -> list[object]:
+def _start_restores(root: Path, folders: list[Path]) -> list[subprocess.Popen[str]]:
     """Each rank restores in its own process from its node's folder, as in a job."""
     store = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=60))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
@@ -106,12 +108,44 @@ def _agree(root: Path, folders: list[Path]) -> list[object]:
         )
         for rank, folder in enumerate(folders)
     ]
+    _stores.append(store)  # the store lives as long as the test's processes
+    return procs
+
+
+_stores: list[TCPStore] = []
+
+
+def _wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 60) -> None:
+    """Read ``proc``'s stderr until a line holds ``text`` (the rest is kept for later)."""
+    assert proc.stderr is not None
+    seen: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            seen.append(line)
+            if text in line:
+                found.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert found.wait(timeout), "".join(seen)[-2000:]
+
+
+def _results(procs: list[subprocess.Popen[str]]) -> list[object]:
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=90)
         assert p.returncode == 0, stderr[-2000:]
         out.append(json.loads(stdout.strip().splitlines()[-1]))
+    _stores.clear()
     return out
+
+
+def _agree(root: Path, folders: list[Path]) -> list[object]:
+    return _results(_start_restores(root, folders))
 
 
 def _persist(root: Path, step: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,3 +218,44 @@ def test_a_node_holding_an_old_replica_of_a_rank_it_takes_over_fetches_a_newer_o
         spare_holder.close()
         srv_a.close()
         srv_spare.close()
+
+
+def test_a_spare_starts_its_workers_while_it_fetches_and_their_restore_waits_for_it(
+    kv: C10dKV, make_node: Callable[..., SnapshotMemory], tmp_path: Path
+) -> None:
+    """The spare's launcher returns from ``begin_round`` at once (its workers start
+    while the copy runs); a worker's restore waits until the copy is in."""
+    a, b, spare = make_node("a"), make_node("b"), make_node("spare")
+    ev = Events()
+    srv_a = server(a, Events(), 0)
+    node_s = rp.NodeReplicas(spare.folder, spare.slot_bytes, 1, 1, kv, "127.0.0.1", ev, max_nodes=3)
+    marker = spare.folder / rl.FETCHING_MARKER
+    try:
+        snapshot(a, 0, rank=0, step=4, world=WORLD)
+        snapshot(b, 0, rank=1, step=4, world=WORLD)
+        src = rp.SegmentFile(b.folder / rl.segment_name(0), writable=False)
+        (slot, rec), *_ = src.records()
+        assert rp.push(srv_a.address, src, slot, rec, 1) == ""
+        src.close()
+        rp.publish(kv, 1, 0, srv_a.address)
+        # Node a's server is slow to answer for rank 1: the fetch cannot finish.
+        slow = srv_a.holder.lock(1)
+        slow.acquire()
+        try:
+            returned = threading.Event()
+            threading.Thread(
+                target=lambda: (node_s.begin_round(1, 1, 2, 1, WORLD), returned.set()),
+                daemon=True,
+            ).start()
+            assert returned.wait(5), "begin_round waited for the fetch"
+            assert marker.exists()
+            procs = _start_restores(tmp_path / "ckpt", [a.folder, spare.folder])
+            _wait_for_line(procs[1], "waiting for the launcher to fetch snapshots")
+        finally:
+            slow.release()
+        assert [(f.rank, f.step) for f in node_s.wait_fetched(30)] == [(1, 4)]
+        assert not marker.exists()
+        assert _results(procs) == [[4, "ram", 40.0], [4, "ram", 41.0]]
+    finally:
+        node_s.close()
+        srv_a.close()

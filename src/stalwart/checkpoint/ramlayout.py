@@ -32,6 +32,9 @@ SLOT_HEADER = 4096
 PAGE = 4096
 FORMAT = "stalwart-ram/1"
 SEGMENT_SUFFIX = ".snap"
+#: Present in the folder while the launcher copies in snapshots from peers (a node that
+#: took over a lost node's ranks): a restore waits for it to go before it looks.
+FETCHING_MARKER = ".fetching"
 _PREFIX = struct.Struct("<QQ")
 
 

@@ -16,10 +16,13 @@ The stream's steps are in ``replicawire``; what goes on is in ``events.jsonl``
 """
 
 import logging
+import threading
 import time
 from pathlib import Path
 
+from stalwart.checkpoint import ramlayout as rl
 from stalwart.launch.replica_fetch import (
+    LOCAL_PREFIX,
     REPLICA_FETCH_FAILED,
     REPLICA_FETCHED,
     Fetched,
@@ -96,6 +99,8 @@ logger = logging.getLogger(__name__)
 
 # -- the supervisor's handle -----------------------------------------------------------
 _PEERS_WAIT_S = 5.0
+# A fetch ends at its sockets' timeouts; closing does not wait that long for it.
+_CLOSE_FETCH_WAIT_S = 2.0
 
 
 def advertised_address(rdzv: object) -> tuple[KVLike, str] | None:
@@ -133,6 +138,8 @@ class NodeReplicas:
         self._nproc = nproc
         self._emit = emit
         self._node = -1
+        self._fetching: threading.Thread | None = None
+        self.fetched: list[Fetched] = []
         # In a steady ring this node holds the replicas of K nodes' ranks (as many as it
         # runs, with the same --nproc-per-node everywhere).
         reserve = min(k, max(0, max_nodes - 1)) * nproc
@@ -166,26 +173,66 @@ class NodeReplicas:
 
     def begin_round(
         self, round_: int, node: int, nodes: int, base_rank: int, world_size: int
-    ) -> list[Fetched]:
+    ) -> None:
         """Publish this node's server, point the sender at the new ring, and bring in
-        the snapshots of ranks this node now runs and holds none of (after a node loss)."""
+        the snapshots of ranks this node now runs and holds none of (after a node loss).
+
+        The copy runs on a thread while the launcher starts its workers (their start-up,
+        seconds, overlaps it); the folder holds ``FETCHING_MARKER`` until it is done, and
+        a worker's restore waits for that."""
+        self.wait_fetched()
         self._node = node
         self.replicator.set_ring(None)
         publish(self._kv, round_, node, self.server.address)
         self.replicator.set_ring(Ring(round_, node, nodes, min(self.k, nodes - 1)))
         if round_ == 0 or nodes < 2:
-            return []  # a new job: nobody holds anything yet
-        others = [n for n in range(nodes) if n != node]
-        deadline = time.monotonic() + _PEERS_WAIT_S
-        peers = lookup(self._kv, round_, others)
-        # Every node publishes right after it joins; a few ms apart.
-        while len(peers) < len(others) and time.monotonic() < deadline:
-            time.sleep(0.02)
-            peers = lookup(self._kv, round_, others)
+            return  # a new job: nobody holds anything yet
         ranks = [base_rank + lr for lr in range(self._nproc)]
-        return fetch_missing(self.holder, ranks, world_size, peers, self._emit)
+        if not any(not self._ran_here(rank, world_size) for rank in ranks):
+            return  # a survivor: its own segments are the newest of its ranks
+        marker = self.holder.folder / rl.FETCHING_MARKER
+        marker.touch()
+        self.fetched = []
+        self._fetching = threading.Thread(
+            target=self._fetch,
+            args=(round_, node, nodes, ranks, world_size, marker),
+            name="stalwart-replica-fetch",
+            daemon=True,
+        )
+        self._fetching.start()
+
+    def _ran_here(self, rank: int, world_size: int) -> bool:
+        have = self.holder.newest(rank, world_size)
+        if have is None:
+            return False
+        have[0].close()
+        return have[0].path.name.startswith(LOCAL_PREFIX)
+
+    def _fetch(
+        self, round_: int, node: int, nodes: int, ranks: list[int], world_size: int, marker: Path
+    ) -> None:
+        try:
+            others = [n for n in range(nodes) if n != node]
+            deadline = time.monotonic() + _PEERS_WAIT_S
+            peers = lookup(self._kv, round_, others)
+            # Every node publishes right after it joins; a few ms apart.
+            while len(peers) < len(others) and time.monotonic() < deadline:
+                time.sleep(0.02)
+                peers = lookup(self._kv, round_, others)
+            self.fetched = fetch_missing(self.holder, ranks, world_size, peers, self._emit)
+        except Exception:
+            logger.exception("fetching snapshots from peers failed; workers restore without")
+        finally:
+            marker.unlink(missing_ok=True)
+
+    def wait_fetched(self, timeout: float | None = None) -> list[Fetched]:
+        """What the last round's fetch brought in, once it is done."""
+        if self._fetching is not None:
+            self._fetching.join(timeout)
+        return self.fetched
 
     def close(self) -> None:
+        self.wait_fetched(_CLOSE_FETCH_WAIT_S)
         self.replicator.close()
         self.server.close()
         self.holder.close()
