@@ -57,9 +57,12 @@ def save_final(model: torch.nn.Module, out: Path, rank: int) -> None:
     dist.barrier()
 
 
-def record_attempt(out: Path, **fields: object) -> None:
+def record_attempt(
+    out: Path, attempt: int, rank: int, world: int, start: int, **more: object
+) -> None:
     """One line of ``attempts.jsonl`` per rank and attempt: where it started from."""
-    row = {**fields, "group_rank": int(os.environ["GROUP_RANK"])}
+    row = {"attempt": attempt, "rank": rank, "world": world, "start": start, **more}
+    row["group_rank"] = int(os.environ["GROUP_RANK"])
     with open(out / "attempts.jsonl", "a") as fh:
         fh.write(json.dumps(row) + "\n")
 
@@ -100,14 +103,7 @@ def train(steps: int, out: Path, step_s: float) -> None:
         opt.load_state_dict(state["opt"])
         start = state["step"] + 1
     ddp = DistributedDataParallel(model)
-    record_attempt(
-        out,
-        attempt=attempt,
-        rank=rank,
-        world=world,
-        start=start,
-        host_addr=os.environ["MASTER_ADDR"],
-    )
+    record_attempt(out, attempt, rank, world, start, host_addr=os.environ["MASTER_ADDR"])
     for step in range(start, steps):
         train_step(ddp, opt, step, rank, world)
         if rank == 0:

@@ -64,10 +64,10 @@ def train(
         ddp = DistributedDataParallel(model)
         record_attempt(
             out,
-            attempt=attempt,
-            rank=rank,
-            world=world,
-            start=start,
+            attempt,
+            rank,
+            world,
+            start,
             source=source,
             newest_disk=max(disk, default=None),
             process_start=t_start,

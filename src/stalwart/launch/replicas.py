@@ -9,10 +9,16 @@ for its snapshots (``checkpoint.ram.find_snapshots``) finds replicas too, and th
 agreement (``checkpoint.resume``) counts their steps. A replica is committed only after
 all its bytes arrived and their checksums match the manifest's: a torn one is never used.
 
+A node pins its own ranks' snapshot at the step of each replica it commits
+(``replica_pins``), so a lagging replica still shares a step with the survivors.
+
 When a node takes over ranks it holds no snapshot of (a spare after a node loss), its
-launcher asks the others for them before starting its workers (``fetch_missing``).
-The stream's steps are in ``replicawire``; what goes on is in ``events.jsonl``
-(``REPLICA_*`` below).
+launcher asks the others for them while its workers start (``fetch_missing``; a
+worker's restore waits for the copy). The parts: ``replica_ring`` (decisions),
+``replica_segments``, ``replica_server``, ``replica_push``, ``replica_fetch``,
+``replica_pins``; the stream's steps are in ``replicawire``; what goes on is in
+``events.jsonl`` (``REPLICA_*`` below). This module is the supervisor's handle and
+names the parts' public names in one place.
 """
 
 import logging
