@@ -141,7 +141,12 @@ def once(mode: str, a: Host, b: Host, c: Host, work: Path, state_mb: int) -> dic
         settle = 1.5 * max(imports, default=0.0)
         if not _wait(lambda: time.monotonic() - t_spare >= settle, "spare", [pa, pb, pc], 120):
             return {}
-        if not _wait(lambda: (_progress(work) or (0, -1))[1] >= KILL_AT, "steps", [pa, pc], 120):
+        # The kill comes at the same place between two disk steps in every run (the
+        # spare's wait may have taken the job past KILL_AT).
+        period = SAVE_EVERY * PERSIST_EVERY
+        now = (_progress(work) or (0, 0))[1]
+        kill_at = KILL_AT + max(0, -(-(now - KILL_AT) // period)) * period
+        if not _wait(lambda: (_progress(work) or (0, -1))[1] >= kill_at, "steps", [pa, pc], 120):
             return {}
         # Which step each rank had committed is unknown to the bench: count redone steps
         # from the newest step any rank reported, read just before the kill.
