@@ -35,6 +35,7 @@ from netns import (  # noqa: E402
     etcd_binary,
     free_port,
     netns_usable,
+    rdzv_args,
     start_etcd,
     stop_etcd,
 )
@@ -52,20 +53,13 @@ def _launcher(method: str) -> list[str]:
 def _rdzv_args(method: str, endpoint: str, is_host: bool, nnodes: str) -> list[str]:
     backend = "etcd" if "etcd" in method else "c10d"
     conf = CONF + (",is_host=1" if is_host else ",is_host=0") if backend == "c10d" else CONF
-    return [
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        backend,
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        f"bench{time.monotonic_ns()}",
-        "--rdzv-conf",
-        conf,
-    ]
+    return rdzv_args(
+        backend=backend,
+        endpoint=endpoint,
+        nnodes=nnodes,
+        run_id=f"bench{time.monotonic_ns()}",
+        conf=conf,
+    )
 
 
 def _start(

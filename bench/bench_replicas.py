@@ -39,7 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 from common import fmt, machine, med, show, spread  # noqa: E402
-from netns import Host, Network, free_port, netns_usable  # noqa: E402
+from netns import Host, Network, free_port, netns_usable, rdzv_args  # noqa: E402
 
 JOB = ROOT / "bench" / "ram_train.py"
 CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=3,last_call_timeout=3,join_timeout=60"
@@ -53,20 +53,14 @@ def _launch(
     host: Host, work: Path, endpoint: str, name: str, mode: str, state_mb: int
 ) -> subprocess.Popen[str]:
     return host.stalwart(
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        "3",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "bench",
-        "--rdzv-conf",
-        CONF,
+        *rdzv_args(
+            backend="c10d",
+            endpoint=endpoint,
+            nnodes="1:2",
+            run_id="bench",
+            conf=CONF,
+            max_restarts=3,
+        ),
         "--shutdown-timeout",
         "3",
         "--ckpt-ram",
@@ -130,10 +124,29 @@ def once(mode: str, a: Host, b: Host, c: Host, work: Path, state_mb: int) -> dic
         if not _wait(lambda: (_progress(work) or (0, -1))[1] >= 3, "start", [pa, pb], 120):
             return {}
         pc = _launch(c, work, endpoint, "c", mode, state_mb)
+        t_spare = time.monotonic()
         spare = lambda: "waiting as a spare" in (work / "c.out").read_text()  # noqa: E731
         if not _wait(spare, "spare", [pa, pb, pc], 60):
             return {}
-        if not _wait(lambda: (_progress(work) or (0, -1))[1] >= KILL_AT, "steps", [pa, pc], 120):
+        # A spare has usually waited long enough for its warm template (torch imported)
+        # to be ready; one that joined seconds before the loss would start its worker
+        # cold, and that, not the replica, would be timed. Its readiness shows in no
+        # event before its first spawn, so give it half as long again as a's and b's
+        # templates took to import on this machine a moment ago.
+        imports = [
+            float(str(e["import_s"]))
+            for e in _events(work / "logs-a") + _events(work / "logs-b")
+            if e["event"] == "template_ready" and e.get("import_s") is not None
+        ]
+        settle = 1.5 * max(imports, default=0.0)
+        if not _wait(lambda: time.monotonic() - t_spare >= settle, "spare", [pa, pb, pc], 120):
+            return {}
+        # The kill comes at the same place between two disk steps in every run (the
+        # spare's wait may have taken the job past KILL_AT).
+        period = SAVE_EVERY * PERSIST_EVERY
+        now = (_progress(work) or (0, 0))[1]
+        kill_at = KILL_AT + max(0, -(-(now - KILL_AT) // period)) * period
+        if not _wait(lambda: (_progress(work) or (0, -1))[1] >= kill_at, "steps", [pa, pc], 120):
             return {}
         # Which step each rank had committed is unknown to the bench: count redone steps
         # from the newest step any rank reported, read just before the kill.
@@ -181,6 +194,11 @@ def once(mode: str, a: Host, b: Host, c: Host, work: Path, state_mb: int) -> dic
         spawned = [e for e in ev_c if e["event"] == "worker_spawn" and e["attempt"] != 0]
         if spawned:
             out["spawn_s"] = float(spawned[0]["time"]) - t_kill
+        # Inside the workers: started (imports done), restored, per rank of the new attempt.
+        for r in later:
+            who = "spare" if int(str(r["rank"])) == 1 else "survivor"
+            out[f"{who}_started_s"] = float(str(r["process_start"])) - t_kill
+            out[f"{who}_restored_s"] = float(str(r["restored_at"])) - t_kill
         print(
             f"  {mode}: resumed {out['resumed_s']:.2f} s after the kill, from {sources}, "
             f"{int(out['redone'])} steps redone"
@@ -289,6 +307,10 @@ def main() -> int:
                 fmt(med(col("rendezvous_s"))),
                 fmt(med(col("fetch_s"))),
                 fmt(med(col("spawn_s"))),
+                fmt(med(col("survivor_started_s"))),
+                fmt(med(col("spare_started_s"))),
+                fmt(med(col("survivor_restored_s"))),
+                fmt(med(col("spare_restored_s"))),
                 fmt(med(col("redone")), "", 0),
                 spread(col("back_s")),
                 f"{int(sum(col('from_ram')))}/{len(runs)}",
@@ -305,6 +327,10 @@ def main() -> int:
             "spare in the new round",
             "spare's fetch",
             "spare's worker spawned",
+            "survivor's worker running",
+            "spare's worker running",
+            "survivor restored",
+            "spare restored",
             "steps redone",
             "kill → back at the step reached before it",
             "all ranks from RAM",

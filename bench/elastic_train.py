@@ -36,6 +36,46 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+def train_step(
+    ddp: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int
+) -> None:
+    """Step ``step`` on this rank's shard of the step's global batch."""
+    per = GLOBAL_BATCH // world
+    x, y = batch(step)
+    opt.zero_grad()
+    sl = slice(rank * per, (rank + 1) * per)
+    torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
+    opt.step()
+
+
+def save_final(model: torch.nn.Module, out: Path, rank: int) -> None:
+    """Rank 0 saves the final model; every rank waits for the others to be done."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        torch.save(model.state_dict(), out / "final.pt")
+    dist.barrier()
+
+
+def record_attempt(
+    out: Path, attempt: int, rank: int, world: int, start: int, **more: object
+) -> None:
+    """One line of ``attempts.jsonl`` per rank and attempt: where it started from."""
+    row = {"attempt": attempt, "rank": rank, "world": world, "start": start, **more}
+    row["group_rank"] = int(os.environ["GROUP_RANK"])
+    with open(out / "attempts.jsonl", "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The arguments every job of this kind takes."""
+    p = argparse.ArgumentParser()
+    p.add_argument("steps", type=int)
+    p.add_argument("out", type=Path)
+    p.add_argument("--step-s", type=float, default=0.05)
+    return p
+
+
 def reference(steps: int, out: Path) -> None:
     model, opt = model_and_opt()
     for step in range(steps):
@@ -63,45 +103,22 @@ def train(steps: int, out: Path, step_s: float) -> None:
         opt.load_state_dict(state["opt"])
         start = state["step"] + 1
     ddp = DistributedDataParallel(model)
-    with open(out / "attempts.jsonl", "a") as fh:
-        fh.write(
-            json.dumps(
-                {
-                    "attempt": attempt,
-                    "rank": rank,
-                    "world": world,
-                    "start": start,
-                    "group_rank": int(os.environ["GROUP_RANK"]),
-                    "host_addr": os.environ["MASTER_ADDR"],
-                }
-            )
-            + "\n"
-        )
-    per = GLOBAL_BATCH // world
+    record_attempt(out, attempt, rank, world, start, host_addr=os.environ["MASTER_ADDR"])
     for step in range(start, steps):
-        x, y = batch(step)
-        opt.zero_grad()
-        sl = slice(rank * per, (rank + 1) * per)
-        torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
-        opt.step()
+        train_step(ddp, opt, step, rank, world)
         if rank == 0:
             tmp = out / "ckpt.tmp"
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
             os.replace(tmp, ckpt)
             (out / "progress").write_text(f"{attempt} {step}")
         time.sleep(step_s)  # paces the job so a test can act on it mid-run
-    if rank == 0:
-        torch.save(model.state_dict(), out / "final.pt")
-    dist.barrier()
+    save_final(model, out, rank)
     del ddp  # before the group goes: torch 2.13 can deadlock freeing it after
     dist.destroy_process_group()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("steps", type=int)
-    p.add_argument("out", type=Path)
-    p.add_argument("--step-s", type=float, default=0.05)
+    p = parser()
     p.add_argument("--reference", action="store_true")
     a = p.parse_args()
     if a.reference:

@@ -149,6 +149,34 @@ class Network:
         _ip("link", "del", self.bridge, check=False)
 
 
+def rdzv_args(
+    *,
+    backend: str,
+    endpoint: str,
+    nnodes: str,
+    run_id: str,
+    conf: str,
+    max_restarts: int | None = None,
+) -> list[str]:
+    """The ``stalwart run`` flags of one rank per simulated host in an elastic job."""
+    restarts = [] if max_restarts is None else ["--max-restarts", str(max_restarts)]
+    return [
+        "--nnodes",
+        nnodes,
+        "--nproc-per-node",
+        "1",
+        *restarts,
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        conf,
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -174,10 +202,19 @@ class Etcd:
     log: IO[bytes]
 
 
-def start_etcd(binary: str, gateway: str, workdir: Path) -> Etcd:
-    """A one-member etcd cluster serving the bridge's address and loopback."""
+def start_etcd(
+    binary: str,
+    gateway: str | None,
+    workdir: Path,
+    *,
+    scheme: str = "http",
+    extra: tuple[str, ...] = (),
+) -> Etcd:
+    """A one-member etcd cluster serving loopback and, when given, the bridge's address
+    ``gateway`` (which it then advertises); ``extra``: more flags (TLS, say)."""
     client, peer = free_port(), free_port()
-    urls = f"http://{gateway}:{client}"
+    local = f"{scheme}://127.0.0.1:{client}"
+    advertised = f"{scheme}://{gateway}:{client}" if gateway else local
     log = open(workdir / "etcd.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -185,31 +222,30 @@ def start_etcd(binary: str, gateway: str, workdir: Path) -> Etcd:
             "--data-dir",
             str(workdir / "etcd-data"),
             "--listen-client-urls",
-            f"{urls},http://127.0.0.1:{client}",
+            f"{advertised},{local}" if gateway else local,
             "--advertise-client-urls",
-            urls,
+            advertised,
             "--listen-peer-urls",
             f"http://127.0.0.1:{peer}",
             "--initial-advertise-peer-urls",
             f"http://127.0.0.1:{peer}",
             "--initial-cluster",
             f"default=http://127.0.0.1:{peer}",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 30
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", client), timeout=1):
-                break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"etcd did not start: {(workdir / 'etcd.log').read_text()[-2000:]}"
-                ) from None
-            time.sleep(0.05)
-    return Etcd(proc, f"{gateway}:{client}", log)
+    # Listening is not serving yet (auth and the gateway come after): wait for its word.
+    while "ready to serve client requests" not in (workdir / "etcd.log").read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            log.close()
+            raise RuntimeError(f"etcd did not start: {(workdir / 'etcd.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return Etcd(proc, f"{gateway or '127.0.0.1'}:{client}", log)
 
 
 def stop_etcd(server: Etcd) -> None:

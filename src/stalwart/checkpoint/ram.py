@@ -111,13 +111,11 @@ class RamSegment:
 
     # -- headers ---------------------------------------------------------------------
     def record(self, slot: int) -> rl.CommitRecord | None:
-        at = rl.header_offset(slot, self.slot_bytes)
-        return rl.decode_header(self._map[at : at + rl.SLOT_HEADER])
+        return rl.slot_record(self._map, slot, self.slot_bytes)
 
     def records(self) -> list[tuple[int, rl.CommitRecord]]:
         """Committed slots, newest (highest seq) first."""
-        found = [(s, r) for s in range(rl.GENERATIONS) if (r := self.record(s)) is not None]
-        return sorted(found, key=lambda sr: sr[1].seq, reverse=True)
+        return rl.committed_slots(self._map, self.slot_bytes)
 
     def _invalidate(self, slot: int) -> None:
         at = rl.header_offset(slot, self.slot_bytes)

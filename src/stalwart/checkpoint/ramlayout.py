@@ -18,6 +18,7 @@ is never used; the other slot still holds the previous committed snapshot.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgspec
 import xxhash
@@ -31,6 +32,9 @@ SLOT_HEADER = 4096
 PAGE = 4096
 FORMAT = "stalwart-ram/1"
 SEGMENT_SUFFIX = ".snap"
+#: Present in the folder while the launcher copies in snapshots from peers (a node that
+#: took over a lost node's ranks): a restore waits for it to go before it looks.
+FETCHING_MARKER = ".fetching"
 _PREFIX = struct.Struct("<QQ")
 
 
@@ -132,3 +136,17 @@ def room_error(wanted: int, free_in_folder: int, memory_available: int, where: s
             f"{memory_available / gib:.2f} GiB of memory is available"
         )
     return None
+
+
+def slot_record(buf: Any, slot: int, slot_bytes: int) -> CommitRecord | None:
+    """The record slot ``slot`` of a mapped segment ``buf`` holds (see ``decode_header``)."""
+    at = header_offset(slot, slot_bytes)
+    return decode_header(buf[at : at + SLOT_HEADER])
+
+
+def committed_slots(buf: Any, slot_bytes: int) -> list[tuple[int, CommitRecord]]:
+    """The committed slots of a mapped segment, newest (highest seq) first."""
+    found = [
+        (s, r) for s in range(GENERATIONS) if (r := slot_record(buf, s, slot_bytes)) is not None
+    ]
+    return sorted(found, key=lambda sr: sr[1].seq, reverse=True)

@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ from .identity import resolve_rank, resolve_world_size
 from .inplace import StateMismatchError, bind, copy_pairs
 from .loader import Loaded, complete_steps, load_step
 from .ram import RamSegment, RamSnapshot, find_snapshots, ram_folder
+from .ramlayout import FETCHING_MARKER
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ logger = logging.getLogger(__name__)
 STORE_PREFIX = "stalwart/ckpt/restore"
 #: Candidate steps each rank offers per round (newest first).
 MAX_CANDIDATES = 64
+# The launcher's fetch is bounded by its own socket timeouts; this only stops a restore
+# from waiting on a launcher that died mid-fetch.
+_FETCH_WAIT_S = 120.0
+_FETCH_POLL_S = 0.01
 _calls = itertools.count()
 
 
@@ -156,6 +162,26 @@ def _to_location(obj: Any, where: Any, keep: frozenset[int] = frozenset()) -> An
     return obj
 
 
+def _wait_for_fetch(folder: Path, rank: int, timeout_s: float) -> None:
+    """The launcher may still be copying this node's snapshots in from peers (it starts
+    the workers meanwhile, so their start-up overlaps the copy): wait until it is done."""
+    marker = folder / FETCHING_MARKER
+    if not marker.exists():
+        return
+    logger.info("rank %d: waiting for the launcher to fetch snapshots from peers", rank)
+    t0 = time.monotonic()
+    while marker.exists():
+        if time.monotonic() - t0 > timeout_s:
+            logger.warning(
+                "rank %d: the launcher's fetch from peers took over %.0f s; restoring without it",
+                rank,
+                timeout_s,
+            )
+            return
+        time.sleep(_FETCH_POLL_S)
+    logger.info("rank %d: fetched after %.3f s", rank, time.monotonic() - t0)
+
+
 def _default_threads() -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
@@ -223,6 +249,8 @@ def restore(
     world_size = resolve_world_size(world_size)
     threads = threads or _default_threads()
     folder, _ = ram_folder()
+    if folder is not None:
+        _wait_for_fetch(folder, rank, min(timeout_s, _FETCH_WAIT_S))
     in_ram: list[RamSnapshot] = find_snapshots(folder, rank, world_size) if folder else []
     segments = _Segments(segment)
     try:

@@ -1,0 +1,102 @@
+"""What the replica tests share: snapshot folders written by the worker's own code,
+a recorder of emitted events, and a replica server over a folder."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stalwart.checkpoint import ramlayout as rl
+from stalwart.checkpoint.ram import RamSegment, find_snapshots
+from stalwart.checkpoint.staging import plan
+from stalwart.launch import replicas as rp
+from stalwart.launch.snapshots import SnapshotMemory
+
+SLOT = 1 << 20
+WORLD = 4
+
+
+class Events:
+    """Collects what a component emits, and lets a test wait for a kind."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: str, **fields: Any) -> dict[str, Any]:
+        with self._cond:
+            self.seen.append((event, fields))
+            self._cond.notify_all()
+        return fields
+
+    def wait(self, kind: str, timeout: float = 20) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for ev, fields in self.seen:
+                    if ev == kind:
+                        return fields
+                left = deadline - time.monotonic()
+                assert left > 0, f"no {kind} event; saw {self.seen}"
+                self._cond.wait(left)
+
+    def kinds(self) -> list[str]:
+        with self._cond:
+            return [ev for ev, _ in self.seen]
+
+
+def state(step: int, rank: int) -> dict[str, Any]:
+    return {"w": torch.full((50_000,), float(step * 10 + rank)), "step": step}
+
+
+def snapshot(mem: SnapshotMemory, lr: int, rank: int, step: int, world: int = WORLD) -> None:
+    seg = RamSegment.open(mem.folder / rl.segment_name(lr))
+    try:
+        seg.write(plan(state(step, rank)), step, rank, world)
+    finally:
+        seg.close()
+
+
+def replica_steps(folder: Path, rank: int) -> list[int]:
+    return [s.step for s in find_snapshots(folder, rank, WORLD) if "replica" in s.path.name]
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def server(mem: SnapshotMemory, events: Events, node: int) -> rp.ReplicaServer:
+    holder = rp.ReplicaHolder(mem.folder, mem.slot_bytes, events)
+    return rp.ReplicaServer(holder, "127.0.0.1", lambda: node)
+
+
+@contextmanager
+def replicating(
+    kv: rp.KVLike,
+    sender: SnapshotMemory,
+    nproc: int,
+    ring: rp.Ring,
+    receivers: dict[int, rp.ReplicaServer],
+    events: Events,
+) -> Iterator[rp.Replicator]:
+    """``sender``'s replicator on ``ring``, the receivers' servers published for it;
+    the replicator and the servers are closed after."""
+    for node, srv in receivers.items():
+        rp.publish(kv, ring.round, node, srv.address)
+    rep = rp.Replicator(sender.folder, nproc, kv, events, poll_s=0.02)
+    try:
+        rep.set_ring(ring)
+        yield rep
+    finally:
+        rep.close()
+        for srv in receivers.values():
+            srv.close()
