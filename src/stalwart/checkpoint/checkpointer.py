@@ -156,9 +156,10 @@ class AsyncCheckpointer:
         if self._ram is None or not self._ram.records():
             self._start_writer()
         # else: a restarted worker with snapshots in RAM restores first; the writer
-        # child (a fresh interpreter importing torch, seconds of CPU) starts after
-        # that restore, or at the first call that needs it, so it does not take a
-        # core from the restore.
+        # child (a fresh interpreter importing torch, seconds of CPU) starts at the
+        # first call that needs it (a save that goes to disk, wait_ready,
+        # reserve_for), so it takes no core from the restore and the first steps
+        # after it. A save does not wait for it: its write does, on the I/O thread.
         self._hooks: list[Any] = []
         # Read without the lock by the forward guard: a plain bool is enough to
         # skip the lock on the hot path; wait_staged decides under the lock.
@@ -359,11 +360,9 @@ class AsyncCheckpointer:
             )
         finally:
             if self._ram is not None:
-                # Both deferred while the restore read (see __init__ and
-                # RamSegment.__init__): the saves that follow want them.
+                # Deferred while the restore read (RamSegment.__init__): the saves
+                # that follow want the pages faulted in.
                 self._ram.start_populating()
-            if not self._closed:
-                self._start_writer()
 
     def _track(self, fut: Future[SaveResult]) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
