@@ -1,16 +1,19 @@
 """Checkpoints in launcher-owned RAM (issue 16) against reading them back from disk, and DLRover.
 
-Side by side in one run:
+Side by side in one run (about 6-10 minutes; every subprocess has a deadline):
 
+0. the floor: what this machine does with the same bytes whoever does it (memcpy into
+   written memory, xxh3_64, page-faulting fresh tensors, mapping shared memory).
 1. restore: one rank's share of the state (``--size-mib`` per rank) from the launcher's
    snapshot memory, into fresh tensors (``restore()``) and in place into tensors the
    job already has (``restore(into=...)``; through the checkpointer, whose segment is
    already mapped), vs ``torch.load(weights_only=True)`` of the same state from a file
-   whose page cache was dropped (``posix_fadvise DONTNEED``, checked with ``fincore``;
-   ``/proc/sys/vm/drop_caches`` when pages stay resident) and from a warm page cache.
+   whose page cache was dropped (``sync; echo 3 > /proc/sys/vm/drop_caches`` as root,
+   else ``posix_fadvise DONTNEED``; checked with ``fincore``) and from a warm page cache.
 2. crash -> first resumed step: ``stalwart run`` with 2 ranks, each holding
    ``--size-mib``; rank 0 dies right after a save; the time from the crash to the first
-   step of the restarted job, restoring in place, from RAM (``--ckpt-ram``) vs disk.
+   step of the restarted job, restoring in place, from RAM (``--ckpt-ram``) vs disk,
+   and where that time goes, stage by stage (the launcher's events and the job's stamps).
 3. save stall at every step: a model + Adam of about ``--stall-mib`` trained on the
    CPU, in blocks of steps without and with a RAM-only ``save()`` after every step; the
    stall is the median step time with saves minus without (and the time inside
@@ -36,22 +39,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import fmt, machine, med, ratio, show, spread  # noqa: E402
+from common import fmt, kill_leftovers, machine, med, ratio, show, spread  # noqa: E402
 from ram_common import make_model, make_state, state_mib, timed_blocks  # noqa: E402
 
 _JOB = r"""
 import json, os, sys, time
+t_main = time.time()
 from pathlib import Path
 import torch
 from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig
 
 def main():
     out, mib, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     persist = 1 if mode == "disk" else 1000
-    # What a job has before it restores: its model and optimizer state, allocated.
-    state = {f"t{i}": torch.zeros(mib << 15) for i in range(8)}
+    stamps = {"main": t_main}
+    # What a job has before it restores: its model and optimizer state, built (written).
+    state = {f"t{i}": torch.empty(mib << 15).fill_(-1.0) for i in range(8)}
+    stamps["state"] = time.time()
     ck = AsyncCheckpointer(out / "ckpt", config=CheckpointerConfig(persist_every=persist))
+    stamps["checkpointer"] = time.time()
     marker = out / f"crashed_{rank}"
     if not marker.exists():
         for i, t in enumerate(state.values()):
@@ -65,12 +72,23 @@ def main():
                 os.close(fd)
         marker.write_text(repr(time.time()))
         if rank == 0:
+            # Crash only once every rank holds its snapshot: a loaded host runs the
+            # ranks out of step, and a rank still saving would be restarted unsaved.
+            deadline = time.monotonic() + 300
+            while not all((out / f"crashed_{r}").exists() for r in range(world)):
+                if time.monotonic() > deadline:
+                    sys.exit("the other ranks never saved")
+                time.sleep(0.01)
+            (out / "crash_at").write_text(repr(time.time()))
             os._exit(1)
         time.sleep(600)  # killed by the launcher's restart
     found = ck.restore(into=state)
+    stamps["restored"] = time.time()
     t = (found.state_dict["t0"] * 2).sum()  # the first step touches the state
+    stamps["step"] = time.time()
     (out / f"resumed_{rank}.json").write_text(json.dumps(
-        {"t": time.time(), "source": found.source, "step": found.step, "x": float(t)}))
+        {"t": stamps["step"], "source": found.source, "step": found.step, "x": float(t),
+         "stamps": stamps}))
     ck.close()
 
 if __name__ == "__main__":
@@ -95,21 +113,22 @@ def _resident_bytes(path: Path) -> int | None:
 
 def _drop_cache(path: Path) -> str:
     """Evict ``path`` from the page cache; says how (and whether it worked)."""
-    fd = os.open(path, os.O_RDONLY)
+    os.sync()
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    left = _resident_bytes(path)
-    if left == 0:
-        return "fadvise"
-    try:
-        # Machine-wide: only when the per-file hint left pages behind.
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        left = _resident_bytes(path)
-        return "drop_caches" if left == 0 else f"NOT dropped ({left} bytes resident)"
+        # As root: what `sync; echo 3 > /proc/sys/vm/drop_caches` does.
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        how = "drop_caches"
     except OSError:
-        return f"NOT dropped ({left} bytes resident)" if left else "fadvise (unchecked)"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        how = "fadvise"
+    left = _resident_bytes(path)
+    if left is None:
+        return f"{how} (unchecked)"
+    return how if left == 0 else f"NOT dropped ({left} bytes resident)"
 
 
 def _dlrover(python: Path | None, args: list[str]) -> tuple[dict[str, object] | None, str]:
@@ -126,11 +145,11 @@ def _dlrover(python: Path | None, args: list[str]) -> tuple[dict[str, object] | 
                 [str(python), str(ROOT / "bench" / "ram_dlrover.py"), *args],
                 capture_output=True,
                 text=True,
-                timeout=600,
+                timeout=300,
                 env=env,
             )
         except subprocess.TimeoutExpired:
-            return None, "timed out after 600 s"
+            return None, "timed out after 300 s"
         finally:
             # It names its shared memory and sockets host-wide (/dev/shm/ckpt_shm_<n>,
             # /tmp/ckpt_sock/) and leaves them when its saver child is killed at exit.
@@ -179,7 +198,11 @@ def bench_restore(mib: int, repeats: int, work: Path, dlrover: Path | None) -> l
             work / "own", rank=0, world_size=1, config=CheckpointerConfig(persist_every=10**6)
         )
         try:
-            assert ck.restore(into=into) is not None  # joins the mapping's pre-faulting
+            assert ck.restore(into=into) is not None
+            # The restore started pre-faulting the whole segment for saves; timing the
+            # restores meanwhile would measure that too.
+            assert ck._ram is not None
+            ck._ram.wait_populated()
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 found = restore(work / "none", rank=0, world_size=1)
@@ -248,7 +271,37 @@ def bench_restore(mib: int, repeats: int, work: Path, dlrover: Path | None) -> l
     return rows
 
 
-def _crash_once(mode: str, mib: int, work: Path) -> tuple[float | None, str]:
+#: The crash path's stages: (name, from stamp, to stamp); stamps in ``_stamps``.
+_STAGES = (
+    ("exit seen", "crash", "exit"),
+    ("others stopped", "exit", "stopped"),
+    ("respawned", "stopped", "spawn"),
+    ("job builds its state", "main", "state"),
+    ("AsyncCheckpointer()", "state", "checkpointer"),
+    ("restore(into=...)", "checkpointer", "restored"),
+    ("first step", "restored", "step"),
+)
+_CRASH_TIMEOUT_S = 180
+
+
+def _stamps(out: Path) -> dict[str, float]:
+    """When each stage of one crash run ended (wall clock): the job's own stamps (the
+    slower rank's) and the launcher's events (``events.jsonl``)."""
+    crash = float((out / "crash_at").read_text())
+    resumed = [json.loads((out / f"resumed_{r}.json").read_text()) for r in (0, 1)]
+    stamps = {k: max(r["stamps"][k] for r in resumed) for k in resumed[0]["stamps"]}
+    stamps["crash"] = crash
+    events = [json.loads(ln) for f in out.glob("logs/*/events.jsonl") for ln in f.open()]
+    exits = [e for e in events if e["event"] == "worker_exit" and e.get("attempt") == 0]
+    spawns = [e for e in events if e["event"] == "worker_spawn" and e.get("attempt") == 1]
+    if exits and spawns:
+        stamps["exit"] = min(float(e.get("exited_at") or e["time"]) for e in exits)
+        stamps["stopped"] = max(float(e.get("exited_at") or e["time"]) for e in exits)
+        stamps["spawn"] = max(float(e["time"]) for e in spawns)
+    return stamps
+
+
+def _crash_once(mode: str, mib: int, work: Path) -> tuple[dict[str, float] | None, str]:
     out = Path(tempfile.mkdtemp(dir=work, prefix=f"crash-{mode}-"))
     script = out / "job.py"
     script.write_text(_JOB)
@@ -258,27 +311,94 @@ def _crash_once(mode: str, mib: int, work: Path) -> tuple[float | None, str]:
         cmd += ["--ckpt-ram", f"{mib + 8}MiB"]
     cmd += [str(script), str(out), str(mib), mode]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     try:
-        crashed = float((out / "crashed_0").read_text())
+        res = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        kill_leftovers(out)
+        return None, f"timed out after {_CRASH_TIMEOUT_S} s"
+    try:
+        stamps = _stamps(out)
         resumed = [json.loads((out / f"resumed_{r}.json").read_text()) for r in (0, 1)]
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError):
         return None, f"failed (exit {res.returncode}): {res.stderr[-300:]}"
-    sources = {r["source"] for r in resumed}
-    return max(r["t"] for r in resumed) - crashed, "/".join(sorted(sources))
+    return stamps, "/".join(sorted({r["source"] for r in resumed}))
 
 
-def bench_crash(mib: int, repeats: int, work: Path) -> list[list[str]]:
-    times: dict[str, list[float]] = {"ram": [], "disk": []}
+def bench_crash(mib: int, repeats: int, work: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """(crash -> first resumed step per mode, the median of each stage per mode)."""
+    runs: dict[str, list[dict[str, float]]] = {"ram": [], "disk": []}
     source: dict[str, str] = {"ram": "", "disk": ""}
     for _ in range(repeats):
         for mode in ("ram", "disk"):  # interleaved: the load drifts
-            t, source[mode] = _crash_once(mode, mib, work)
-            if t is not None:
-                times[mode].append(t)
-    return [
-        [f"resume from {m}", source[m], spread(times[m]), ratio(med(times[m]), med(times["disk"]))]
+            stamps, source[mode] = _crash_once(mode, mib, work)
+            if stamps is not None:
+                runs[mode].append(stamps)
+    total = {m: [r["step"] - r["crash"] for r in runs[m]] for m in runs}
+    rows = [
+        [f"resume from {m}", source[m], spread(total[m]), ratio(med(total[m]), med(total["disk"]))]
         for m in ("ram", "disk")
+    ]
+    stages = []
+    for name, a, b in _STAGES:
+        row = [name]
+        for m in ("ram", "disk"):
+            xs = [r[b] - r[a] for r in runs[m] if a in r and b in r]
+            row.append(fmt(med(xs), "s", 3))
+        stages.append(row)
+    return rows, stages
+
+
+def bench_floor(mib: int, repeats: int) -> list[list[str]]:
+    """What this machine can do with ``mib`` MiB, whoever does it: the floor of a restore."""
+    import mmap
+
+    import torch
+    import xxhash
+
+    n = mib << 20
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+
+    def timed(fn: object) -> list[float]:
+        xs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()  # type: ignore[operator]
+            xs.append(time.perf_counter() - t0)
+        return xs
+
+    rows: list[tuple[str, list[float]]] = []
+    for k in (1, 2):
+        torch.set_num_threads(k)
+        rows.append(
+            (
+                f"memcpy into written memory (torch copy_, {k} thread(s))",
+                timed(lambda: dst.copy_(src)),
+            )
+        )
+    torch.set_num_threads(threads)
+    view = memoryview(src.numpy())
+    rows.append(("xxh3_64 (python xxhash)", timed(lambda: xxhash.xxh3_64_intdigest(view))))
+    rows.append(
+        (
+            "fresh tensor: allocate + first write (page faults)",
+            timed(lambda: torch.empty(n, dtype=torch.uint8).fill_(1)),
+        )
+    )
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        os.posix_fallocate(f.fileno(), 0, n)
+
+        def populate() -> None:
+            with mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ) as m:
+                m.madvise(getattr(mmap, "MADV_POPULATE_READ", 22))
+
+        rows.append(("map shared memory + MADV_POPULATE_READ", timed(populate)))
+    gib = mib / 1024
+    return [
+        [name, spread(xs, digits=3), fmt((med(xs) or 0) / gib, "s/GiB", 3)] for name, xs in rows
     ]
 
 
@@ -351,13 +471,20 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="stall: blocks with and without saves")
     ap.add_argument("--per-block", type=int, default=6, help="stall: steps per block")
     ap.add_argument("--dlrover-python", type=Path, default=ROOT / ".venv-dlrover/bin/python")
-    ap.add_argument("--skip", default="", help="comma list of restore,crash,stall")
+    ap.add_argument("--skip", default="", help="comma list of floor,restore,crash,stall")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
     print(f"machine: {machine()}; {time.strftime('%H:%M UTC', time.gmtime())}; load {_load()}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "/tmp")) as tmp:
         work = Path(tmp)
+        if "floor" not in skip:
+            show(
+                f"the floor: {a.size_mib} MiB on this machine, min / median / max of {a.repeats}",
+                ["operation", "time", "per GiB"],
+                bench_floor(a.size_mib, a.repeats),
+                a.markdown,
+            )
         if "restore" not in skip:
             show(
                 f"restore {a.size_mib} MiB (one rank's share), min / median / max of {a.repeats}",
@@ -366,11 +493,18 @@ def main() -> None:
                 a.markdown,
             )
         if "crash" not in skip:
+            crash, stages = bench_crash(a.size_mib, a.repeats, work)
             show(
                 f"crash -> first resumed step, 2 ranks x {a.size_mib} MiB, warm restart, "
-                "restore(into=...)",
+                f"restore(into=...), min / median / max of {a.repeats}",
                 ["mode", "restored from", "time", "vs disk"],
-                bench_crash(a.size_mib, a.repeats, work),
+                crash,
+                a.markdown,
+            )
+            show(
+                "where the crash -> resumed time goes (medians; job stages: the slower rank)",
+                ["stage", "from RAM", "from disk"],
+                stages,
                 a.markdown,
             )
         if "stall" not in skip:

@@ -1,4 +1,5 @@
-"""Fixtures for the checkpoint tests: mounts that need root, log capture helpers."""
+"""Fixtures for the checkpoint tests: mounts that need root, log capture helpers, the
+launcher's snapshot memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from stalwart.checkpoint import ramlayout as rl
+from stalwart.launch.snapshots import SnapshotMemory
 
 
 def _mount(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -43,3 +47,16 @@ def bind_mount(tmp_path: Path) -> Iterator[Path]:
         yield src
     finally:
         _umount(src)
+
+
+@pytest.fixture
+def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotMemory]:
+    """The launcher's snapshot memory (2 local ranks, 8 MiB each), as this worker (local
+    rank 0) finds it under ``stalwart run --ckpt-ram``."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    mem = SnapshotMemory(2, 8 << 20, base=base)
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(mem.folder))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    yield mem
+    mem.close()

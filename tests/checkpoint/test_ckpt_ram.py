@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,11 @@ from stalwart.checkpoint.errors import CheckpointError
 from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
 from stalwart.checkpoint.resume import choose_step
 from stalwart.checkpoint.staging import plan
+from stalwart.checkpoint.writer import SaveResult
 from stalwart.config import ConfigError, parse_size
 from stalwart.launch.snapshots import SnapshotMemory, SnapshotMemoryError, is_stale, sweep_stale
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotMemory]:
-    base = tmp_path / "shm"
-    base.mkdir()
-    mem = SnapshotMemory(2, 8 << 20, base=base)
-    monkeypatch.setenv(rl.RAM_DIR_ENV, str(mem.folder))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    yield mem
-    mem.close()
 
 
 def _state(step: int, n: int = 64 << 10) -> dict[str, object]:
@@ -52,6 +42,15 @@ def _state(step: int, n: int = 64 << 10) -> dict[str, object]:
         "step": step,
         "name": f"s{step}",
     }
+
+
+def _save_steps(
+    directory: Path, steps: Iterable[int], *, persist_every: int, n: int = 64 << 10
+) -> list[SaveResult]:
+    """Save ``_state(step)`` for each step through one checkpointer; each save's result."""
+    config = CheckpointerConfig(persist_every=persist_every)
+    with AsyncCheckpointer(directory, rank=0, world_size=1, config=config) as ck:
+        return [ck.save(_state(s, n), s).result(timeout=60) for s in steps]
 
 
 def _check(state: dict[str, object], step: int) -> None:
@@ -228,10 +227,7 @@ def test_disk_only_outside_stalwart_run_says_why_once(
 ) -> None:
     monkeypatch.delenv(rl.RAM_DIR_ENV, raising=False)
     caplog.set_level(logging.INFO, logger="stalwart.checkpoint")
-    with AsyncCheckpointer(
-        tmp_path / "ck", rank=0, world_size=1, config=CheckpointerConfig(persist_every=2)
-    ) as ck:
-        results = [ck.save(_state(s, 1024), s).result(timeout=60) for s in (1, 2, 3, 4)]
+    results = _save_steps(tmp_path / "ck", (1, 2, 3, 4), persist_every=2, n=1024)
     why = [r for r in caplog.records if "disk only" in r.getMessage()]
     assert len(why) == 1 and rl.RAM_DIR_ENV in why[0].getMessage()
     assert [r.persisted for r in results] == [False, True, False, True]
@@ -245,10 +241,7 @@ def test_disk_only_outside_stalwart_run_says_why_once(
 def test_ram_saves_skip_the_disk_until_persist_every(
     memory: SnapshotMemory, tmp_path: Path
 ) -> None:
-    with AsyncCheckpointer(
-        tmp_path / "ck", rank=0, world_size=1, config=CheckpointerConfig(persist_every=3)
-    ) as ck:
-        results = [ck.save(_state(s), s).result(timeout=60) for s in range(1, 6)]
+    results = _save_steps(tmp_path / "ck", range(1, 6), persist_every=3)
     assert [r.ram_only for r in results] == [True, True, False, True, True]
     assert [p.name for p in (tmp_path / "ck").glob("step_*")] == ["step_000000003"]
     found = restore(tmp_path / "ck", rank=0, world_size=1)
@@ -376,10 +369,7 @@ def test_parse_size_refuses(text: str) -> None:
 def test_when_the_snapshot_memory_is_gone_restore_reads_the_disk(
     memory: SnapshotMemory, tmp_path: Path
 ) -> None:
-    with AsyncCheckpointer(
-        tmp_path / "ck", rank=0, world_size=1, config=CheckpointerConfig(persist_every=2)
-    ) as ck:
-        results = [ck.save(_state(s), s).result(timeout=60) for s in (1, 2, 3)]
+    results = _save_steps(tmp_path / "ck", (1, 2, 3), persist_every=2)
     assert [r.persisted for r in results] == [False, True, False]
     found = restore(tmp_path / "ck", rank=0, world_size=1)
     assert found is not None and (found.step, found.source) == (3, "ram")

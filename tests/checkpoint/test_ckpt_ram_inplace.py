@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,17 +27,6 @@ from stalwart.checkpoint.staging import plan
 from stalwart.launch.snapshots import SnapshotMemory
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotMemory]:
-    base = tmp_path / "shm"
-    base.mkdir()
-    mem = SnapshotMemory(2, 8 << 20, base=base)
-    monkeypatch.setenv(rl.RAM_DIR_ENV, str(mem.folder))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    yield mem
-    mem.close()
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -1,4 +1,5 @@
-"""The save path into the launcher's memory: background staging, its guards, copy threads.
+"""The save path into the launcher's memory: background staging, its guards, copy threads,
+pre-faulting the segment.
 
 Real segments made by the launcher's own class, a real model and optimizer; the copy
 thread is held on an event so the order of events is certain, not a guess.
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +27,10 @@ from stalwart.checkpoint import (
 )
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
-from stalwart.checkpoint.staging import _run_copies
+from stalwart.checkpoint.staging import _copy_pool, _run_copies, plan
 from stalwart.launch.snapshots import SnapshotMemory
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SnapshotMemory]:
-    base = tmp_path / "shm"
-    base.mkdir()
-    mem = SnapshotMemory(1, 8 << 20, base=base)
-    monkeypatch.setenv(rl.RAM_DIR_ENV, str(mem.folder))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    yield mem
-    mem.close()
 
 
 @pytest.fixture
@@ -126,12 +116,66 @@ def test_copy_threads_are_started_once_and_reused() -> None:
     src = [torch.full((1 << 16,), float(i)) for i in range(6)]
     dst = [torch.empty(1 << 16) for _ in range(6)]
     _run_copies(list(zip(dst, src, strict=True)), threads=3)
-    names = {t.ident for t in threading.enumerate() if t.name.startswith("stalwart-copy")}
+    pool = _copy_pool._pool
     for _ in range(5):
         _run_copies(list(zip(dst, src, strict=True)), threads=3)
-    again = {t.ident for t in threading.enumerate() if t.name.startswith("stalwart-copy")}
-    assert names and again == names
+    # The same pool, and no more threads than it holds (a pool grown by an earlier test
+    # may start its idle threads lazily, so the set of threads itself may grow).
+    assert pool is not None and _copy_pool._pool is pool
+    copying = [t for t in threading.enumerate() if t.name.startswith("stalwart-copy")]
+    assert 0 < len(copying) <= _copy_pool._size
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+def test_prefaulting_a_segment_leaves_the_other_threads_running(tmp_path: Path) -> None:
+    # mmap.madvise held the GIL for the whole pre-faulting: 0.6 s per GiB during which
+    # the training thread stood still.
+    base = tmp_path / "shm"
+    base.mkdir()
+    mem = SnapshotMemory(1, 256 << 20, base=base)
+    try:
+        seg = RamSegment.open(mem.folder / rl.segment_name(0))  # fresh: pre-faults at once
+        try:
+            populating = seg._populating
+            assert populating is not None
+            turns = 0
+            while populating.is_alive():
+                turns += 1
+                time.sleep(0)  # lets go of the GIL; the loop runs whenever it can get it
+        finally:
+            seg.close()
+    finally:
+        mem.close()
+    assert turns >= 10
+
+
+def test_a_restarted_worker_restores_before_prefaulting_and_starts_its_writer_when_needed(
+    memory: SnapshotMemory, tmp_path: Path
+) -> None:
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    seg = RamSegment.open(memory.folder / rl.segment_name(0))
+    seg.write(plan(state), 5, rank=0, world_size=1)
+    seg.close()
+    config = CheckpointerConfig(persist_every=100)
+    with AsyncCheckpointer(tmp_path / "ck", rank=0, world_size=1, config=config) as ck:
+        # Neither takes a core from the restore that comes first.
+        assert ck._ram is not None and ck._ram._populating is None
+        assert ck._writer is None and ck.writer_pid is None
+        into = {"w": torch.zeros(1 << 16)}
+        found = ck.restore(into=into)
+        assert found is not None and (found.step, found.source) == (5, "ram")
+        assert torch.equal(into["w"], state["w"])
+        assert ck._ram._populating is not None
+        assert ck.save({"w": into["w"] + 1}, 6).result(timeout=60).ram_only
+        assert ck._writer is None  # RAM-only saves need no writer
+        ck.wait_ready(60)
+        assert ck.writer_pid is not None
+    with AsyncCheckpointer(tmp_path / "fresh", rank=0, world_size=1, config=config) as ck:
+        # Snapshots in the segment: a restart again. A fresh job has none.
+        assert ck._writer is None
+    memory.close()
+    with AsyncCheckpointer(tmp_path / "none", rank=0, world_size=1, config=config) as ck:
+        assert ck._ram is None and ck._writer is not None
 
 
 _FORKED = textwrap.dedent(

@@ -144,20 +144,22 @@ class AsyncCheckpointer:
         self._inflight: list[Future[SaveResult]] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._process = CheckpointProcess(
-            TorchFileWriter,
-            {
-                "root": str(self.directory),
-                "rank": self.rank,
-                "world_size": self.world_size,
-                "keep_last": keep_last,
-                "algorithm": self.config.checksum or DEFAULT_ALGORITHM,
-                "direct_io": self.config.direct_io,
-            },
-            config=dataclasses.replace(
-                self.config, copy_threads=self.config.copy_threads or _default_copy_threads()
-            ),
-        )
+        self._writer_kwargs: dict[str, Any] = {
+            "root": str(self.directory),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "keep_last": keep_last,
+            "algorithm": self.config.checksum or DEFAULT_ALGORITHM,
+            "direct_io": self.config.direct_io,
+        }
+        self._writer: CheckpointProcess | None = None
+        if self._ram is None or not self._ram.records():
+            self._start_writer()
+        # else: a restarted worker with snapshots in RAM restores first; the writer
+        # child (a fresh interpreter importing torch, seconds of CPU) starts at the
+        # first call that needs it (a save that goes to disk, wait_ready,
+        # reserve_for), so it takes no core from the restore and the first steps
+        # after it. A save does not wait for it: its write does, on the I/O thread.
         self._hooks: list[Any] = []
         # Read without the lock by the forward guard: a plain bool is enough to
         # skip the lock on the hot path; wait_staged decides under the lock.
@@ -173,10 +175,25 @@ class AsyncCheckpointer:
         if self.config.auto_reserve and not self.config.reserve_bytes:
             self._hooks.append(register_optimizer_step_post_hook(self._after_optimizer_step))
 
+    def _start_writer(self) -> CheckpointProcess:
+        if self._writer is None:
+            self._writer = CheckpointProcess(
+                TorchFileWriter,
+                self._writer_kwargs,
+                config=dataclasses.replace(
+                    self.config, copy_threads=self.config.copy_threads or _default_copy_threads()
+                ),
+            )
+        return self._writer
+
+    @property
+    def _process(self) -> CheckpointProcess:
+        return self._start_writer()
+
     @property
     def writer_pid(self) -> int | None:
         """Pid of the current writer subprocess (None while none is running)."""
-        return self._process.pid
+        return None if self._writer is None else self._writer.pid
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the writer subprocess is up (``save`` does not need this)."""
@@ -326,20 +343,26 @@ class AsyncCheckpointer:
         from .resume import restore
 
         self._wait_ram_commit()
-        return restore(
-            self.directory,
-            self.rank,
-            self.world_size,
-            group=group,
-            map_location=map_location,
-            weights_only=weights_only,
-            timeout_s=timeout_s,
-            threads=self.config.copy_threads or _default_copy_threads(),
-            into=into,
-            # Mapped and pre-faulted since this checkpointer was built: reading the
-            # snapshot from it skips mapping the segment again.
-            segment=self._ram,
-        )
+        try:
+            return restore(
+                self.directory,
+                self.rank,
+                self.world_size,
+                group=group,
+                map_location=map_location,
+                weights_only=weights_only,
+                timeout_s=timeout_s,
+                threads=self.config.copy_threads or _default_copy_threads(),
+                into=into,
+                # Mapped since this checkpointer was built: reading the snapshot from
+                # it skips mapping the segment again.
+                segment=self._ram,
+            )
+        finally:
+            if self._ram is not None:
+                # Deferred while the restore read (RamSegment.__init__): the saves
+                # that follow want the pages faulted in.
+                self._ram.start_populating()
 
     def _track(self, fut: Future[SaveResult]) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
@@ -393,7 +416,8 @@ class AsyncCheckpointer:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._process.close()
+        if self._writer is not None:
+            self._writer.close()
         self._wait_ram_commit()
         if self._ram_committer is not None:
             self._ram_committer.shutdown(wait=True)

@@ -15,6 +15,7 @@ strings, dtypes and tensors unless the caller passes ``weights_only=False``. The
 
 from __future__ import annotations
 
+import ctypes
 import io
 import logging
 import mmap
@@ -44,6 +45,30 @@ _SPLIT_BYTES = 32 << 20
 # Linux >= 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_libc.madvise.restype = ctypes.c_int
+
+
+_ADVISE_CHUNK = 32 << 20
+
+
+def _advise(addr: int, length: int, advice: int) -> None:
+    """madvise(2) in chunks, through ctypes, which lets go of the GIL during the call.
+
+    ``mmap.madvise`` holds the GIL throughout: pre-faulting a 1 GiB segment "in the
+    background" stopped every other thread of the worker for 0.6 s (measured). And
+    one call holds the process's memory-map lock while it faults: a thread start or
+    a large allocation (which maps memory) waited for all of it; between chunks they
+    get their turn.
+    """
+    end = addr + length
+    while addr < end:
+        n = min(_ADVISE_CHUNK, end - addr)
+        if _libc.madvise(addr, n, advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        addr += n
 
 
 class SnapshotTooLargeError(CheckpointError):
@@ -59,7 +84,7 @@ def _check_private(st: os.stat_result, path: Path, *, folder: bool) -> None:
 class RamSegment:
     """One local rank's segment, mapped shared (writable or read-only)."""
 
-    def __init__(self, path: Path, fd: int, writable: bool, populate: bool = False) -> None:
+    def __init__(self, path: Path, fd: int, writable: bool) -> None:
         self.path = path
         self._fd = fd
         size = os.fstat(fd).st_size
@@ -72,31 +97,44 @@ class RamSegment:
             self._map = mmap.mmap(fd, length, access=mmap.ACCESS_WRITE)
         else:
             self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        self._populate_reads = populate
         self._writable = writable
-        # A uint8 view of the whole segment: tensors are copied to and from slices of it.
-        self._bytes: torch.Tensor | None = None
+        # A uint8 view of the whole segment: tensors are copied to and from slices of
+        # it, and its address is what madvise needs.
+        with warnings.catch_warnings():
+            # Read-only mappings are only read from: torch warns about any such buffer.
+            warnings.simplefilter("ignore", UserWarning)
+            self._bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._length = length
         self._populating: threading.Thread | None = None
-        if writable:
-            self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-            # The launcher allocated the pages; mapping them into this process still
-            # costs a fault per page (0.3-0.5 s per 100 MiB measured on a first save),
-            # so take that off the training thread now.
+        if writable and not self.records():
+            # A fresh segment: nothing to restore, so fault its pages in for the
+            # saves now. One holding snapshots is a restarted worker's, which reads
+            # one of them first: pre-faulting for writes then would take a core and
+            # the memory-map lock from that restore (see start_populating).
+            self.start_populating()
+
+    def start_populating(self) -> None:
+        """Fault the writable mapping's pages in on a thread, once.
+
+        The launcher allocated the pages; mapping them into this process still costs
+        a fault per page (0.3-0.5 s per 100 MiB measured on a first save), so that is
+        taken off the training thread.
+        """
+        if self._writable and self._populating is None:
             self._populating = threading.Thread(
                 target=self._populate, name="stalwart-ram-populate", daemon=True
             )
             self._populating.start()
 
     def _populate(self) -> None:
+        assert self._bytes is not None
         try:
-            self._map.madvise(_MADV_POPULATE_WRITE)
-        except (OSError, ValueError) as exc:
+            _advise(self._bytes.data_ptr(), self._length, _MADV_POPULATE_WRITE)
+        except OSError as exc:
             logger.debug("could not pre-fault the snapshot segment: %s", exc)
 
     @classmethod
-    def open(
-        cls, path: str | os.PathLike[str], *, writable: bool = True, populate: bool = False
-    ) -> RamSegment:
+    def open(cls, path: str | os.PathLike[str], *, writable: bool = True) -> RamSegment:
         """Map a segment after checking that only this user can have written it."""
         p = Path(path)
         _check_private(os.lstat(p.parent), p.parent, folder=True)
@@ -107,7 +145,7 @@ class RamSegment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(p, fd, writable, populate)
+        return cls(p, fd, writable)
 
     # -- headers ---------------------------------------------------------------------
     def record(self, slot: int) -> rl.CommitRecord | None:
@@ -151,6 +189,7 @@ class RamSegment:
         """
         assert self._writable and self._bytes is not None
         self.check_fits(staging)
+        self.start_populating()
         skeleton = staging.skeleton
         tensor_offset = rl.round_up(len(skeleton), rl.PAGE)
         held = self.records()
@@ -223,13 +262,15 @@ class RamSegment:
         self._check_bounds(slot, record)
         self._skeleton(slot, record)
         start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
-        if self._populate_reads and record.tensor_bytes:
+        assert self._bytes is not None
+        try:
             # Fill the page tables of this slot in one call: faulting page by page
-            # while hashing and copying measured several times slower.
-            try:
-                self._map.madvise(_MADV_POPULATE_READ, start, record.tensor_bytes)
-            except (OSError, ValueError) as exc:
-                logger.debug("could not pre-fault the snapshot: %s", exc)
+            # while hashing and copying measured several times slower. Pages already
+            # mapped (the writable mapping's background pre-faulting got there first)
+            # cost a page-table walk.
+            _advise(self._bytes.data_ptr() + start, record.tensor_bytes, _MADV_POPULATE_READ)
+        except OSError as exc:
+            logger.debug("could not pre-fault the snapshot: %s", exc)
         with memoryview(self._map) as mv:
             tensor_hash = xxhash.xxh3_64_intdigest(mv[start : start + record.tensor_bytes])
         if tensor_hash != record.tensor_hash:
@@ -316,19 +357,12 @@ class RamSegment:
         return state
 
     def wait_populated(self) -> None:
-        """Wait until the background pre-faulting of a writable mapping is done."""
+        """Wait until the background pre-faulting of a writable mapping (if started) is done."""
         if self._populating is not None:
             self._populating.join()
-            self._populating = None
-
-    @property
-    def populates_reads(self) -> bool:
-        return self._populate_reads
 
     def close(self) -> None:
-        if self._populating is not None:
-            self._populating.join()
-            self._populating = None
+        self.wait_populated()
         self._bytes = None
         try:
             self._map.close()
@@ -483,7 +517,7 @@ def find_snapshots(folder: Path, rank: int, world_size: int) -> list[RamSnapshot
 def load_snapshot(
     snap: RamSnapshot, *, weights_only: bool = True, threads: int = 1, into: Any = None
 ) -> Any:
-    seg = RamSegment.open(snap.path, writable=False, populate=True)
+    seg = RamSegment.open(snap.path, writable=False)
     try:
         return seg.read(
             snap.slot, snap.record, weights_only=weights_only, threads=threads, into=into

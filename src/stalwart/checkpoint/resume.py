@@ -199,11 +199,12 @@ class _Segments:
 
     def get(self, path: Path) -> RamSegment:
         if self._own is not None and path == self._own.path:
-            self._own.wait_populated()
+            # Not waiting for its background pre-faulting: that covers both slots, and
+            # reading one populates its own pages (RamSegment.verify).
             return self._own
         seg = self._open.get(path)
         if seg is None:
-            seg = self._open[path] = RamSegment.open(path, writable=False, populate=True)
+            seg = self._open[path] = RamSegment.open(path, writable=False)
         return seg
 
     def close(self) -> None:
