@@ -14,9 +14,7 @@ import time
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.monitor import layout
-from stalwart.monitor.judge import (
-    Verdict,
-)
+from stalwart.monitor.judge import Verdict
 from stalwart.monitor.node_hangs import NodeHangs
 from stalwart.monitor.node_state import MAX_REFUSED_LOGGED
 from stalwart.monitor.reports import ControlRequest, HangKind

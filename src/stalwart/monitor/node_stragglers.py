@@ -15,9 +15,7 @@ import time
 
 from stalwart.base.events import Event
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
-from stalwart.monitor.judge import (
-    stragglers,
-)
+from stalwart.monitor.judge import stragglers
 from stalwart.monitor.node_state import NodeState, _Rank, _Window
 from stalwart.monitor.reports import ControlAction, ControlRequest
 

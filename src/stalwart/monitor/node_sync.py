@@ -16,9 +16,7 @@ import msgspec
 
 from stalwart.monitor import auto, jobsync
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
-from stalwart.monitor.judge import (
-    stragglers,
-)
+from stalwart.monitor.judge import stragglers
 from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.monitor.node_learned import NodeLearning
 from stalwart.monitor.node_state import _Window
