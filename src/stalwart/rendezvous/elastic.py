@@ -418,13 +418,7 @@ class ElasticRendezvous:
             if self._hosts_store:
                 deadline = time.monotonic() + self.settings.close_timeout
                 while time.monotonic() < deadline:
-                    ids = self._registered()
-                    self._live.observe(ids)
-                    gone = self.kv.get_many([keys.left(i) for i in ids])
-                    if all(
-                        g is not None or self._live.lost(i) is not None
-                        for i, g in zip(ids, gone, strict=True)
-                    ):
+                    if self._all_gone(self._registered()):
                         break
                     if self._interrupted.wait(0.05):
                         logger.warning("interrupted while waiting for the other nodes to leave")
@@ -446,15 +440,17 @@ class ElasticRendezvous:
             self.run_id,
         )
         while self._ended() is None and not self._interrupted.is_set():
-            ids = [i for i in self._registered() if i != self.id]
-            self._live.observe(ids)
-            gone = self.kv.get_many([keys.left(i) for i in ids])
-            if all(
-                g is not None or self._live.lost(i) is not None
-                for i, g in zip(ids, gone, strict=True)
-            ):
+            if self._all_gone([i for i in self._registered() if i != self.id]):
                 return
             self._interrupted.wait(_SPARE_POLL)
+
+    def _all_gone(self, ids: list[str]) -> bool:
+        """Every node of `ids` has said it left the job, or is lost."""
+        self._live.observe(ids)
+        gone = self.kv.get_many([keys.left(i) for i in ids])
+        return all(
+            g is not None or self._live.lost(i) is not None for i, g in zip(ids, gone, strict=True)
+        )
 
     def interrupt(self) -> None:
         """A signal reached the exiting launcher: stop serving the store for the others."""
