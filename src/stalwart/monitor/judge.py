@@ -119,38 +119,37 @@ def problems(snap: SlotSnapshot, floor: float, now: float) -> list[str]:
     return bad
 
 
-def judge(
-    snap: SlotSnapshot,
-    names: list[str],
-    config: MonitorConfig,
-    now: float,
-    floor: float = 0.0,
-) -> Verdict | None:
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
+def _believable(value: float, floor: float, now: float) -> float | None:
+    """The timestamp if present and believable, else None (its check is skipped)."""
+    return value if value > 0 and timestamp_ok(value, floor, now) else None
 
-    def ts(value: float) -> float | None:
-        """The timestamp if present and believable, else None (its check is skipped)."""
-        return value if value > 0 and timestamp_ok(value, floor, now) else None
 
-    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
-    hb_age = now - last_hb if last_hb is not None else None
-    iteration = snap.iteration if snap.iteration >= 0 else None
-    last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
+@dataclasses.dataclass(frozen=True)
+class _Clock:
+    """One deadline a slot runs: hung (`kind`) once `limit` seconds passed since `start`."""
 
-    stalled_since = last_hb if last_hb is not None else attach
+    kind: HangKind
+    start: float
+    limit: float
+    section: str | None = None  # the section it times (None: a heartbeat or oos clock)
 
-    def verdict(kind: HangKind, timeout: float, section: str | None) -> Verdict:
-        return Verdict(kind, section, timeout, hb_age, iteration, stalled_since)
 
+def _clocks(
+    snap: SlotSnapshot, names: list[str], config: MonitorConfig, now: float, floor: float
+) -> list[_Clock]:
+    """The deadlines an attached slot runs, in the order `judge` checks them. A check
+    whose timestamp is not believable, or whose timeout is off, runs none."""
+    clocks: list[_Clock] = []
+    last_hb = _believable(snap.last_hb, floor, now)
+    attach = _believable(snap.attach_time, floor, now)
     if snap.last_hb == 0.0:
         limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
-        if limit is not None and attach is not None and now - attach > limit:
-            return verdict(HangKind.INITIAL_HEARTBEAT, limit, last_section)
+        if limit is not None and attach is not None:
+            clocks.append(_Clock(HangKind.INITIAL_HEARTBEAT, attach, limit))
     elif last_hb is not None:
         limit = effective(snap.hb_override, config.hb_timeout)
-        if limit is not None and now - last_hb > limit:
-            return verdict(HangKind.HEARTBEAT, limit, last_section)
+        if limit is not None:
+            clocks.append(_Clock(HangKind.HEARTBEAT, last_hb, limit))
 
     any_open = False
     for idx in range(max(0, min(snap.name_count, len(names)))):
@@ -160,17 +159,43 @@ def judge(
         # An unbelievable open time still means "some section is open" for the
         # out-of-section clock; only its own check is skipped.
         any_open = True
-        opened = ts(raw)
+        opened = _believable(raw, floor, now)
         limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
-        if opened is not None and limit is not None and now - opened > limit:
-            return verdict(HangKind.SECTION, limit, names[idx])
+        if opened is not None and limit is not None:
+            clocks.append(_Clock(HangKind.SECTION, opened, limit, names[idx]))
 
-    oos_start = ts(snap.oos_start)
+    oos_start = _believable(snap.oos_start, floor, now)
     if not any_open and oos_start is not None:
         limit = effective(snap.oos_override, config.out_of_section_timeout)
-        if limit is not None and now - oos_start > limit:
-            return verdict(HangKind.OUT_OF_SECTION, limit, last_section)
-    return None
+        if limit is not None:
+            clocks.append(_Clock(HangKind.OUT_OF_SECTION, oos_start, limit))
+    return clocks
+
+
+def judge(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float = 0.0,
+) -> Verdict | None:
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return None
+    for clock in _clocks(snap, names, config, now, floor):
+        if now - clock.start > clock.limit:
+            break
+    else:
+        return None
+    last_hb = _believable(snap.last_hb, floor, now)
+    last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
+    return Verdict(
+        clock.kind,
+        clock.section if clock.kind is HangKind.SECTION else last_section,
+        clock.limit,
+        now - last_hb if last_hb is not None else None,
+        snap.iteration if snap.iteration >= 0 else None,
+        last_hb if last_hb is not None else _believable(snap.attach_time, floor, now),
+    )
 
 
 def next_deadline(
@@ -182,38 +207,10 @@ def next_deadline(
 ) -> float | None:
     """The earliest monotonic time at which `judge` would find this slot hung if it
     stays as it is (None: no deadline runs), so that the scanner can look then rather
-    than up to a check interval later. Mirrors `judge` check for check."""
+    than up to a check interval later. Reads the same clocks as `judge`."""
     if snap.state != SlotState.ATTACHED or snap.pid <= 0:
         return None
-
-    def ts(value: float) -> float | None:
-        return value if value > 0 and timestamp_ok(value, floor, now) else None
-
-    due: list[float] = []
-    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
-    if snap.last_hb == 0.0:
-        limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
-        if limit is not None and attach is not None:
-            due.append(attach + limit)
-    elif last_hb is not None:
-        limit = effective(snap.hb_override, config.hb_timeout)
-        if limit is not None:
-            due.append(last_hb + limit)
-    any_open = False
-    for idx in range(max(0, min(snap.name_count, len(names)))):
-        raw = snap.open_times[idx]
-        if raw == 0.0:
-            continue
-        any_open = True
-        opened = ts(raw)
-        limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
-        if opened is not None and limit is not None:
-            due.append(opened + limit)
-    oos_start = ts(snap.oos_start)
-    if not any_open and oos_start is not None:
-        limit = effective(snap.oos_override, config.out_of_section_timeout)
-        if limit is not None:
-            due.append(oos_start + limit)
+    due = [clock.start + clock.limit for clock in _clocks(snap, names, config, now, floor)]
     return min(due) if due else None
 
 
