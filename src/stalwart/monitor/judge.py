@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.layout import SlotSnapshot, SlotState
@@ -28,6 +28,10 @@ MIN_LIMIT = 1e-6
 MAX_LIMIT = 1e9
 #: How far in the future a timestamp may lie (a write racing the scanner's clock read).
 FUTURE_SLACK = 1.0
+#: Two ranks' times closer than this (seconds) say nothing about which stopped first:
+#: ranks that leave the same collective write their next heartbeat a few ms apart, in
+#: no meaningful order, while a rank that stopped a step earlier is a whole step behind.
+BLAME_RESOLUTION = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Verdict:
     #: Monotonic time the rank last made progress: its last heartbeat, else its attach
     #: time. Comparable between ranks of one node (one CLOCK_MONOTONIC), not across nodes.
     stalled_since: float | None = None
+    #: Monotonic time of the rank's last sign of life of any kind: a heartbeat, opening
+    #: a section that is still open, or leaving its last section (`blame`'s tie-breaker).
+    last_active: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +57,52 @@ class Stalled:
     global_rank: int
     iteration: int | None
     stalled_since: float | None
+    last_active: float | None = None  # see Verdict.last_active
+    stopped: bool = False  # its process was stopped (SIGSTOP) when it was found hung
 
 
-def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
+def _oldest(
+    stalled: Sequence[Stalled], when: Callable[[Stalled], float | None], resolution: float
+) -> list[Stalled]:
+    """Those whose time `when` is within `resolution` of the oldest known one (all of
+    them when nobody's is known); one that is not known never beats one that is."""
+    known = [(t, s) for s in stalled if (t := when(s)) is not None]
+    if not known:
+        return list(stalled)
+    first = min(t for t, _ in known)
+    return [s for t, s in known if t - first <= resolution]
+
+
+def _idle(s: Stalled) -> bool:
+    """Nothing since its last progress: no section opened or left after it."""
+    return (
+        s.last_active is not None
+        and s.stalled_since is not None
+        and s.last_active <= s.stalled_since
+    )
+
+
+def blame(stalled: Sequence[Stalled], resolution: float = BLAME_RESOLUTION) -> list[Stalled]:
     """Orders hung ranks root cause first: the rank whose progress stopped first.
 
     When one rank stops, its peers block in the next collective and go stale a moment
-    later; which slot a scan reads first says nothing. The rank behind is the cause:
-    the lowest iteration when every rank reports iterations (all ranks report at the
-    same point of a step, so a rank one step behind is the one the others wait for),
-    then the oldest last progress (heartbeat, else attach), then the lowest global rank.
-    A rank with no known progress time sorts after those with one.
+    later; which slot a scan reads first says nothing. The rank behind is the cause,
+    found by narrowing the candidates, each rule applied to those the previous one left:
+
+    1. the lowest iteration, when every rank reports iterations (all ranks report at the
+       same point of a step, so a rank one step behind is the one the others wait for);
+    2. the oldest last progress (heartbeat, else attach); times within `resolution` of
+       the oldest are a tie (ranks that left the same collective beat a moment apart,
+       in no meaningful order);
+    3. a rank whose process is stopped: it cannot be the one blocked in a collective;
+    4. a rank that did nothing since its last progress, over one that opened or left a
+       section since (`Verdict.last_active`): from the same point, the one that did
+       more went on to the collective where it waits;
+    5. the oldest last sign of life of any kind, within `resolution`;
+    6. the lowest global rank: the slots cannot tell the rest apart.
+
+    A rank whose time is not known never wins a rule over one whose time is. The root
+    cause comes first; the others follow in order of iteration and last progress.
     """
     by_iteration = all(s.iteration is not None for s in stalled)
 
@@ -69,7 +111,16 @@ def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
         since = s.stalled_since
         return (it, since is None, since if since is not None else 0.0, s.global_rank)
 
-    return sorted(stalled, key=key)
+    order = sorted(stalled, key=key)
+    if not order:
+        return order
+    behind = [s for s in order if key(s)[0] == key(order[0])[0]]
+    tied = _oldest(behind, lambda s: s.stalled_since, resolution)
+    tied = [s for s in tied if s.stopped] or tied
+    tied = [s for s in tied if _idle(s)] or tied
+    tied = _oldest(tied, lambda s: s.last_active, resolution)
+    root = min(tied, key=lambda s: s.global_rank)
+    return [root, *(s for s in order if s is not root)]
 
 
 def override_ok(value: float) -> bool:
@@ -172,6 +223,15 @@ def _clocks(
     return clocks
 
 
+def last_active(snap: SlotSnapshot, floor: float, now: float) -> float | None:
+    """The slot's last sign of life of any kind: its last heartbeat or attach, opening a
+    section that is still open, leaving its last section (believable times only)."""
+    count = max(0, min(snap.name_count, len(snap.open_times)))
+    times = [snap.attach_time, snap.last_hb, snap.oos_start, *snap.open_times[:count]]
+    known = [t for t in times if _believable(t, floor, now) is not None]
+    return max(known) if known else None
+
+
 def judge(
     snap: SlotSnapshot,
     names: list[str],
@@ -195,6 +255,7 @@ def judge(
         now - last_hb if last_hb is not None else None,
         snap.iteration if snap.iteration >= 0 else None,
         last_hb if last_hb is not None else _believable(snap.attach_time, floor, now),
+        last_active(snap, floor, now),
     )
 
 

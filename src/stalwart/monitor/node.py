@@ -30,6 +30,7 @@ from stalwart.base.events import Event
 from stalwart.monitor import auto, envvars, layout
 from stalwart.monitor.jobsync import JobPeers
 from stalwart.monitor.judge import (
+    BLAME_RESOLUTION,
     Stalled,
     Verdict,
     blame,
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 
 #: The scanner looks this soon after a rank's deadline (a timestamp written a moment
 #: late must not make it look twice), and never more often than every DEADLINE_MIN_WAIT.
-DEADLINE_SLACK = 0.002
+#: Ranks whose deadlines are within BLAME_RESOLUTION are then found hung in one scan, so
+#: `blame` compares them all (found alone, the first one would be the root cause).
+DEADLINE_SLACK = 0.002 + BLAME_RESOLUTION
 DEADLINE_MIN_WAIT = 0.005
 #: A rank is named a straggler on the console at most this often (seconds).
 
@@ -287,8 +290,16 @@ class NodeMonitor(NodeRequests, NodeSync):
         # Handled root cause first, and every other one named as waiting on it; ranks
         # found in earlier scans of this attempt take part (their hang is under way).
         fresh = [
-            Stalled(r.local_rank, r.global_rank, v.iteration, v.stalled_since)
-            for r, _, v in found.values()
+            Stalled(
+                r.local_rank,
+                r.global_rank,
+                v.iteration,
+                v.stalled_since,
+                v.last_active,
+                # Read before any hang is handled (that continues a stopped process).
+                stopped=procs.is_stopped(writer),
+            )
+            for r, writer, v in found.values()
         ]
         with self._lock:
             order = blame(self._stalled + fresh)
