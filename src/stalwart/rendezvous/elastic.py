@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from stalwart.rendezvous import close_rule as rule
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -45,16 +46,6 @@ from stalwart.rendezvous.api import (
     RendezvousError,
     RendezvousInfo,
     StoreLost,
-)
-from stalwart.rendezvous.close_rule import (
-    Close,
-    CloseView,
-    ElasticSettings,
-    Joiner,
-    TimedOut,
-    Wait,
-    WatchRunning,
-    close_rule,
 )
 from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
 from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none
@@ -86,7 +77,7 @@ class ElasticRendezvous:
     def __init__(
         self,
         kv: KV,
-        settings: ElasticSettings,
+        settings: rule.ElasticSettings,
         *,
         run_id: str,
         local_addr: str,
@@ -293,23 +284,23 @@ class ElasticRendezvous:
                 return self._closed(r, raw)
             self._check_cut_off()
             self._check_ended()
-            match close_rule(self._close_view(r, opening), self.settings):
-                case Close(slots):
+            match rule.close_rule(self._close_view(r, opening), self.settings):
+                case rule.Close(slots):
                     # Create-if-absent: the first closer wins, and everyone reads its list.
                     self.kv.create(k.closed, json.dumps(list(slots)))
-                case TimedOut(live):
+                case rule.TimedOut(live):
                     raise RendezvousError(
                         f"rendezvous {self.run_id}: only {live} of at least "
                         f"{self.settings.min_nodes} node(s) joined round {r} within "
                         f"{self.settings.join_timeout:g}s"
                     )
-                case WatchRunning():
+                case rule.WatchRunning():
                     self._watch_running(r, opening)
                     time.sleep(_SPARE_POLL)
-                case Wait():
+                case rule.Wait():
                     time.sleep(_POLL)
 
-    def _close_view(self, r: int, opening: _Opening) -> CloseView:
+    def _close_view(self, r: int, opening: _Opening) -> rule.CloseView:
         """Round *r* as the close rule sees it, from the store and the keep-alives."""
         k = keys.Round(r)
         now = time.monotonic()
@@ -317,7 +308,7 @@ class ElasticRendezvous:
         if n != opening.joined:
             opening.joined, opening.last_arrival = n, now
         if r > 0 and self.kv.get(keys.Round(r - 1).failed) is None:
-            return CloseView(previous_running=True)
+            return rule.CloseView(previous_running=True)
         if opening.opened is None:
             # Last call counts from the moment the round opened, not from when a spare
             # arrived (maybe hours ago), or it would close alone at once.
@@ -330,11 +321,11 @@ class ElasticRendezvous:
         self._live.observe([m.id for _, m in members])
         gone = self.kv.get_many([keys.left(m.id) for _, m in members])
         joiners = tuple(
-            Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
+            rule.Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
             for (slot, m), g in zip(members, gone, strict=True)
         )
         expected = self._expected(r)
-        return CloseView(
+        return rule.CloseView(
             previous_running=False,
             joiners=joiners,
             expected=None if expected is None else frozenset(expected),
