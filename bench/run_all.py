@@ -32,6 +32,7 @@ BENCHES = {
     "multinode": ("bench_multinode.py", ["--repeats", "3"], ["--repeats", "1", "--nodes", "2,4"]),
     "frameworks": ("bench_frameworks.py", ["--repeats", "3"], ["--repeats", "1"]),
     "goodput": ("bench_goodput.py", ["--repeats", "3"], ["--repeats", "1", "--steps", "200"]),
+    "launcher_exit": ("bench_launcher_exit.py", ["--repeats", "5"], ["--repeats", "2"]),
 }
 
 

@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.monitor import ControlAction, MonitorConfig, NodeMonitor, TimerClient, layout, node
+from stalwart.monitor import (
+    ControlAction,
+    MonitorConfig,
+    NodeMonitor,
+    TimerClient,
+    layout,
+    node,
+    node_requests,
+)
 from stalwart.monitor import timer as timer_mod
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import PIPE_BUF, ControlMessage, TimerMessage, encode
@@ -91,7 +99,7 @@ def test_expired_timer_of_a_non_worker_signals_nothing(harness: Harness) -> None
 def test_control_request_from_a_vanished_or_foreign_pid_does_not_stop_the_job(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(node, "CONTROL_GRACE", 0.3)
+    monkeypatch.setattr(node_requests, "CONTROL_GRACE", 0.3)
     mon = harness.start(fast())
     worker = harness.spawn(0, "healthy", "2000", "0.05")
     mon.begin_attempt(0, {0: worker.pid})

@@ -39,7 +39,7 @@ def straggler_events(h: Harness) -> list[dict[str, Any]]:
 def test_slow_rank_is_named_and_not_killed(
     harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="stalwart.monitor.node")
+    caplog.set_level(logging.WARNING, logger="stalwart.monitor.node_stragglers")
     mon = harness.start(fast(hb_timeout=30.0, straggler_window=1.0), nranks=3)
     procs = [
         harness.spawn(r, "rhythm", "100000", "0.06" if r == 2 else "0.02", "0", "1", "-1")

@@ -18,7 +18,7 @@ from stalwart.monitor import RankMonitorClient, stacks, timer
 def main() -> None:
     mode = sys.argv[1]
     stacks.install()
-    if mode in ("gloo_block", "learn", "peer_sleeps"):
+    if mode in ("gloo_block", "learn", "peer_sleeps", "peer_sleeps_no_iteration"):
         # torch and the process group come up before monitoring starts, as in a real
         # script: slow imports on a loaded machine must not count as a hang.
         gloo(mode, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])
@@ -145,6 +145,20 @@ def gloo(mode: str, rank: int, port: int, rest: list[str]) -> None:
         while True:
             client.send_heartbeat()
             time.sleep(0.05)
+    if mode == "peer_sleeps_no_iteration":
+        # As examples/train_ddp.py with sections: heartbeats without iterations, right
+        # after each step's collective, so both ranks' last beats are a moment apart.
+        # Rank 1 falls asleep at step `at` after its beat; rank 0 opens the next step's
+        # section and blocks in its collective.
+        at = int(rest[0])
+        print("READY", flush=True)
+        for step in range(10_000):
+            if rank == 1 and step == at:
+                time.sleep(600)
+            with client.section("step"):
+                dist.all_reduce(torch.ones(1))
+            client.send_heartbeat()
+        return
     if mode == "peer_sleeps":
         # Rank 1 falls asleep at step `at` between its collective and its heartbeat, as a
         # Lightning callback would; rank 0 reports that step and blocks in the next one.

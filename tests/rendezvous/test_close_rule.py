@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.rendezvous.elastic import (
+from stalwart.rendezvous.close_rule import (
     Close,
     CloseAction,
     CloseView,

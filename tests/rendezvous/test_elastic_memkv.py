@@ -25,7 +25,8 @@ from stalwart.rendezvous.api import (
     StoreLost,
     WorkerFailed,
 )
-from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
+from stalwart.rendezvous.close_rule import ElasticSettings
+from stalwart.rendezvous.elastic import ElasticRendezvous
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore
 from tests.helpers import wait_for
 

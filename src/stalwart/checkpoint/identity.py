@@ -41,21 +41,21 @@ def _dist() -> tuple[int, int] | None:
     return None
 
 
-def resolve_rank(rank: int | None) -> int:
-    if rank is not None:
-        return rank
-    env = _from_env(envvars.RANK)
+def _resolve(given: int | None, env_name: str, field: int, alone: int) -> int:
+    """`given`, else the environment variable, else field `field` of the process
+    group's (rank, world size), else `alone` (a single-process job)."""
+    if given is not None:
+        return given
+    env = _from_env(env_name)
     if env is not None:
         return env
     d = _dist()
-    return d[0] if d else 0
+    return d[field] if d else alone
+
+
+def resolve_rank(rank: int | None) -> int:
+    return _resolve(rank, envvars.RANK, 0, 0)
 
 
 def resolve_world_size(world_size: int | None) -> int:
-    if world_size is not None:
-        return world_size
-    env = _from_env(envvars.WORLD_SIZE)
-    if env is not None:
-        return env
-    d = _dist()
-    return d[1] if d else 1
+    return _resolve(world_size, envvars.WORLD_SIZE, 1, 1)

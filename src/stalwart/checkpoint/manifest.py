@@ -98,6 +98,10 @@ def encode(manifest: Manifest) -> bytes:
     return msgspec.json.encode(manifest)
 
 
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc} (errno {exc.errno})"
+
+
 def read_manifest(path: Path) -> Manifest:
     try:
         raw = path.read_bytes()
@@ -106,9 +110,7 @@ def read_manifest(path: Path) -> Manifest:
     except OSError as exc:
         # Unreadable (EACCES, EISDIR, ELOOP, EIO...): this step is unusable,
         # an older one may not be, so it is reported like corruption.
-        raise CheckpointCorruptError(
-            f"cannot read manifest {path}: {exc.strerror or exc} (errno {exc.errno})"
-        ) from exc
+        raise CheckpointCorruptError(f"cannot read manifest {path}: {_why(exc)}") from exc
     try:
         return msgspec.json.decode(raw, type=Manifest)
     except msgspec.DecodeError as exc:
@@ -158,9 +160,7 @@ def verify_files(folder: Path, manifest: Manifest) -> tuple[str, tuple[int, int,
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{path} is missing") from exc
         except OSError as exc:
-            raise CheckpointCorruptError(
-                f"cannot read {path}: {exc.strerror or exc} (errno {exc.errno})"
-            ) from exc
+            raise CheckpointCorruptError(f"cannot read {path}: {_why(exc)}") from exc
         if digest != entry.checksum:
             raise CheckpointCorruptError(
                 f"{path}: {entry.algorithm} {digest} != {entry.checksum} recorded in the manifest"

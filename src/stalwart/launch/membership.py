@@ -18,7 +18,8 @@ import time
 
 from stalwart.config import LaunchConfig, RendezvousConf
 from stalwart.rendezvous.api import RendezvousError, StoreLost
-from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
+from stalwart.rendezvous.close_rule import ElasticSettings
+from stalwart.rendezvous.elastic import ElasticRendezvous
 from stalwart.rendezvous.etcd import EtcdAccess, EtcdKV
 from stalwart.rendezvous.kv import (
     KV,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.layout import SlotSnapshot, SlotState
@@ -28,6 +28,10 @@ MIN_LIMIT = 1e-6
 MAX_LIMIT = 1e9
 #: How far in the future a timestamp may lie (a write racing the scanner's clock read).
 FUTURE_SLACK = 1.0
+#: Two ranks' times closer than this (seconds) say nothing about which stopped first:
+#: ranks that leave the same collective write their next heartbeat a few ms apart, in
+#: no meaningful order, while a rank that stopped a step earlier is a whole step behind.
+BLAME_RESOLUTION = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class Verdict:
     #: Monotonic time the rank last made progress: its last heartbeat, else its attach
     #: time. Comparable between ranks of one node (one CLOCK_MONOTONIC), not across nodes.
     stalled_since: float | None = None
+    #: Monotonic time of the rank's last sign of life of any kind: a heartbeat, opening
+    #: a section that is still open, or leaving its last section (`blame`'s tie-breaker).
+    last_active: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,17 +57,52 @@ class Stalled:
     global_rank: int
     iteration: int | None
     stalled_since: float | None
+    last_active: float | None = None  # see Verdict.last_active
+    stopped: bool = False  # its process was stopped (SIGSTOP) when it was found hung
 
 
-def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
+def _oldest(
+    stalled: Sequence[Stalled], when: Callable[[Stalled], float | None], resolution: float
+) -> list[Stalled]:
+    """Those whose time `when` is within `resolution` of the oldest known one (all of
+    them when nobody's is known); one that is not known never beats one that is."""
+    known = [(t, s) for s in stalled if (t := when(s)) is not None]
+    if not known:
+        return list(stalled)
+    first = min(t for t, _ in known)
+    return [s for t, s in known if t - first <= resolution]
+
+
+def _idle(s: Stalled) -> bool:
+    """Nothing since its last progress: no section opened or left after it."""
+    return (
+        s.last_active is not None
+        and s.stalled_since is not None
+        and s.last_active <= s.stalled_since
+    )
+
+
+def blame(stalled: Sequence[Stalled], resolution: float = BLAME_RESOLUTION) -> list[Stalled]:
     """Orders hung ranks root cause first: the rank whose progress stopped first.
 
     When one rank stops, its peers block in the next collective and go stale a moment
-    later; which slot a scan reads first says nothing. The rank behind is the cause:
-    the lowest iteration when every rank reports iterations (all ranks report at the
-    same point of a step, so a rank one step behind is the one the others wait for),
-    then the oldest last progress (heartbeat, else attach), then the lowest global rank.
-    A rank with no known progress time sorts after those with one.
+    later; which slot a scan reads first says nothing. The rank behind is the cause,
+    found by narrowing the candidates, each rule applied to those the previous one left:
+
+    1. the lowest iteration, when every rank reports iterations (all ranks report at the
+       same point of a step, so a rank one step behind is the one the others wait for);
+    2. the oldest last progress (heartbeat, else attach); times within `resolution` of
+       the oldest are a tie (ranks that left the same collective beat a moment apart,
+       in no meaningful order);
+    3. a rank whose process is stopped: it cannot be the one blocked in a collective;
+    4. a rank that did nothing since its last progress, over one that opened or left a
+       section since (`Verdict.last_active`): from the same point, the one that did
+       more went on to the collective where it waits;
+    5. the oldest last sign of life of any kind, within `resolution`;
+    6. the lowest global rank: the slots cannot tell the rest apart.
+
+    A rank whose time is not known never wins a rule over one whose time is. The root
+    cause comes first; the others follow in order of iteration and last progress.
     """
     by_iteration = all(s.iteration is not None for s in stalled)
 
@@ -69,7 +111,16 @@ def blame(stalled: Sequence[Stalled]) -> list[Stalled]:
         since = s.stalled_since
         return (it, since is None, since if since is not None else 0.0, s.global_rank)
 
-    return sorted(stalled, key=key)
+    order = sorted(stalled, key=key)
+    if not order:
+        return order
+    behind = [s for s in order if key(s)[0] == key(order[0])[0]]
+    tied = _oldest(behind, lambda s: s.stalled_since, resolution)
+    tied = [s for s in tied if s.stopped] or tied
+    tied = [s for s in tied if _idle(s)] or tied
+    tied = _oldest(tied, lambda s: s.last_active, resolution)
+    root = min(tied, key=lambda s: s.global_rank)
+    return [root, *(s for s in order if s is not root)]
 
 
 def override_ok(value: float) -> bool:
@@ -119,38 +170,37 @@ def problems(snap: SlotSnapshot, floor: float, now: float) -> list[str]:
     return bad
 
 
-def judge(
-    snap: SlotSnapshot,
-    names: list[str],
-    config: MonitorConfig,
-    now: float,
-    floor: float = 0.0,
-) -> Verdict | None:
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
+def _believable(value: float, floor: float, now: float) -> float | None:
+    """The timestamp if present and believable, else None (its check is skipped)."""
+    return value if value > 0 and timestamp_ok(value, floor, now) else None
 
-    def ts(value: float) -> float | None:
-        """The timestamp if present and believable, else None (its check is skipped)."""
-        return value if value > 0 and timestamp_ok(value, floor, now) else None
 
-    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
-    hb_age = now - last_hb if last_hb is not None else None
-    iteration = snap.iteration if snap.iteration >= 0 else None
-    last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
+@dataclasses.dataclass(frozen=True)
+class _Clock:
+    """One deadline a slot runs: hung (`kind`) once `limit` seconds passed since `start`."""
 
-    stalled_since = last_hb if last_hb is not None else attach
+    kind: HangKind
+    start: float
+    limit: float
+    section: str | None = None  # the section it times (None: a heartbeat or oos clock)
 
-    def verdict(kind: HangKind, timeout: float, section: str | None) -> Verdict:
-        return Verdict(kind, section, timeout, hb_age, iteration, stalled_since)
 
+def _clocks(
+    snap: SlotSnapshot, names: list[str], config: MonitorConfig, now: float, floor: float
+) -> list[_Clock]:
+    """The deadlines an attached slot runs, in the order `judge` checks them. A check
+    whose timestamp is not believable, or whose timeout is off, runs none."""
+    clocks: list[_Clock] = []
+    last_hb = _believable(snap.last_hb, floor, now)
+    attach = _believable(snap.attach_time, floor, now)
     if snap.last_hb == 0.0:
         limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
-        if limit is not None and attach is not None and now - attach > limit:
-            return verdict(HangKind.INITIAL_HEARTBEAT, limit, last_section)
+        if limit is not None and attach is not None:
+            clocks.append(_Clock(HangKind.INITIAL_HEARTBEAT, attach, limit))
     elif last_hb is not None:
         limit = effective(snap.hb_override, config.hb_timeout)
-        if limit is not None and now - last_hb > limit:
-            return verdict(HangKind.HEARTBEAT, limit, last_section)
+        if limit is not None:
+            clocks.append(_Clock(HangKind.HEARTBEAT, last_hb, limit))
 
     any_open = False
     for idx in range(max(0, min(snap.name_count, len(names)))):
@@ -160,17 +210,53 @@ def judge(
         # An unbelievable open time still means "some section is open" for the
         # out-of-section clock; only its own check is skipped.
         any_open = True
-        opened = ts(raw)
+        opened = _believable(raw, floor, now)
         limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
-        if opened is not None and limit is not None and now - opened > limit:
-            return verdict(HangKind.SECTION, limit, names[idx])
+        if opened is not None and limit is not None:
+            clocks.append(_Clock(HangKind.SECTION, opened, limit, names[idx]))
 
-    oos_start = ts(snap.oos_start)
+    oos_start = _believable(snap.oos_start, floor, now)
     if not any_open and oos_start is not None:
         limit = effective(snap.oos_override, config.out_of_section_timeout)
-        if limit is not None and now - oos_start > limit:
-            return verdict(HangKind.OUT_OF_SECTION, limit, last_section)
-    return None
+        if limit is not None:
+            clocks.append(_Clock(HangKind.OUT_OF_SECTION, oos_start, limit))
+    return clocks
+
+
+def last_active(snap: SlotSnapshot, floor: float, now: float) -> float | None:
+    """The slot's last sign of life of any kind: its last heartbeat or attach, opening a
+    section that is still open, leaving its last section (believable times only)."""
+    count = max(0, min(snap.name_count, len(snap.open_times)))
+    times = [snap.attach_time, snap.last_hb, snap.oos_start, *snap.open_times[:count]]
+    known = [t for t in times if _believable(t, floor, now) is not None]
+    return max(known) if known else None
+
+
+def judge(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float = 0.0,
+) -> Verdict | None:
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return None
+    for clock in _clocks(snap, names, config, now, floor):
+        if now - clock.start > clock.limit:
+            break
+    else:
+        return None
+    last_hb = _believable(snap.last_hb, floor, now)
+    last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
+    return Verdict(
+        clock.kind,
+        clock.section if clock.kind is HangKind.SECTION else last_section,
+        clock.limit,
+        now - last_hb if last_hb is not None else None,
+        snap.iteration if snap.iteration >= 0 else None,
+        last_hb if last_hb is not None else _believable(snap.attach_time, floor, now),
+        last_active(snap, floor, now),
+    )
 
 
 def next_deadline(
@@ -182,38 +268,10 @@ def next_deadline(
 ) -> float | None:
     """The earliest monotonic time at which `judge` would find this slot hung if it
     stays as it is (None: no deadline runs), so that the scanner can look then rather
-    than up to a check interval later. Mirrors `judge` check for check."""
+    than up to a check interval later. Reads the same clocks as `judge`."""
     if snap.state != SlotState.ATTACHED or snap.pid <= 0:
         return None
-
-    def ts(value: float) -> float | None:
-        return value if value > 0 and timestamp_ok(value, floor, now) else None
-
-    due: list[float] = []
-    last_hb, attach = ts(snap.last_hb), ts(snap.attach_time)
-    if snap.last_hb == 0.0:
-        limit = effective(snap.hb_initial_override, config.effective_initial_timeout)
-        if limit is not None and attach is not None:
-            due.append(attach + limit)
-    elif last_hb is not None:
-        limit = effective(snap.hb_override, config.hb_timeout)
-        if limit is not None:
-            due.append(last_hb + limit)
-    any_open = False
-    for idx in range(max(0, min(snap.name_count, len(names)))):
-        raw = snap.open_times[idx]
-        if raw == 0.0:
-            continue
-        any_open = True
-        opened = ts(raw)
-        limit = effective(snap.limits[idx], config.section_timeouts.get(names[idx]))
-        if opened is not None and limit is not None:
-            due.append(opened + limit)
-    oos_start = ts(snap.oos_start)
-    if not any_open and oos_start is not None:
-        limit = effective(snap.oos_override, config.out_of_section_timeout)
-        if limit is not None:
-            due.append(oos_start + limit)
+    due = [clock.start + clock.limit for clock in _clocks(snap, names, config, now, floor)]
     return min(due) if due else None
 
 

@@ -21,7 +21,8 @@ from stalwart.rendezvous.api import (
     WorkerFailed,
     decode_failure,
 )
-from stalwart.rendezvous.elastic import ElasticRendezvous, ElasticSettings
+from stalwart.rendezvous.close_rule import ElasticSettings
+from stalwart.rendezvous.elastic import ElasticRendezvous
 from stalwart.rendezvous.static import StaticRendezvous, StoreEndpoint
 
 __all__ = [

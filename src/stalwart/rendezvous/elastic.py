@@ -17,9 +17,9 @@ either MAX nodes joined, or at least MIN did and every live member of the previo
 is back, or at least MIN did and nobody new arrived for ``last_call_timeout``.  A node
 that arrives while the job runs joins the next round and waits there: a spare, admitted
 at the next restart boundary.  Ranks: survivors keep their order, newcomers follow.
-That rule is ``close_rule``, a pure function of a ``CloseView`` (what a node reads of
-the store and the keep-alives); ``tests/rendezvous/test_close_rule.py`` reads it as a
-table.
+That rule is ``close_rule.close_rule``, a pure function of a ``CloseView`` (what a node
+reads of the store and the keep-alives); the records read from the store and the
+nodes' liveness are in ``members.py``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 
-from stalwart.base.liveness import CounterWatch
+from stalwart.rendezvous import close_rule as rule
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -48,154 +48,14 @@ from stalwart.rendezvous.api import (
     StoreLost,
 )
 from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
+from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 _POLL = 0.02
 # A spare may wait for hours: a few store reads a second are plenty.
 _SPARE_POLL = 0.25
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    min_nodes: int
-    max_nodes: int
-    max_restarts: int
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    close_timeout: float = 30.0  # how long the c10d store's host waits for others to leave
-    keep_alive_interval: float = 5.0
-    keep_alive_max_attempt: int = 3
-
-    @property
-    def lost_after(self) -> float:
-        return self.keep_alive_interval * self.keep_alive_max_attempt
-
-
-class Member(msgspec.Struct, frozen=True):
-    id: str
-    host: str
-    addr: str
-    nproc: Annotated[int, msgspec.Meta(ge=1)]
-    hint: Annotated[int, msgspec.Meta(ge=0)] | None  # previous group rank, or --node-rank
-
-    @classmethod
-    def decode(cls, raw: bytes) -> Member:
-        return msgspec.json.decode(raw, type=cls)
-
-    def encode(self) -> str:
-        return msgspec.json.encode(self).decode()
-
-
-class JobEnd(msgspec.Struct, frozen=True):
-    succeeded: bool
-    reason: str = ""
-
-
-def _decode_or_none(raw: bytes, typ: type[T], key: str, warned: set[str]) -> T | None:
-    """A record from the store, or None (logged once per key) when it does not parse:
-    anyone who can reach a c10d store can write to it."""
-    try:
-        return msgspec.json.decode(raw, type=typ)
-    except msgspec.DecodeError as err:
-        if key not in warned:
-            warned.add(key)
-            logger.warning("dropped a malformed record at %s: %s", key, err)
-        return None
-
-
-class Liveness:
-    """This node's view of who is alive, from the nodes' heartbeat counters in the store."""
-
-    def __init__(self, kv: KV, lost_after: float) -> None:
-        self._kv = kv
-        # Not looking for half the loss timeout (blocked, or the store stalled) forgives
-        # the silence this node did not watch.
-        self._watch = CounterWatch[str](lost_after, blind_after=lost_after / 2)
-
-    def observe(self, ids: list[str]) -> None:
-        values = self._kv.get_many([keys.heartbeat(i) for i in ids])
-        self._watch.observe_many(zip(ids, values, strict=True))
-
-    def lost(self, node: str) -> float | None:
-        """Seconds since *node* last showed a sign of life, if that makes it lost."""
-        return self._watch.lost(node)
-
-
-# -- the close rule ------------------------------------------------------------------
-@dataclass(frozen=True)
-class Joiner:
-    """A node that took a slot in the round, as this node sees it now."""
-
-    slot: int
-    id: str
-    hint: int | None  # previous group rank, or --node-rank
-    alive: bool = True  # its keep-alive counter moves
-    left: bool = False  # it said it left the job
-
-
-@dataclass(frozen=True)
-class CloseView:
-    """What the close rule reads about an open round."""
-
-    # The previous round still runs: whoever joins now is a spare for the next restart.
-    previous_running: bool
-    joiners: tuple[Joiner, ...] = ()
-    # Ids of the previous round's members still alive and in the job (None: round 0).
-    expected: frozenset[str] | None = None
-    quiet_for: float = 0.0  # seconds since the last node joined (or the round opened)
-    open_for: float = 0.0  # seconds since the round opened
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Not yet: look again shortly."""
-
-
-@dataclass(frozen=True)
-class WatchRunning:
-    """Wait as a spare, watching the running round's nodes (if all of them die without
-    a word, someone must fail that round, or the spares would wait forever)."""
-
-
-@dataclass(frozen=True)
-class Close:
-    """Close the round with these slots, in rank order."""
-
-    slots: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TimedOut:
-    """Too few nodes joined within the join timeout: the job cannot form."""
-
-    live: int
-
-
-CloseAction = Wait | WatchRunning | Close | TimedOut
-
-
-def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
-    """Whether an open round closes now, and with whom.
-
-    It closes once the previous round is over and, among the live joiners, either MAX
-    are there, or at least MIN and every live member of the previous round is back, or
-    at least MIN and nobody new arrived for ``last_call_timeout``.  Survivors keep their
-    order (their hint), newcomers follow in order of arrival; beyond MAX, spares."""
-    if view.previous_running:
-        return WatchRunning()
-    live = [j for j in view.joiners if j.alive and not j.left]
-    back = view.expected is not None and view.expected <= {j.id for j in live}
-    if len(live) >= s.max_nodes or (
-        len(live) >= s.min_nodes and (back or view.quiet_for >= s.last_call_timeout)
-    ):
-        ranked = sorted(live, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
-        return Close(tuple(j.slot for j in ranked[: s.max_nodes]))
-    if view.open_for > s.join_timeout:
-        return TimedOut(len(live))
-    return Wait()
 
 
 @dataclass
@@ -217,7 +77,7 @@ class ElasticRendezvous:
     def __init__(
         self,
         kv: KV,
-        settings: ElasticSettings,
+        settings: rule.ElasticSettings,
         *,
         run_id: str,
         local_addr: str,
@@ -295,7 +155,7 @@ class ElasticRendezvous:
             ) from None
 
     def _member(self, key: str, raw: bytes | None) -> Member | None:
-        return None if raw is None else _decode_or_none(raw, Member, key, self._warned)
+        return None if raw is None else decode_or_none(raw, Member, key, self._warned)
 
     def _members_of(self, r: int) -> list[Member]:
         if r not in self._members:
@@ -310,7 +170,7 @@ class ElasticRendezvous:
 
     def _ended(self) -> JobEnd | None:
         raw = self.kv.get(keys.JOB_ENDED)
-        return None if raw is None else _decode_or_none(raw, JobEnd, keys.JOB_ENDED, self._warned)
+        return None if raw is None else decode_or_none(raw, JobEnd, keys.JOB_ENDED, self._warned)
 
     def _check_ended(self) -> None:
         ended = self._ended()
@@ -424,23 +284,23 @@ class ElasticRendezvous:
                 return self._closed(r, raw)
             self._check_cut_off()
             self._check_ended()
-            match close_rule(self._close_view(r, opening), self.settings):
-                case Close(slots):
+            match rule.close_rule(self._close_view(r, opening), self.settings):
+                case rule.Close(slots):
                     # Create-if-absent: the first closer wins, and everyone reads its list.
                     self.kv.create(k.closed, json.dumps(list(slots)))
-                case TimedOut(live):
+                case rule.TimedOut(live):
                     raise RendezvousError(
                         f"rendezvous {self.run_id}: only {live} of at least "
                         f"{self.settings.min_nodes} node(s) joined round {r} within "
                         f"{self.settings.join_timeout:g}s"
                     )
-                case WatchRunning():
+                case rule.WatchRunning():
                     self._watch_running(r, opening)
                     time.sleep(_SPARE_POLL)
-                case Wait():
+                case rule.Wait():
                     time.sleep(_POLL)
 
-    def _close_view(self, r: int, opening: _Opening) -> CloseView:
+    def _close_view(self, r: int, opening: _Opening) -> rule.CloseView:
         """Round *r* as the close rule sees it, from the store and the keep-alives."""
         k = keys.Round(r)
         now = time.monotonic()
@@ -448,7 +308,7 @@ class ElasticRendezvous:
         if n != opening.joined:
             opening.joined, opening.last_arrival = n, now
         if r > 0 and self.kv.get(keys.Round(r - 1).failed) is None:
-            return CloseView(previous_running=True)
+            return rule.CloseView(previous_running=True)
         if opening.opened is None:
             # Last call counts from the moment the round opened, not from when a spare
             # arrived (maybe hours ago), or it would close alone at once.
@@ -461,11 +321,11 @@ class ElasticRendezvous:
         self._live.observe([m.id for _, m in members])
         gone = self.kv.get_many([keys.left(m.id) for _, m in members])
         joiners = tuple(
-            Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
+            rule.Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
             for (slot, m), g in zip(members, gone, strict=True)
         )
         expected = self._expected(r)
-        return CloseView(
+        return rule.CloseView(
             previous_running=False,
             joiners=joiners,
             expected=None if expected is None else frozenset(expected),
@@ -549,13 +409,7 @@ class ElasticRendezvous:
             if self._hosts_store:
                 deadline = time.monotonic() + self.settings.close_timeout
                 while time.monotonic() < deadline:
-                    ids = self._registered()
-                    self._live.observe(ids)
-                    gone = self.kv.get_many([keys.left(i) for i in ids])
-                    if all(
-                        g is not None or self._live.lost(i) is not None
-                        for i, g in zip(ids, gone, strict=True)
-                    ):
+                    if self._all_gone(self._registered()):
                         break
                     if self._interrupted.wait(0.05):
                         logger.warning("interrupted while waiting for the other nodes to leave")
@@ -577,15 +431,17 @@ class ElasticRendezvous:
             self.run_id,
         )
         while self._ended() is None and not self._interrupted.is_set():
-            ids = [i for i in self._registered() if i != self.id]
-            self._live.observe(ids)
-            gone = self.kv.get_many([keys.left(i) for i in ids])
-            if all(
-                g is not None or self._live.lost(i) is not None
-                for i, g in zip(ids, gone, strict=True)
-            ):
+            if self._all_gone([i for i in self._registered() if i != self.id]):
                 return
             self._interrupted.wait(_SPARE_POLL)
+
+    def _all_gone(self, ids: list[str]) -> bool:
+        """Every node of `ids` has said it left the job, or is lost."""
+        self._live.observe(ids)
+        gone = self.kv.get_many([keys.left(i) for i in ids])
+        return all(
+            g is not None or self._live.lost(i) is not None for i, g in zip(ids, gone, strict=True)
+        )
 
     def interrupt(self) -> None:
         """A signal reached the exiting launcher: stop serving the store for the others."""

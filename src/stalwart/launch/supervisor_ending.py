@@ -1,0 +1,182 @@
+"""How a round or the job ends on this node: events, console lines, the closing block.
+
+`_restart` and `_stop` act on `decide`'s move (events, the warning or the failure
+summary on the console, the other nodes told); `_stop` is the one place a `JobResult`
+is made. `_write_exit` writes `launcher_exit` with the closing figures (`_end_report`:
+goodput, faults that never fired).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from stalwart.base.events import Event
+from stalwart.launch.decide import (
+    Ending,
+    Restart,
+    Stop,
+)
+from stalwart.launch.errors import ProcessFailure, format_summary, root_cause
+from stalwart.launch.events import read_events
+from stalwart.launch.summary import end_block, never_fired
+from stalwart.launch.supervisor_state import JobResult, SupervisorState
+from stalwart.launch.workers import RunResult
+from stalwart.rendezvous import (
+    NodeExcluded,
+    NodeLost,
+    WorkerFailed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SupervisorEnding(SupervisorState):
+    """Acting on the end of a round or of the job."""
+
+    # -- acting on a move --------------------------------------------------------------
+    def _failures(
+        self, workers: tuple[WorkerFailed, ...], result: RunResult | None
+    ) -> list[ProcessFailure]:
+        """The failed workers every node reported, else this node's own."""
+        failures = [ProcessFailure.from_record(w) for w in workers]
+        if not failures and result is not None:
+            failures = list(result.failures.values())
+        return failures
+
+    def _emit_departed(self, departed: tuple[NodeLost | NodeExcluded, ...], attempt: int) -> None:
+        for gone in departed:
+            self.events.emit(
+                Event.NODE_LOST if isinstance(gone, NodeLost) else Event.NODE_EXCLUDED,
+                attempt=attempt,
+                lost_node_rank=gone.node_rank,
+                lost_host=gone.host,
+                reason=gone.reason,
+            )
+            logger.warning("attempt %d: %s", attempt, gone.reason)
+
+    def _restart(self, move: Restart, result: RunResult | None) -> None:
+        self._emit_departed(move.departed, move.attempt)
+        failures = self._failures(move.workers, result)
+        cause = root_cause(failures) if failures else None
+        self.events.emit(
+            Event.RESTART,
+            attempt=move.attempt,
+            next_attempt=move.next_attempt,
+            reason=move.reason,
+            root_cause=cause.to_dict() if cause else None,
+            restarts_left=move.restarts_left,
+        )
+        if cause is not None:
+            logger.warning(
+                "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
+                move.attempt,
+                cause.rank,
+                cause.describe_exit(),
+                f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
+                move.next_attempt,
+                self.cfg.max_restarts,
+            )
+
+    def _stop(self, move: Stop, result: RunResult | None = None) -> JobResult:
+        """Says how the job ended on this node (events, console, the other nodes) and
+        makes the ``JobResult``: the one place one is made."""
+        cfg = self.cfg
+        attempt = move.attempts - 1
+        self._emit_departed(move.departed, attempt)
+        failures = self._failures(move.workers, result) if move.ending is Ending.GAVE_UP else []
+        match move.ending:
+            case Ending.SUCCEEDED:
+                self.events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
+            case Ending.GAVE_UP:
+                cause = root_cause(failures) if failures else None
+                self.events.emit(
+                    Event.JOB_FAILED, attempt=attempt, root_cause=cause.to_dict() if cause else None
+                )
+            case Ending.SHUT_DOWN | Ending.INTERRUPTED:
+                self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
+            case Ending.EXCLUDED:
+                self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+            case Ending.NOT_NEEDED:
+                self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
+        if move.tell is not None and self._rdzv is not None:
+            self._rdzv.finish(move.tell.succeeded, move.tell.reason)
+        line = ""
+        match move.ending:
+            case Ending.GAVE_UP if failures:
+                line = format_summary(
+                    failures,
+                    run_id=cfg.run_id,
+                    attempts=move.attempts,
+                    log_dir=str(self.run_dir) if self.run_dir else None,
+                )
+            case Ending.SHUT_DOWN:
+                line = (
+                    f"stalwart: job {cfg.run_id} stopped in attempt {attempt}: {move.reason}; "
+                    "not restarting"
+                )
+            case Ending.EXCLUDED:
+                line = (
+                    f"stalwart: this node left job {cfg.run_id} in attempt {attempt}: "
+                    f"{move.reason}; the job goes on with the other nodes"
+                )
+            case Ending.NOT_NEEDED:
+                line = f"stalwart: job {cfg.run_id} ended without needing this node ({move.reason})"
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        succeeded = move.ending is Ending.SUCCEEDED
+        return JobResult(
+            exit_code=move.exit_code,
+            state=move.state,
+            attempts=move.attempts,
+            failures=failures,
+            return_values=result.return_values if succeeded and result is not None else {},
+            run_dir=self.run_dir,
+        )
+
+    def _write_exit(self) -> None:
+        result = self._result
+        code = result.exit_code if result is not None else (3 if self._rdzv_failed else 1)
+        closing: dict[str, Any] = {}
+        if result is not None and result.attempts > 0:  # not a spare never admitted
+            closing = self._end_report(result)
+        # The closing figures ride on launcher_exit: the job's last events stay
+        # job_succeeded | job_failed | job_stopped, then launcher_exit.
+        self.events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
+
+    def _end_report(self, result: JobResult) -> dict[str, Any]:
+        """The job's closing block on the console, and faults that never fired; returns
+        the fields for ``launcher_exit`` (``goodput``, ``inject_not_fired``)."""
+        path = self.events.path
+        if path is None or not path.is_file():
+            return {}
+        fields: dict[str, Any] = {}
+        try:
+            events = list(read_events(path))
+            unfired = never_fired(self.cfg.inject, events, self._ranks_run)
+            if unfired:
+                fields["inject_not_fired"] = unfired
+            for spec in unfired:
+                print(
+                    f"stalwart: warning: --inject fault {spec!r} never fired "
+                    "(does the script call stalwart.inject.step(step) each step?)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            block, breakdown = end_block(
+                events,
+                now=time.time(),
+                run_id=self.cfg.run_id,
+                outcome=result.state.value,
+                attempts=result.attempts,
+                run_dir=str(self.run_dir) if self.run_dir else None,
+            )
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            # A summary must never turn a finished job into a failed launcher.
+            logger.warning("could not summarise the run: %s", err)
+            return fields
+        fields["goodput"] = {**breakdown.seconds, "ratio": breakdown.goodput}
+        print(block, file=sys.stderr, flush=True)
+        return fields

@@ -1,0 +1,285 @@
+"""Handling a hang: stacks, the dossier, terminate, kill, the report.
+
+A hung rank is asked for its stacks (SIGUSR1, with SIGCONT in case it is stopped); the
+scanner thread runs the planned steps in due order: wait for the dump to settle, write
+the attempt's hang dossier, queue the `HangReport`, send the terminate signal, then
+SIGKILL after the grace period. A rank found waiting on another one's hang is
+terminated after it, so that the supervisor's first failure is the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from stalwart.base import procs
+from stalwart.base.events import Event
+from stalwart.monitor import dossier, layout
+from stalwart.monitor.judge import (
+    Stalled,
+    Verdict,
+)
+from stalwart.monitor.node_state import NodeState, _Hang, _Rank
+from stalwart.monitor.reports import HangReport
+
+log = logging.getLogger(__name__)
+
+STACKS_MAX_BYTES = 64 * 1024
+STACKS_POLL = 0.02
+STACKS_MAX_WAIT_FACTOR = 5
+
+
+class NodeHangs(NodeState):
+    """The hang handling of a node monitor."""
+
+    def _begin_hang(
+        self,
+        rank: _Rank,
+        target: int,
+        verdict: Verdict,
+        term_signal: int,
+        waiting_on: int | None = None,
+        stalled: Stalled | None = None,
+    ) -> None:
+        with self._lock:
+            if not rank.judged:
+                return
+            rank.judged = False
+            if stalled is not None:
+                self._stalled.append(stalled)
+        hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
+        hang.attempt = self._attempt
+        hang.waiting_on = waiting_on
+        with self._lock:
+            self._roots.setdefault(rank.global_rank, hang)
+        log.warning(
+            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s",
+            rank.local_rank,
+            target,
+            verdict.kind.value,
+            verdict.timeout,
+            verdict.section,
+            "" if waiting_on is None else f"; most likely waiting on rank {waiting_on}",
+        )
+        step, wait = "terminate", 0.0
+        self._open_dossier(rank, target, verdict, waiting_on)
+        if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
+            if rank.stderr is not None:
+                try:
+                    hang.stderr_offset = rank.stderr.stat().st_size
+                except OSError:
+                    hang.stderr_offset = None
+            if procs.signal_pid(target, signal.SIGUSR1):
+                # A stopped process only runs its handler once continued.
+                procs.continue_if_stopped(target)
+                hang.dump_sent_at = time.monotonic()
+                self._mark_dossier_signalled(rank.local_rank)
+                if hang.stderr_offset is None:
+                    wait = self.config.stack_dump_wait
+                else:
+                    step, wait = "await_stacks", STACKS_POLL
+        self._plan(time.monotonic() + wait, step, hang)
+
+    def _await_stacks(self, hang: _Hang) -> None:
+        """Terminates once the dump is written, polling the rank's stderr file.
+
+        On a loaded node the rank may need longer than `stack_dump_wait` to be scheduled
+        and write; waiting for the file to grow and settle captures the stacks there and
+        saves time everywhere else. Bounded by STACKS_MAX_WAIT_FACTOR x stack_dump_wait.
+        """
+        assert hang.rank.stderr is not None and hang.stderr_offset is not None
+        try:
+            size = hang.rank.stderr.stat().st_size
+        except OSError:
+            size = hang.stderr_offset
+        elapsed = time.monotonic() - hang.dump_sent_at
+        written_and_settled = size > hang.stderr_offset and size == hang.last_size
+        if written_and_settled or elapsed >= STACKS_MAX_WAIT_FACTOR * self.config.stack_dump_wait:
+            self._terminate(hang)
+            return
+        hang.last_size = size
+        self._plan(time.monotonic() + STACKS_POLL, "await_stacks", hang)
+
+    def _plan(self, due: float, step: str, hang: _Hang) -> None:
+        with self._lock:
+            heapq.heappush(self._schedule, (due, next(self._seq), step, hang))
+        self._wake.set()
+
+    def _run_due(self, force: bool = False) -> None:
+        while True:
+            with self._lock:
+                if not self._schedule or (not force and self._schedule[0][0] > time.monotonic()):
+                    return
+                _, _, step, hang = heapq.heappop(self._schedule)
+            if step == "terminate" or (step == "await_stacks" and force):
+                self._terminate(hang, escalate=not force)
+            elif step == "await_stacks":
+                self._await_stacks(hang)
+            elif step == "kill":
+                self._kill(hang)
+
+    def _targets(self, hang: _Hang) -> list[int]:
+        targets = [hang.target]
+        if hang.rank.pid != hang.target:
+            targets.append(hang.rank.pid)
+        return [p for p in targets if self._same_process(hang.rank, p)]
+
+    def _terminate(self, hang: _Hang, escalate: bool = True) -> None:
+        with self._lock:
+            if hang.terminated:
+                return
+            root = self._roots.get(hang.waiting_on) if hang.waiting_on is not None else None
+        if escalate and root is not None and root is not hang and self._defer_for(hang, root):
+            # The rank waited on exits first, so that the supervisor's first failure (its
+            # root cause) is that rank; bounded by the root's own stack wait and kill.
+            self._plan(time.monotonic() + STACKS_POLL, "terminate", hang)
+            return
+        with self._lock:
+            if hang.terminated:
+                return
+            hang.terminated = True
+        # Before any signal that kills: the dossier, then the report that points at it.
+        hang.dossier = self._write_dossier(hang)
+        # Queued before the signal: when the supervisor sees the worker exit, the reason
+        # is already waiting in poll_hangs().
+        report = self._report(hang)
+        with self._lock:
+            self._hangs.append(report)
+        fields = report.to_event()
+        fields["attempt"] = hang.attempt
+        fields["stacks"] = report.stacks[-16384:]
+        self._emit(Event.HANG_DETECTED, fields)
+        for pid in self._targets(hang):
+            procs.signal_pid(pid, hang.term_signal, group=True)
+            procs.continue_if_stopped(pid, group=True)
+        if escalate:
+            self._plan(time.monotonic() + self.config.term_grace, "kill", hang)
+        else:
+            self._kill(hang)
+
+    def _defer_for(self, hang: _Hang, root: _Hang) -> bool:
+        now = time.monotonic()
+        if hang.deferred_since is None:
+            hang.deferred_since = now
+        if now - hang.deferred_since > self.config.term_grace + 1.0:
+            return False
+        return not root.terminated or bool(self._targets(root))
+
+    def _kill(self, hang: _Hang) -> None:
+        for pid in self._targets(hang):
+            if procs.is_alive(pid):
+                log.warning("pid %d outlived the terminate signal; sending SIGKILL", pid)
+                procs.signal_pid(pid, signal.SIGKILL, group=True)
+
+    def _report(self, hang: _Hang) -> HangReport:
+        stacks = ""
+        path = hang.rank.stderr
+        if path is not None and hang.stderr_offset is not None:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(hang.stderr_offset)
+                    stacks = f.read(STACKS_MAX_BYTES).decode("utf-8", "replace")
+            except OSError as exc:
+                log.info("could not read stacks from %s: %s", path, exc)
+        v = hang.verdict
+        return HangReport(
+            local_rank=hang.rank.local_rank,
+            global_rank=hang.rank.global_rank,
+            pid=hang.target,
+            kind=v.kind,
+            section=v.section,
+            timeout=v.timeout,
+            last_heartbeat_age=v.last_heartbeat_age,
+            iteration=v.iteration,
+            stacks=stacks,
+            detected_at=hang.detected_at,
+            waiting_on=hang.waiting_on,
+            dossier=str(hang.dossier) if hang.dossier is not None else None,
+        )
+
+    # -- hang dossier ----------------------------------------------------------------
+    def _open_dossier(
+        self, hung: _Rank, target: int, verdict: Verdict, waiting_on: int | None
+    ) -> None:
+        """At the attempt's first hang: notes every rank's state and stderr size, then
+        asks the others for their stacks and every rank's flight recorder for a dump.
+        Later hangs only add their verdict."""
+        if self._state_dir is None:
+            return
+        text = f"{verdict.kind.value} timeout {verdict.timeout:g}s" + (
+            f", most likely waiting on rank {waiting_on}" if waiting_on is not None else ""
+        )
+        with self._lock:
+            entries = self._dossier
+            first = entries is None
+            if entries is None:
+                entries = self._dossier = {}
+            ranks = list(self._ranks.values()) if first else []
+        mm = self._mm
+        now = time.monotonic()
+        for rank in ranks:
+            state = "unknown (no segment)"
+            pid = rank.pid
+            if mm is not None:
+                snap = layout.read_slot(mm, rank.local_rank)
+                names = layout.read_names(mm, rank.local_rank, snap.name_count)
+                state = dossier.describe(snap, names, now, self._floor)
+                if snap.pid > 0 and (snap.pid == rank.pid or snap.pid in rank.verified_pids):
+                    pid = snap.pid
+            offset = None
+            if rank.stderr is not None:
+                with contextlib.suppress(OSError):
+                    offset = rank.stderr.stat().st_size
+            entries[rank.local_rank] = dossier.RankEntry(
+                rank.local_rank, rank.global_rank, pid, state, None, rank.stderr, offset
+            )
+        entry = entries.get(hung.local_rank)
+        if entry is not None:
+            entry.verdict = text
+            entry.pid = target
+        if not first:
+            return
+        for rank in ranks:
+            e = entries[rank.local_rank]
+            pipe = dossier.flight_recorder_pipe(os.environ, rank.global_rank)
+            if pipe is not None and dossier.request_flight_recorder_dump(pipe):
+                e.flight_recorder = pipe
+            if rank.local_rank == hung.local_rank:
+                continue  # _begin_hang asks the hung rank itself
+            if (
+                self.config.stack_dump_wait > 0
+                and procs.is_alive(e.pid)
+                and procs.catches_signal(e.pid, signal.SIGUSR1)
+                and procs.signal_pid(e.pid, signal.SIGUSR1)
+            ):
+                procs.continue_if_stopped(e.pid)
+                e.stacks_signalled = True
+
+    def _mark_dossier_signalled(self, local_rank: int) -> None:
+        with self._lock:
+            entry = (self._dossier or {}).get(local_rank)
+            if entry is not None:
+                entry.stacks_signalled = True
+
+    def _write_dossier(self, hang: _Hang) -> Path | None:
+        """(Re)writes the attempt's dossier; its path, or None when there is none."""
+        with self._lock:
+            entries = list((self._dossier or {}).values())
+        if self._state_dir is None or not entries:
+            return None
+        path = self._state_dir / dossier.dossier_name(hang.attempt)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.write_text(dossier.render(hang.attempt, entries, STACKS_MAX_BYTES))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("could not write the hang dossier %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return None
+        return path

@@ -1,0 +1,99 @@
+"""The elastic round's close rule: when an open round closes, and with whom.
+
+A pure function of a `CloseView` (what a node reads of the store and the keep-alives)
+and the job's `ElasticSettings`; `elastic.ElasticRendezvous` reads the view and acts on
+the answer. ``tests/rendezvous/test_close_rule.py`` reads the rule as a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ElasticSettings:
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0  # how long the c10d store's host waits for others to leave
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    @property
+    def lost_after(self) -> float:
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+@dataclass(frozen=True)
+class Joiner:
+    """A node that took a slot in the round, as this node sees it now."""
+
+    slot: int
+    id: str
+    hint: int | None  # previous group rank, or --node-rank
+    alive: bool = True  # its keep-alive counter moves
+    left: bool = False  # it said it left the job
+
+
+@dataclass(frozen=True)
+class CloseView:
+    """What the close rule reads about an open round."""
+
+    # The previous round still runs: whoever joins now is a spare for the next restart.
+    previous_running: bool
+    joiners: tuple[Joiner, ...] = ()
+    # Ids of the previous round's members still alive and in the job (None: round 0).
+    expected: frozenset[str] | None = None
+    quiet_for: float = 0.0  # seconds since the last node joined (or the round opened)
+    open_for: float = 0.0  # seconds since the round opened
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Not yet: look again shortly."""
+
+
+@dataclass(frozen=True)
+class WatchRunning:
+    """Wait as a spare, watching the running round's nodes (if all of them die without
+    a word, someone must fail that round, or the spares would wait forever)."""
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the round with these slots, in rank order."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """Too few nodes joined within the join timeout: the job cannot form."""
+
+    live: int
+
+
+CloseAction = Wait | WatchRunning | Close | TimedOut
+
+
+def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
+    """Whether an open round closes now, and with whom.
+
+    It closes once the previous round is over and, among the live joiners, either MAX
+    are there, or at least MIN and every live member of the previous round is back, or
+    at least MIN and nobody new arrived for ``last_call_timeout``.  Survivors keep their
+    order (their hint), newcomers follow in order of arrival; beyond MAX, spares."""
+    if view.previous_running:
+        return WatchRunning()
+    live = [j for j in view.joiners if j.alive and not j.left]
+    back = view.expected is not None and view.expected <= {j.id for j in live}
+    if len(live) >= s.max_nodes or (
+        len(live) >= s.min_nodes and (back or view.quiet_for >= s.last_call_timeout)
+    ):
+        ranked = sorted(live, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
+        return Close(tuple(j.slot for j in ranked[: s.max_nodes]))
+    if view.open_for > s.join_timeout:
+        return TimedOut(len(live))
+    return Wait()
