@@ -32,6 +32,7 @@ from .errors import (
     RankTerminated,
     RestartAbort,
     RestartError,
+    RestartLimitReached,
 )
 from .hooks import Compose
 from .state import Interruption, InterruptionRecord, Mode, State
@@ -61,6 +62,7 @@ __all__ = [
     "RankTerminated",
     "RestartAbort",
     "RestartError",
+    "RestartLimitReached",
     "ShiftRanks",
     "State",
     "Wrapper",

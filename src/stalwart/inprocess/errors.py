@@ -1,9 +1,10 @@
 """Exception types raised by the in-process restart wrapper.
 
-``RankShouldRestart`` (also spelled ``RestartAbort``, stalwart's first name for
-it) is the one exception that travels asynchronously (injected into the main
-thread by the monitor thread); it derives from ``BaseException`` so a training
-loop's ``except Exception`` cannot swallow a restart.  The names NVIDIA's
+``RankShouldRestart`` is the one exception that travels asynchronously (injected
+into the main thread by the monitor thread); it derives from ``BaseException`` so
+a training loop's ``except Exception`` cannot swallow a restart.  ``RestartAbort``
+is a different thing: the wrapper has given up restarting (``RetryController``'s
+limits), which NVIDIA's users catch under that name.  The names NVIDIA's
 ``inprocess`` users catch (``RestartError`` above ``HealthCheckError`` and
 ``InternalError``) are the same classes here.
 """
@@ -19,7 +20,13 @@ class RankShouldRestart(BaseException):
     """
 
 
-RestartAbort = RankShouldRestart
+class RestartAbort(BaseException):
+    """Terminal: no further restart is attempted on this rank.
+
+    A ``BaseException`` as in NVIDIA's ``inprocess``, so code that ends its job on
+    ``except RestartAbort`` keeps working.  Raised from a hook or the function, it
+    leaves the wrapper unchanged like any other ``BaseException``.
+    """
 
 
 class InProcessError(RuntimeError):
@@ -35,6 +42,15 @@ class RestartError(InProcessError):
 
     Also the base of ``HealthCheckError``, ``InternalError`` and ``BarrierTimeout``,
     as NVIDIA's ``inprocess.exception.RestartError`` is.
+    """
+
+
+class RestartLimitReached(RestartError, RestartAbort):
+    """A restart limit was reached (``RetryController``, ``max_iterations``).
+
+    Both a ``RestartError`` (stalwart's name for "this rank stops restarting") and
+    a ``RestartAbort`` (the name NVIDIA's ``RetryController`` raises), so either
+    ``except`` clause catches it.
     """
 
 

@@ -42,6 +42,7 @@ from .abort import destroy_process_groups
 from .asyncexc import clear_pending, install_wake_handler
 from .call import Call, inject_call
 from .errors import (
+    ConfigError,
     HealthCheckError,
     HookError,
     InProcessError,
@@ -49,6 +50,7 @@ from .errors import (
     RankShouldRestart,
     RankTerminated,
     RestartError,
+    RestartLimitReached,
 )
 from .groups import GroupKeeper
 from .iteration_stores import IterationStores
@@ -96,7 +98,8 @@ class Runner:
 
     def __init__(self, options: Options) -> None:
         if dist.is_available() and dist.is_initialized():
-            raise InProcessError(
+            # A ValueError, as NVIDIA's wrapper raises for the same mistake.
+            raise ConfigError(
                 "torch.distributed is already initialized: call init_process_group "
                 "inside the wrapped function"
             )
@@ -225,7 +228,7 @@ class Runner:
         if state.initial_rank in terminated:
             raise RankTerminated(f"initial rank {state.initial_rank} was declared terminated")
         if opts.max_iterations is not None and iteration >= opts.max_iterations:
-            raise RestartError(f"max_iterations={opts.max_iterations} reached")
+            raise RestartLimitReached(f"max_iterations={opts.max_iterations} reached")
         state = dataclasses.replace(state, iteration=iteration)
         state = self._place(state, terminated)
         if state.mode is Mode.TERMINATED:

@@ -1,0 +1,88 @@
+"""Behaviour that NVIDIA's own inprocess test suite (0.2.1 and 0.4.1) checks, restated
+as stalwart tests: how the wrapper says it gave up, and how it refuses a process
+group that already exists.  See docs/migrating.md, "Checked against the originals'
+own tests"."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+import stalwart.inprocess as inprocess
+from tests.helpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, object]]:
+    """A world of one, as torchrun would describe it, and fast wrapper settings."""
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
+        monkeypatch.setenv(name, value)
+    yield {
+        "store_kwargs": {"port": free_port(), "timeout": datetime.timedelta(seconds=10)},
+        "monitor_thread_interval": datetime.timedelta(milliseconds=5),
+        "monitor_process_interval": datetime.timedelta(milliseconds=5),
+    }
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+def test_retry_limit_is_caught_as_restart_abort(one_rank: dict[str, object], limit: int) -> None:
+    calls = 0
+
+    @inprocess.Wrapper(
+        initialize=inprocess.initialize.RetryController(max_iterations=limit), **one_rank
+    )
+    def always_fails() -> None:
+        nonlocal calls
+        calls += 1
+        raise ZeroDivisionError("step")
+
+    with pytest.raises(inprocess.exception.RestartAbort) as caught:
+        always_fails()
+    assert calls == limit
+    # stalwart's own name for the same end still catches it.
+    assert isinstance(caught.value, inprocess.exception.RestartError)
+    assert f"max_iterations={limit}" in str(caught.value)
+
+
+def test_restart_abort_from_a_hook_leaves_unchanged(one_rank: dict[str, object]) -> None:
+    class GiveUp:
+        def __call__(self, state: inprocess.State) -> inprocess.State:
+            raise inprocess.exception.RestartAbort("operator said stop")
+
+    ran = False
+
+    @inprocess.Wrapper(initialize=GiveUp(), **one_rank)
+    def body() -> None:
+        nonlocal ran
+        ran = True
+
+    with pytest.raises(inprocess.exception.RestartAbort, match="operator said stop"):
+        body()
+    assert not ran
+
+
+def test_existing_default_group_is_a_value_error(one_rank: dict[str, object]) -> None:
+    @inprocess.Wrapper(**one_rank)
+    def body() -> int:
+        return 1
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="already initialized"):
+            body()
+    finally:
+        dist.destroy_process_group()
+    # The refusal left nothing behind: the same wrapper runs once the group is gone.
+    assert body() == 1
