@@ -6,7 +6,7 @@ own tests"."""
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch.distributed as dist
@@ -86,3 +86,40 @@ def test_existing_default_group_is_a_value_error(one_rank: dict[str, object]) ->
         dist.destroy_process_group()
     # The refusal left nothing behind: the same wrapper runs once the group is gone.
     assert body() == 1
+
+
+def _placed(rank: int, world: int) -> inprocess.State:
+    return inprocess.State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
+
+
+@pytest.mark.parametrize(
+    ("make", "world", "active"),
+    [
+        (lambda: inprocess.rank_filter.MaxActiveWorldSize(None), 5, 5),
+        (lambda: inprocess.rank_filter.MaxActiveWorldSize(3), 5, 3),
+        (lambda: inprocess.rank_filter.MaxActiveWorldSize(8), 5, 5),
+        (lambda: inprocess.rank_assignment.MaxActiveWorldSize(2), 4, 2),
+        (lambda: inprocess.rank_filter.WorldSizeDivisibleBy(2), 7, 6),
+        (lambda: inprocess.rank_filter.WorldSizeDivisibleBy(4), 7, 4),
+        (lambda: inprocess.rank_filter.WorldSizeDivisibleBy(), 3, 3),
+    ],
+)
+def test_rank_filters_under_nvidia_module_path(
+    make: Callable[[], Callable[[inprocess.State], inprocess.State]], world: int, active: int
+) -> None:
+    keep = make()
+    modes = [keep(_placed(rank, world)).mode for rank in range(world)]
+    assert modes == [inprocess.Mode.ACTIVE] * active + [inprocess.Mode.INACTIVE] * (world - active)
+    assert {keep(_placed(rank, world)).active_world_size for rank in range(world)} == {active}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: inprocess.rank_filter.MaxActiveWorldSize(0),
+        lambda: inprocess.rank_filter.WorldSizeDivisibleBy(0),
+    ],
+)
+def test_rank_filters_refuse_sizes_below_one(make: Callable[[], object]) -> None:
+    with pytest.raises(ValueError, match="0"):
+        make()
