@@ -123,3 +123,38 @@ def test_rank_filters_under_nvidia_module_path(
 def test_rank_filters_refuse_sizes_below_one(make: Callable[[], object]) -> None:
     with pytest.raises(ValueError, match="0"):
         make()
+
+
+def test_rank_should_restart_raised_by_the_function_restarts(one_rank: dict[str, object]) -> None:
+    seen: list[tuple[int, str]] = []
+
+    def note(state: inprocess.State, exc: BaseException | None) -> None:
+        seen.append((state.iteration, type(exc).__name__))
+
+    @inprocess.Wrapper(finalize=note, **one_rank)
+    def asks_once(call_wrapper: inprocess.CallWrapper | None = None) -> int:
+        assert call_wrapper is not None
+        if call_wrapper.iteration == 0:
+            raise inprocess.monitor_thread.RankShouldRestart
+        return call_wrapper.iteration
+
+    assert asks_once() == 1
+    # The request was handled as a fault of iteration 0; iteration 1 then completed.
+    assert seen[0][0] == 0 and seen[0][1] != "NoneType", seen
+    assert seen[-1] == (1, "NoneType"), seen
+
+
+def test_rank_should_restart_counts_against_the_retry_limit(one_rank: dict[str, object]) -> None:
+    calls = 0
+
+    @inprocess.Wrapper(
+        initialize=inprocess.initialize.RetryController(max_iterations=2), **one_rank
+    )
+    def always_asks() -> None:
+        nonlocal calls
+        calls += 1
+        raise inprocess.monitor_thread.RankShouldRestart
+
+    with pytest.raises(inprocess.exception.RestartAbort):
+        always_asks()
+    assert calls == 2

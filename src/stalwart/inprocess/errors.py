@@ -15,8 +15,8 @@ from __future__ import annotations
 class RankShouldRestart(BaseException):
     """Injected into the main thread to make it leave the wrapped function now.
 
-    Raised by the function itself (not injected), it ends the wrapper on this
-    rank like any other ``BaseException``.
+    Raised by the function itself (not injected), it asks for a restart: the
+    wrapper treats it as a fault (``RestartRequested``) and every rank re-enters.
     """
 
 
@@ -31,6 +31,14 @@ class RestartAbort(BaseException):
 
 class InProcessError(RuntimeError):
     """Base class for every error the wrapper raises to its caller."""
+
+
+class RestartRequested(InProcessError):
+    """The function raised ``RankShouldRestart`` itself: a fault like any other.
+
+    Every rank restarts, as NVIDIA's wrapper does for the same raise; the
+    original exception is ``__cause__``.
+    """
 
 
 class ConfigError(InProcessError, ValueError):

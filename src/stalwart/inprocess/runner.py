@@ -11,9 +11,10 @@ The main thread may receive ``RankShouldRestart`` at any bytecode while the
 monitor thread runs, so everything up to the point where that thread is joined
 sits in one retry loop (``_run_body``).
 
-A ``BaseException`` the function raises (``SystemExit``, ``KeyboardInterrupt``,
-``GeneratorExit``, or a ``RankShouldRestart`` the monitor did not inject) leaves
-the wrapper unchanged on that rank: it is recorded as this rank's termination,
+A ``RankShouldRestart`` the function raises itself (not injected) is a fault like
+an exception (every rank restarts), as in NVIDIA's wrapper.  Any other
+``BaseException`` the function raises (``SystemExit``, ``KeyboardInterrupt``,
+``GeneratorExit``, ``RestartAbort``) leaves the wrapper unchanged on that rank: it is recorded as this rank's termination,
 so the others restart without it, and on the store host the store stays up
 until every other rank has left.
 """
@@ -51,6 +52,7 @@ from .errors import (
     RankTerminated,
     RestartError,
     RestartLimitReached,
+    RestartRequested,
 )
 from .groups import GroupKeeper
 from .iteration_stores import IterationStores
@@ -100,8 +102,9 @@ class Runner:
         if dist.is_available() and dist.is_initialized():
             # A ValueError, as NVIDIA's wrapper raises for the same mistake.
             raise ConfigError(
-                "torch.distributed is already initialized: call init_process_group "
-                "inside the wrapped function"
+                "torch.distributed is already initialized (the wrapper needs "
+                "not torch.distributed.is_initialized() when called): "
+                "call init_process_group inside the wrapped function"
             )
         self.opts = options
         rank = _env_int(envvars.RANK)
@@ -354,8 +357,10 @@ class Runner:
                             outcome = _Outcome(error=exc)
                     except RankShouldRestart as exc:
                         self.gate.busy = False
-                        if not monitor.fired:  # raised by the function, not injected
-                            outcome = _Outcome(exit=exc)
+                        if not monitor.fired:  # raised by the function: it asks for a restart
+                            requested = RestartRequested("the function raised RankShouldRestart")
+                            requested.__cause__ = exc
+                            outcome = _Outcome(error=requested)
                         else:
                             outcome = _Outcome(interrupted=True)
                     except BaseException as exc:
