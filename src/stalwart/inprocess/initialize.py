@@ -39,7 +39,7 @@ class RetryController:
         active = state.active_world_size or state.world_size
         if self.max_iterations is not None and state.iteration >= self.max_iterations:
             raise RestartLimitReached(
-                f"iteration {state.iteration} reached max_iterations={self.max_iterations}"
+                f"iteration={state.iteration} reached max_iterations={self.max_iterations}"
             )
         if state.world_size < self.min_world_size:
             raise RestartLimitReached(
