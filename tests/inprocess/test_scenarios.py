@@ -89,7 +89,7 @@ def test_sigkill_spare_takes_over() -> None:
         (0, "SystemExit", 7),  # the store host leaves: the store stays up for the peer
         (1, "KeyboardInterrupt", -2),  # Python re-raises SIGINT on an uncaught one
         (0, "GeneratorExit", 1),
-        (1, "RankShouldRestart", 1),  # raised by the function: ends it, no restart
+        (1, "RestartAbort", 1),  # NVIDIA's terminal abort: ends it on that rank, no restart
     ],
 )
 def test_base_exception_leaves_unchanged_and_peer_goes_on(

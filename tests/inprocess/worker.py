@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.inprocess import ActiveWorldSize, Call, RankShouldRestart, State, Wrapper
+from stalwart.inprocess import ActiveWorldSize, Call, RestartAbort, State, Wrapper
 from stalwart.inprocess.sockets import open_fd_count
 
 INITIAL_RANK = int(os.environ["RANK"])
@@ -206,7 +206,7 @@ def scenario_base_exit() -> None:
         "SystemExit": SystemExit,
         "KeyboardInterrupt": KeyboardInterrupt,
         "GeneratorExit": GeneratorExit,
-        "RankShouldRestart": RankShouldRestart,  # raised, not injected: NVIDIA's "abort"
+        "RestartAbort": RestartAbort,  # NVIDIA's "abort the wrapper"
     }[os.environ["EXC"]]
     progress = {"step": 0}
 
