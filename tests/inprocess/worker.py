@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.inprocess import ActiveWorldSize, Call, RestartAbort, State, Wrapper
+from stalwart.inprocess import ActiveWorldSize, Call, RestartAbort, RestartError, State, Wrapper
 from stalwart.inprocess.sockets import open_fd_count
 
 INITIAL_RANK = int(os.environ["RANK"])
@@ -260,7 +260,12 @@ def scenario_max_iterations() -> None:
     try:
         fn()
     except Exception as exc:
-        emit("error", type=type(exc).__name__, message=str(exc))
+        emit(
+            "error",
+            restart_error=isinstance(exc, RestartError),
+            restart_abort=isinstance(exc, RestartAbort),
+            message=str(exc),
+        )
 
 
 def scenario_twice() -> None:
