@@ -168,8 +168,8 @@ def scenario_retry():
     )(always_fails)
     try:
         wrapped()
-    except inprocess.exception.RestartError as exc:
-        emit("error", type=type(exc).__name__, message=str(exc))
+    except inprocess.exception.RestartAbort as exc:  # what NVIDIA's RetryController raises
+        emit("error", abort=True, message=str(exc))
 
 
 if __name__ == "__main__":

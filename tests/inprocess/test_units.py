@@ -14,7 +14,7 @@ from stalwart.inprocess import (
     ConfigError,
     FillGaps,
     Mode,
-    RestartAbort,
+    RankShouldRestart,
     ShiftRanks,
     State,
     Wrapper,
@@ -143,13 +143,13 @@ def test_async_restart_waits_for_atomic_block_and_wakes_sleep() -> None:
         while gate.depth > 0:
             time.sleep(0.001)
         order.append("fire")
-        raise_in_thread(main, RestartAbort)
+        raise_in_thread(main, RankShouldRestart)
         wake(main)
 
     t = threading.Thread(target=monitor)
     t.start()
     try:
-        with pytest.raises(RestartAbort):
+        with pytest.raises(RankShouldRestart):
             with call.atomic():
                 entered.set()
                 time.sleep(0.3)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.inprocess import ActiveWorldSize, Call, RankShouldRestart, State, Wrapper
+from stalwart.inprocess import ActiveWorldSize, Call, RestartAbort, RestartError, State, Wrapper
 from stalwart.inprocess.sockets import open_fd_count
 
 INITIAL_RANK = int(os.environ["RANK"])
@@ -206,7 +206,7 @@ def scenario_base_exit() -> None:
         "SystemExit": SystemExit,
         "KeyboardInterrupt": KeyboardInterrupt,
         "GeneratorExit": GeneratorExit,
-        "RankShouldRestart": RankShouldRestart,  # raised, not injected: NVIDIA's "abort"
+        "RestartAbort": RestartAbort,  # NVIDIA's "abort the wrapper"
     }[os.environ["EXC"]]
     progress = {"step": 0}
 
@@ -260,7 +260,12 @@ def scenario_max_iterations() -> None:
     try:
         fn()
     except Exception as exc:
-        emit("error", type=type(exc).__name__, message=str(exc))
+        emit(
+            "error",
+            restart_error=isinstance(exc, RestartError),
+            restart_abort=isinstance(exc, RestartAbort),
+            message=str(exc),
+        )
 
 
 def scenario_twice() -> None:

@@ -269,6 +269,14 @@ class CheckpointProcess:
             return None
         return int(proc.pid)
 
+    @property
+    def process_creation_future(self) -> Future[None]:
+        """Done when the first child answered its ping; fails as that start failed.
+
+        torch's name, which its users wait on (``.result()``) before the first write.
+        """
+        return self._ready
+
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the first child answered its ping; re-raise a failed start."""
         self._ready.result(timeout)
@@ -490,8 +498,9 @@ class CheckpointProcess:
         if not ready:
             self._stop_child(graceful=False)
             if init:
+                # Starts with "Timed out", the words torch's callers match on.
                 raise TimeoutError(
-                    f"checkpoint writer (pid {proc.pid}) did not answer within "
+                    f"Timed out: checkpoint writer (pid {proc.pid}) did not answer within "
                     f"{self.config.init_timeout_s:g} s of starting (init function stuck?)"
                 )
             raise TimeoutError(f"{what} did not finish within {self.config.write_timeout_s} s")

@@ -6,7 +6,8 @@ Works under plain ``torchrun`` and under ``stalwart run`` (never imports
 Code written for NVIDIA's ``nvidia_resiliency_ext.inprocess`` runs with its
 import line changed: its hook shapes, ``Compose``, ``CallWrapper`` and
 exception names, and its submodule paths (``exception``, ``initialize``, ``abort``,
-``finalize``, ``health_check``, ``rank_assignment``, ``monitor_thread``) are all here.
+``finalize``, ``health_check``, ``rank_assignment``, ``rank_filter``,
+``monitor_thread``) are all here.
 """
 
 from . import (
@@ -17,6 +18,7 @@ from . import (
     initialize,
     monitor_thread,
     rank_assignment,
+    rank_filter,
 )
 from .abort import Abort, AbortTorchDistributed, abort_nccl_communicators, destroy_process_groups
 from .assignment import ActiveWorldSize, FillGaps, RankAssignment, RankFilter, ShiftRanks
@@ -32,6 +34,7 @@ from .errors import (
     RankTerminated,
     RestartAbort,
     RestartError,
+    RestartLimitReached,
 )
 from .hooks import Compose
 from .state import Interruption, InterruptionRecord, Mode, State
@@ -61,6 +64,7 @@ __all__ = [
     "RankTerminated",
     "RestartAbort",
     "RestartError",
+    "RestartLimitReached",
     "ShiftRanks",
     "State",
     "Wrapper",
@@ -73,5 +77,6 @@ __all__ = [
     "initialize",
     "monitor_thread",
     "rank_assignment",
+    "rank_filter",
     "tcp_store",
 ]

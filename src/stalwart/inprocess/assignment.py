@@ -113,3 +113,53 @@ class ActiveWorldSize:
 
     def __repr__(self) -> str:
         return f"ActiveWorldSize({self.size})"
+
+
+def _keep_active(state: State, active: int) -> State:
+    """The first ``active`` ranks call the function; the rest wait as spares."""
+    if state.mode is Mode.TERMINATED:
+        return state
+    mode = Mode.ACTIVE if state.rank < active else Mode.INACTIVE
+    return dataclasses.replace(state, mode=mode, active_world_size=active, world_size=active)
+
+
+class MaxActiveWorldSize:
+    """NVIDIA's filter by that name: at most ``max_active_world_size`` ranks active.
+
+    ``None`` means no limit (every placed rank is active), as NVIDIA's accepts.
+    """
+
+    def __init__(self, max_active_world_size: int | None = None) -> None:
+        if max_active_world_size is not None and max_active_world_size < 1:
+            raise ValueError(
+                f"max_active_world_size must be >= 1 or None, got {max_active_world_size!r}"
+            )
+        self.max_active_world_size = max_active_world_size
+
+    def __call__(self, state: State) -> State:
+        active = state.world_size
+        if self.max_active_world_size is not None:
+            active = min(active, self.max_active_world_size)
+        return _keep_active(state, active)
+
+    def __repr__(self) -> str:
+        return f"MaxActiveWorldSize({self.max_active_world_size})"
+
+
+class WorldSizeDivisibleBy:
+    """Round the active world size down to a multiple of ``divisor``; the rest are spares.
+
+    Useful when the model is split over groups of ``divisor`` ranks (tensor or
+    pipeline parallel) and a partial group cannot train.
+    """
+
+    def __init__(self, divisor: int = 1) -> None:
+        if divisor < 1:
+            raise ValueError(f"divisor must be >= 1, got {divisor!r}")
+        self.divisor = divisor
+
+    def __call__(self, state: State) -> State:
+        return _keep_active(state, state.world_size // self.divisor * self.divisor)
+
+    def __repr__(self) -> str:
+        return f"WorldSizeDivisibleBy({self.divisor})"

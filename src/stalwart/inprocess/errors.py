@@ -1,9 +1,10 @@
 """Exception types raised by the in-process restart wrapper.
 
-``RankShouldRestart`` (also spelled ``RestartAbort``, stalwart's first name for
-it) is the one exception that travels asynchronously (injected into the main
-thread by the monitor thread); it derives from ``BaseException`` so a training
-loop's ``except Exception`` cannot swallow a restart.  The names NVIDIA's
+``RankShouldRestart`` is the one exception that travels asynchronously (injected
+into the main thread by the monitor thread); it derives from ``BaseException`` so
+a training loop's ``except Exception`` cannot swallow a restart.  ``RestartAbort``
+is a different thing: the wrapper has given up restarting (``RetryController``'s
+limits), which NVIDIA's users catch under that name.  The names NVIDIA's
 ``inprocess`` users catch (``RestartError`` above ``HealthCheckError`` and
 ``InternalError``) are the same classes here.
 """
@@ -14,16 +15,30 @@ from __future__ import annotations
 class RankShouldRestart(BaseException):
     """Injected into the main thread to make it leave the wrapped function now.
 
-    Raised by the function itself (not injected), it ends the wrapper on this
-    rank like any other ``BaseException``.
+    Raised by the function itself (not injected), it asks for a restart: the
+    wrapper treats it as a fault (``RestartRequested``) and every rank re-enters.
     """
 
 
-RestartAbort = RankShouldRestart
+class RestartAbort(BaseException):
+    """Terminal: no further restart is attempted on this rank.
+
+    A ``BaseException`` as in NVIDIA's ``inprocess``, so code that ends its job on
+    ``except RestartAbort`` keeps working.  Raised from a hook or the function, it
+    leaves the wrapper unchanged like any other ``BaseException``.
+    """
 
 
 class InProcessError(RuntimeError):
     """Base class for every error the wrapper raises to its caller."""
+
+
+class RestartRequested(InProcessError):
+    """The function raised ``RankShouldRestart`` itself: a fault like any other.
+
+    Every rank restarts, as NVIDIA's wrapper does for the same raise; the
+    original exception is ``__cause__``.
+    """
 
 
 class ConfigError(InProcessError, ValueError):
@@ -35,6 +50,15 @@ class RestartError(InProcessError):
 
     Also the base of ``HealthCheckError``, ``InternalError`` and ``BarrierTimeout``,
     as NVIDIA's ``inprocess.exception.RestartError`` is.
+    """
+
+
+class RestartLimitReached(RestartError, RestartAbort):
+    """A restart limit was reached (``RetryController``, ``max_iterations``).
+
+    Both a ``RestartError`` (stalwart's name for "this rank stops restarting") and
+    a ``RestartAbort`` (the name NVIDIA's ``RetryController`` raises), so either
+    ``except`` clause catches it.
     """
 
 

@@ -8,6 +8,7 @@ from .errors import (
     RankShouldRestart,
     RestartAbort,
     RestartError,
+    RestartLimitReached,
 )
 
 # NVIDIA names its barrier timeout ``TimeoutError`` (shadowing the builtin in its module).
@@ -19,5 +20,6 @@ __all__ = [
     "RankShouldRestart",
     "RestartAbort",
     "RestartError",
+    "RestartLimitReached",
     "TimeoutError",
 ]

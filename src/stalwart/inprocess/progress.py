@@ -46,7 +46,12 @@ class ProgressClock:
         self._flush()
 
     def _flush(self) -> None:
-        LAYOUT.pack_into(self._map, 0, *self._values)
+        try:
+            LAYOUT.pack_into(self._map, 0, *self._values)
+        except (ValueError, TypeError):
+            # The tick thread may beat once more while close() unmaps: nothing to record.
+            if not self._closed:
+                raise
 
     def tick(self) -> None:
         self._values[AUTO] = time.monotonic()

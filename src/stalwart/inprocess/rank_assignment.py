@@ -1,10 +1,14 @@
 """Rank assignments and filters under NVIDIA ``inprocess``'s module path
 (``inprocess.rank_assignment.ShiftRanks``); defined in ``assignment``."""
 
-from .assignment import ActiveWorldSize, FillGaps, RankAssignment, RankFilter, ShiftRanks
-
-# NVIDIA's name for a filter that keeps at most ``n`` ranks active.
-MaxActiveWorldSize = ActiveWorldSize
+from .assignment import (
+    ActiveWorldSize,
+    FillGaps,
+    MaxActiveWorldSize,
+    RankAssignment,
+    RankFilter,
+    ShiftRanks,
+)
 
 __all__ = [
     "ActiveWorldSize",

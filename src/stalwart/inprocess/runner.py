@@ -11,9 +11,10 @@ The main thread may receive ``RankShouldRestart`` at any bytecode while the
 monitor thread runs, so everything up to the point where that thread is joined
 sits in one retry loop (``_run_body``).
 
-A ``BaseException`` the function raises (``SystemExit``, ``KeyboardInterrupt``,
-``GeneratorExit``, or a ``RankShouldRestart`` the monitor did not inject) leaves
-the wrapper unchanged on that rank: it is recorded as this rank's termination,
+A ``RankShouldRestart`` the function raises itself (not injected) is a fault like
+an exception (every rank restarts), as in NVIDIA's wrapper.  Any other
+``BaseException`` the function raises (``SystemExit``, ``KeyboardInterrupt``,
+``GeneratorExit``, ``RestartAbort``) leaves the wrapper unchanged on that rank: it is recorded as this rank's termination,
 so the others restart without it, and on the store host the store stays up
 until every other rank has left.
 """
@@ -42,6 +43,7 @@ from .abort import destroy_process_groups
 from .asyncexc import clear_pending, install_wake_handler
 from .call import Call, inject_call
 from .errors import (
+    ConfigError,
     HealthCheckError,
     HookError,
     InProcessError,
@@ -49,6 +51,8 @@ from .errors import (
     RankShouldRestart,
     RankTerminated,
     RestartError,
+    RestartLimitReached,
+    RestartRequested,
 )
 from .groups import GroupKeeper
 from .iteration_stores import IterationStores
@@ -96,9 +100,11 @@ class Runner:
 
     def __init__(self, options: Options) -> None:
         if dist.is_available() and dist.is_initialized():
-            raise InProcessError(
-                "torch.distributed is already initialized: call init_process_group "
-                "inside the wrapped function"
+            # A ValueError, as NVIDIA's wrapper raises for the same mistake.
+            raise ConfigError(
+                "torch.distributed is already initialized (the wrapper needs "
+                "not torch.distributed.is_initialized() when called): "
+                "call init_process_group inside the wrapped function"
             )
         self.opts = options
         rank = _env_int(envvars.RANK)
@@ -225,7 +231,7 @@ class Runner:
         if state.initial_rank in terminated:
             raise RankTerminated(f"initial rank {state.initial_rank} was declared terminated")
         if opts.max_iterations is not None and iteration >= opts.max_iterations:
-            raise RestartError(f"max_iterations={opts.max_iterations} reached")
+            raise RestartLimitReached(f"max_iterations={opts.max_iterations} reached")
         state = dataclasses.replace(state, iteration=iteration)
         state = self._place(state, terminated)
         if state.mode is Mode.TERMINATED:
@@ -351,8 +357,10 @@ class Runner:
                             outcome = _Outcome(error=exc)
                     except RankShouldRestart as exc:
                         self.gate.busy = False
-                        if not monitor.fired:  # raised by the function, not injected
-                            outcome = _Outcome(exit=exc)
+                        if not monitor.fired:  # raised by the function: it asks for a restart
+                            requested = RestartRequested("the function raised RankShouldRestart")
+                            requested.__cause__ = exc
+                            outcome = _Outcome(error=requested)
                         else:
                             outcome = _Outcome(interrupted=True)
                     except BaseException as exc:
