@@ -47,6 +47,22 @@ def test_soft_timeout_hang_restarts() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_main_thread_blocked_without_pings_is_a_soft_timeout() -> None:
+    # No ping ever: the automatic timestamp is the only evidence, and only the main thread
+    # running Python moves it (a tick thread would keep it fresh through any hang).
+    r0, r1 = launch("blocked_no_ping")
+    for r in (r0, r1):
+        assert r.returncode == 0, r.output[-4000:]
+        assert [e["iteration"] for e in _entries(r)] == [0, 1]
+        assert _final(r)["world_size"] == 2
+    assert "main thread ran no Python" in r0.output + r1.output
+    fault_t = float(r1.of("fault")[0]["t"])  # type: ignore[arg-type]
+    reentry = float(_entries(r0)[1]["t"])  # type: ignore[arg-type]
+    # Soft timeout 1.5 s; gloo's own timeout (the only other way out) is far longer.
+    assert reentry - fault_t < 10.0
+
+
+@pytest.mark.timeout(60)
 def test_hang_with_gil_held_terminates_rank_and_shifts(tmp_path: Path) -> None:
     logfile = tmp_path / "monitor-{rank}.log"
     r0, r1 = launch("gil_hang", env={"MONITOR_LOG": str(logfile)})

@@ -51,7 +51,12 @@ def fast(**overrides: Any) -> dict[str, Any]:
 
 
 def train(
-    call: Call, progress: dict[str, int], steps: int, fault: Any = None, call_store: bool = False
+    call: Call,
+    progress: dict[str, int],
+    steps: int,
+    fault: Any = None,
+    call_store: bool = False,
+    ping: bool = True,
 ) -> int:
     """A small all_reduce loop; ``progress`` survives restarts (in-memory state)."""
     emit("enter", iteration=call.iteration, rank=call.rank, world_size=call.world_size)
@@ -71,7 +76,8 @@ def train(
     progress["step"] = int(step.item())
     t = torch.ones(8)
     while progress["step"] < steps:
-        call.ping()
+        if ping:
+            call.ping()
         if fault is not None:
             fault(call, progress["step"])
         emit("step_begin", iteration=call.iteration, step=progress["step"])
@@ -111,6 +117,23 @@ def scenario_soft_hang() -> None:
     @Wrapper(**fast(soft_timeout=1.0, hard_timeout=20.0))
     def fn(call: Call) -> int:
         return train(call, progress, 6, fault)
+
+    emit("result", value=fn())
+
+
+def scenario_blocked_no_ping() -> None:
+    """A function that never pings: rank 1 blocks in C with the GIL released, rank 0 in
+    its all_reduce; only the main-thread tick can tell."""
+    progress = {"step": 0}
+
+    def fault(call: Call, step: int) -> None:
+        if call.iteration == 0 and step == 3 and call.rank == 1:
+            emit("fault")
+            time.sleep(60)
+
+    @Wrapper(**fast(soft_timeout=1.5, hard_timeout=20.0))
+    def fn(call: Call) -> int:
+        return train(call, progress, 6, fault, ping=False)
 
     emit("result", value=fn())
 

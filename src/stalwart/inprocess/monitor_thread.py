@@ -115,16 +115,23 @@ class MonitorThread(threading.Thread):
 
     def _local_checks(self) -> InterruptionRecord | None:
         it = self.state.iteration
+        # As NVIDIA's: the manual timestamp once the function pings, else the automatic
+        # one, which only the main thread running Python moves (see progress.py).
         age = self.clock.manual_age()
-        if age is not None and age > self.soft_timeout:
+        what = "no ping"
+        if age is None:
+            age = self.clock.auto_age()
+            what = "main thread ran no Python"
+        if age > self.soft_timeout:
             log.warning(
-                "rank %d: no progress for %.2fs (soft timeout %.2fs), restarting",
+                "rank %d: no progress (%s) for %.2fs (soft timeout %.2fs), restarting",
                 self.state.rank,
+                what,
                 age,
                 self.soft_timeout,
             )
             return InterruptionRecord(
-                self.state.initial_rank, it, Interruption.SOFT_TIMEOUT, f"no ping for {age:.2f}s"
+                self.state.initial_rank, it, Interruption.SOFT_TIMEOUT, f"{what} for {age:.2f}s"
             )
         for peer in self.peers:
             if self.store.is_gone(peer):

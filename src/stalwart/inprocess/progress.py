@@ -7,13 +7,26 @@ manual mode armed (1.0/0.0), closed flag.  All times are ``time.monotonic()``,
 which is system-wide on Linux.
 
 Two ``Periodic`` threads refresh the automatic tick and this rank's store
-heartbeat every ``interval``; both stop when the GIL is held for good, which is
-exactly what the hard timeout and the peers' heartbeat checks detect.
+heartbeat every ``interval``. While the wrapped function runs, the automatic tick
+is taken *on the main thread*: the tick thread only asks the interpreter to run a
+pending call there (``Py_AddPendingCall``), which happens at the main thread's
+next bytecode. So a main thread blocked in C with the GIL released (a collective
+that never completes, a stuck read) stops the tick as surely as one holding the
+GIL for good, and the soft and hard timeouts see it, as NVIDIA's progress
+watchdog does. Outside the function (the wrapper's own barriers and hooks) the
+tick is taken on the tick thread itself: waiting for peers is not a hang.
+
+The pending call is libc's ``sem_post`` on a private semaphore, not Python: a
+Python callback run there would be where an asynchronous restart exception
+(raised into the main thread by the monitor thread, typically just as a blocked
+call returns) lands, and ctypes would swallow it as unraisable. The tick thread
+takes the semaphore back with ``sem_trywait``; success means the main thread ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -21,12 +34,76 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
 LAYOUT = struct.Struct("<dddd")
 AUTO, MANUAL, ARMED, CLOSED = range(4)
+
+# int (*)(void *): the signature CPython expects of a pending call, and of sem_post.
+_PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_add_pending_call = ctypes.pythonapi.Py_AddPendingCall
+_add_pending_call.restype = ctypes.c_int
+_add_pending_call.argtypes = [_PENDING_CALL, ctypes.c_void_p]
+# sizeof(sem_t) is 32 on x86_64/aarch64 glibc and musl; room to spare for others.
+_SEM_BYTES = 64
+
+
+class MainThreadProbe:
+    """Tells from another thread whether the main thread has run bytecode since the
+    last look, without running any Python on the main thread (see the module text).
+
+    One per process, never freed: a request still queued in the interpreter when a
+    clock closes must find its semaphore alive."""
+
+    _instance: MainThreadProbe | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._sem = ctypes.create_string_buffer(_SEM_BYTES)
+        if libc.sem_init(self._sem, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        self._trywait = libc.sem_trywait
+        self._trywait.argtypes = [ctypes.c_void_p]
+        self._trywait.restype = ctypes.c_int
+        address = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+        if address is None:
+            raise OSError("sem_post not found")
+        self._post = _PENDING_CALL(address)
+        self._address = ctypes.addressof(self._sem)
+        self._queued = False
+        self._asking = threading.Lock()
+
+    @classmethod
+    def get(cls) -> MainThreadProbe | None:
+        """The process's probe, or None where libc has no POSIX semaphores."""
+        with cls._lock:
+            if cls._instance is None:
+                try:
+                    cls._instance = cls()
+                except (OSError, AttributeError) as exc:
+                    log.warning("no main-thread progress probe (%s): ticking from a thread", exc)
+                    return None
+            return cls._instance
+
+    def ran(self) -> bool:
+        """True when the main thread ran bytecode since the last request; queues the next
+        request."""
+        with self._asking:
+            return self._ran()
+
+    def _ran(self) -> bool:
+        ran = False
+        if self._queued:
+            if self._trywait(self._address) != 0:
+                return False  # still queued: no bytecode on the main thread since
+            self._queued = False
+            ran = True
+        # A full queue (non-zero) is asked again at the next look.
+        self._queued = _add_pending_call(self._post, self._address) == 0
+        return ran
 
 
 class ProgressClock:
@@ -44,6 +121,7 @@ class ProgressClock:
         self._closed = False
         self._values = [now, now, 0.0, 0.0]
         self._flush()
+        self._probe: MainThreadProbe | None = None
 
     def _flush(self) -> None:
         try:
@@ -54,8 +132,37 @@ class ProgressClock:
                 raise
 
     def tick(self) -> None:
+        """Called by the tick thread every interval."""
+        probe = self._probe
+        if probe is not None and not probe.ran():
+            return
         self._values[AUTO] = time.monotonic()
         self._flush()
+
+    @contextlib.contextmanager
+    def on_main_thread(self) -> Iterator[None]:
+        """Within: the automatic tick moves only when the main thread runs bytecode (the
+        wrapped function runs there). A function run on another thread keeps the
+        thread's tick: pending calls run only on the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        probe = MainThreadProbe.get()
+        if probe is not None:
+            probe.ran()  # drop a stale answer, queue a fresh request
+        self._values[AUTO] = time.monotonic()
+        self._flush()
+        self._probe = probe
+        try:
+            yield
+        finally:
+            self._probe = None
+            self._values[AUTO] = time.monotonic()
+            self._flush()
+
+    def auto_age(self) -> float:
+        """Seconds since the last automatic tick."""
+        return time.monotonic() - self._values[AUTO]
 
     def ping(self) -> None:
         now = time.monotonic()

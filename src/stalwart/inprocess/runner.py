@@ -406,7 +406,8 @@ class Runner:
         self._health_check(state, None)
         value = None
         if state.mode is Mode.ACTIVE:
-            value = fn(*args, **kwargs)
+            with self.clock.on_main_thread():
+                value = fn(*args, **kwargs)
             self.clock.disarm()
             coord.record_completed(state.iteration)
         it = state.iteration
