@@ -362,7 +362,7 @@ _IP_STAGES = (
 
 
 def _inprocess_once(mib: int, work: Path) -> tuple[dict[str, float] | None, str]:
-    """One run of ``ram_inprocess.py``: rank 1 raises after its step-2 save; both ranks
+    """One run of ``ram_inprocess.py``: rank 1 raises once both ranks committed step 2; both ranks
     restart in process and restore in place. Stamps are wall clock, the slower rank's."""
     out = Path(tempfile.mkdtemp(dir=work, prefix="crash-inprocess-"))
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2"]

@@ -3,8 +3,8 @@
     ram_inprocess.py OUT_DIR MIB CRASH_STEP STEPS [--inside]
 
 Each rank holds MIB MiB of state (a tensor it keeps across restarts) and snapshots it
-after every step into the launcher's memory (``stalwart run --ckpt-ram``). At
-CRASH_STEP rank 1 raises in the first iteration; ``stalwart.inprocess.Wrapper``
+after every step into the launcher's memory (``stalwart run --ckpt-ram``). After
+CRASH_STEP's snapshot is committed on every rank, rank 1 raises in the first iteration; ``stalwart.inprocess.Wrapper``
 restarts both ranks in process, and the wrapped function restores the newest snapshot
 every rank can verify in place into its existing tensor (``restore(into=...)``) and
 goes on. ``--inside`` creates the ``AsyncCheckpointer`` inside the wrapped function
@@ -76,6 +76,10 @@ def main() -> None:
                 if step == start:
                     row["first_step"] = time.time()
                 ck.save(state, step).result(timeout=60)
+                if call.iteration == 0 and step == crash_step:
+                    # every rank's snapshot of this step is committed, none in flight: the
+                    # fault lands in the compute between two saves, not in a copy
+                    dist.barrier()
                 if call.iteration == 0 and rank == 1 and step == crash_step:
                     row["fault"] = time.time()
                     raise RuntimeError(f"injected fault at step {step}")
