@@ -14,6 +14,9 @@ Side by side in one run (about 6-10 minutes; every subprocess has a deadline):
    ``--size-mib``; rank 0 dies right after a save; the time from the crash to the first
    step of the restarted job, restoring in place, from RAM (``--ckpt-ram``) vs disk,
    and where that time goes, stage by stage (the launcher's events and the job's stamps).
+2b. the same crash through in-process restart (``bench/ram_inprocess.py``, wrapped in
+   ``stalwart.inprocess.Wrapper``): the processes and their tensors survive; the time
+   from the fault raised to both ranks' first step after ``restore(into=...)`` from RAM.
 3. save stall at every step: a model + Adam of about ``--stall-mib`` trained on the
    CPU, in blocks of steps without and with a RAM-only ``save()`` after every step; the
    stall is the median step time with saves minus without (and the time inside
@@ -350,6 +353,59 @@ def bench_crash(mib: int, repeats: int, work: Path) -> tuple[list[list[str]], li
     return rows, stages
 
 
+#: The in-process path's stages: (name, from stamp, to stamp); stamps in ``_inprocess_once``.
+_IP_STAGES = (
+    ("restart began (both ranks re-entered)", "fault", "began"),
+    ("restore(into=...) from RAM", "began", "restored"),
+    ("first step", "restored", "step"),
+)
+
+
+def _inprocess_once(mib: int, work: Path) -> tuple[dict[str, float] | None, str]:
+    """One run of ``ram_inprocess.py``: rank 1 raises once both ranks committed step 2; both ranks
+    restart in process and restore in place. Stamps are wall clock, the slower rank's."""
+    out = Path(tempfile.mkdtemp(dir=work, prefix="crash-inprocess-"))
+    cmd = [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2"]
+    cmd += ["--max-restarts", "0", "--log-dir", str(out / "logs"), "--ckpt-ram", f"{mib + 8}MiB"]
+    cmd += [str(ROOT / "bench" / "ram_inprocess.py"), str(out), str(mib), "2", "4"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+    try:
+        res = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        kill_leftovers(out)
+        return None, f"timed out after {_CRASH_TIMEOUT_S} s"
+    try:
+        runs = [json.loads((out / f"run_{r}.json").read_text()) for r in (0, 1)]
+        second = [log[1] for log in runs]
+        stamps = {
+            "fault": float(runs[1][0]["fault"]),
+            "began": max(float(r["began"]) for r in second),
+            "restored": max(float(r["restored"]) for r in second),
+            "step": max(float(r["first_step"]) for r in second),
+        }
+    except (OSError, ValueError, KeyError, IndexError):
+        return None, f"failed (exit {res.returncode}): {res.stderr[-300:]}"
+    return stamps, "/".join(sorted({str(r["source"]) for r in second}))
+
+
+def bench_inprocess(mib: int, repeats: int, work: Path) -> tuple[list[list[str]], list[list[str]]]:
+    """(crash -> first resumed step through in-process restart, its stages' medians)."""
+    runs: list[dict[str, float]] = []
+    source = ""
+    for _ in range(repeats):
+        stamps, source = _inprocess_once(mib, work)
+        if stamps is not None:
+            runs.append(stamps)
+    total = [r["step"] - r["fault"] for r in runs]
+    rows = [["in-process restart + restore(into=...)", source, spread(total)]]
+    stages = []
+    for name, a, b in _IP_STAGES:
+        stages.append([name, spread([r[b] - r[a] for r in runs])])
+    return rows, stages
+
+
 def bench_floor(mib: int, repeats: int) -> list[list[str]]:
     """What this machine can do with ``mib`` MiB, whoever does it: the floor of a restore."""
     import mmap
@@ -471,7 +527,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="stall: blocks with and without saves")
     ap.add_argument("--per-block", type=int, default=6, help="stall: steps per block")
     ap.add_argument("--dlrover-python", type=Path, default=ROOT / ".venv-dlrover/bin/python")
-    ap.add_argument("--skip", default="", help="comma list of floor,restore,crash,stall")
+    ap.add_argument("--skip", default="", help="comma list of floor,restore,crash,inprocess,stall")
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -504,6 +560,22 @@ def main() -> None:
             show(
                 "where the crash -> resumed time goes (medians; job stages: the slower rank)",
                 ["stage", "from RAM", "from disk"],
+                stages,
+                a.markdown,
+            )
+        if "inprocess" not in skip:
+            crash, stages = bench_inprocess(a.size_mib, a.repeats, work)
+            show(
+                f"crash -> first resumed step, 2 ranks x {a.size_mib} MiB, in-process restart "
+                f"(stalwart.inprocess.Wrapper) + restore(into=...) from RAM, "
+                f"min / median / max of {a.repeats}",
+                ["mode", "restored from", "time"],
+                crash,
+                a.markdown,
+            )
+            show(
+                "where the in-process crash -> resumed time goes (the slower rank)",
+                ["stage", "time"],
                 stages,
                 a.markdown,
             )
