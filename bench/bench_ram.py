@@ -304,6 +304,19 @@ def _stamps(out: Path) -> dict[str, float]:
     return stamps
 
 
+def _run_job(cmd: list[str], out: Path) -> subprocess.CompletedProcess[str] | None:
+    """Runs one launcher command outside any surrounding job; None (after killing what is
+    left of it) when it outlives the bench's bound."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+    try:
+        return subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        kill_leftovers(out)
+        return None
+
+
 def _crash_once(mode: str, mib: int, work: Path) -> tuple[dict[str, float] | None, str]:
     out = Path(tempfile.mkdtemp(dir=work, prefix=f"crash-{mode}-"))
     script = out / "job.py"
@@ -313,13 +326,8 @@ def _crash_once(mode: str, mib: int, work: Path) -> tuple[dict[str, float] | Non
     if mode == "ram":
         cmd += ["--ckpt-ram", f"{mib + 8}MiB"]
     cmd += [str(script), str(out), str(mib), mode]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    try:
-        res = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        kill_leftovers(out)
+    res = _run_job(cmd, out)
+    if res is None:
         return None, f"timed out after {_CRASH_TIMEOUT_S} s"
     try:
         stamps = _stamps(out)
@@ -368,13 +376,8 @@ def _inprocess_once(mib: int, work: Path) -> tuple[dict[str, float] | None, str]
     cmd = [sys.executable, "-m", "stalwart.cli", "run", "--nproc-per-node", "2"]
     cmd += ["--max-restarts", "0", "--log-dir", str(out / "logs"), "--ckpt-ram", f"{mib + 8}MiB"]
     cmd += [str(ROOT / "bench" / "ram_inprocess.py"), str(out), str(mib), "2", "4"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
-    try:
-        res = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired:
-        kill_leftovers(out)
+    res = _run_job(cmd, out)
+    if res is None:
         return None, f"timed out after {_CRASH_TIMEOUT_S} s"
     try:
         runs = [json.loads((out / f"run_{r}.json").read_text()) for r in (0, 1)]
