@@ -417,7 +417,9 @@ class AsyncCheckpointer:
             hook.remove()
         self._hooks = []
         if self._writer is not None:
-            self._writer.close()
+            # Our writer has no user init function: one that never wrote has nothing to
+            # finish, so a child still importing torch is not waited for.
+            self._writer.close(abandon_unused_start=True)
         self._wait_ram_commit()
         if self._ram_committer is not None:
             self._ram_committer.shutdown(wait=True)

@@ -256,6 +256,8 @@ class CheckpointProcess:
         self._conn: mpc.Connection | None = None
         self._seq = itertools.count(1)
         self._closed = False
+        self._wrote = False
+        self._abandoned = False
         self._lock = threading.Lock()
         self._ready = self._io.submit(self._first_start)
 
@@ -310,6 +312,7 @@ class CheckpointProcess:
         except BaseException:
             self._buffer_free.release()
             raise
+        self._wrote = True
         return self._io.submit(self._write_job, staged, path, kwargs)
 
     def reserve(self, nbytes: int, *, provisional: bool = False) -> Future[None]:
@@ -334,12 +337,28 @@ class CheckpointProcess:
         finally:
             self._buffer_free.release()
 
-    def close(self) -> None:
-        """Finish queued writes, ask the child to exit, kill it after the shutdown timeout."""
+    def close(self, *, abandon_unused_start: bool = False) -> None:
+        """Finish queued writes, ask the child to exit, kill it after the shutdown timeout.
+
+        ``abandon_unused_start``: when no write was ever submitted and the child is still
+        starting, kill it instead of waiting for a fresh interpreter to finish importing
+        torch only to be told to leave (seconds; an in-process restart closes a
+        checkpointer made inside the wrapped function on every fault). Off by default:
+        torch's callers may count on their init function having run."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        if abandon_unused_start and not self._wrote and not self._ready.done():
+            # Flag first, then look for the child: _start_child publishes the child
+            # first, then looks at the flag, so one of the two sees the other.
+            self._abandoned = True
+            proc = self._proc
+            if proc is not None:
+                logger.debug(
+                    "checkpoint writer pid %s still starting, never used: killed", proc.pid
+                )
+                proc.kill()
         self._io.shutdown(wait=True)
         self._stop_child(graceful=True)
         self._buffer.close()
@@ -387,6 +406,7 @@ class CheckpointProcess:
                 staged_evt.set()
             return self._write_job(staged, path, kwargs)
 
+        self._wrote = True
         result = self._io.submit(job)
         result.staged = staged_evt  # type: ignore[attr-defined]
         return result
@@ -442,6 +462,8 @@ class CheckpointProcess:
         self._start_child()
 
     def _first_start(self) -> None:
+        if self._abandoned:
+            raise WriterDiedError("checkpoint writer start abandoned: closed before any write")
         self._start_child()
         if self.config.reserve_bytes:
             self._reserve(self.config.reserve_bytes)
@@ -467,6 +489,9 @@ class CheckpointProcess:
         # Without our copy of the child's end, its death shows up as EOF here.
         child_end.close()
         self._proc, self._conn = proc, parent_end
+        if self._abandoned:
+            self._stop_child(graceful=False)
+            raise WriterDiedError("checkpoint writer start abandoned: closed before any write")
         seq = next(self._seq)
         try:
             self._send(Request(RequestKind.PING, seq))
