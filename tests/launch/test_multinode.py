@@ -62,8 +62,12 @@ def test_two_nodes_restart_together_with_job_wide_count(tmp_path: Path) -> None:
     # Attempt 0: rank 0 (node 0) failed, node 1 followed; attempt 1: the other way round.
     r0 = [e["event"] for e in ev0 if e["event"] in ("restart", "peer_failure")]
     r1 = [e["event"] for e in ev1 if e["event"] in ("restart", "peer_failure")]
-    assert r0 == ["restart", "peer_failure", "restart"]
-    assert r1 == ["peer_failure", "restart", "restart"]
+    # The node whose rank did not fail has its own rank die of the broken barrier within
+    # milliseconds of the peer's exit, so its launcher may see that before the peer's
+    # failure in the store (then no peer_failure event): node 1 in attempt 0, node 0 in
+    # attempt 1. Either way each node restarts exactly twice, together.
+    assert r0 in (["restart", "peer_failure", "restart"], ["restart", "restart"]), r0
+    assert r1 in (["peer_failure", "restart", "restart"], ["restart", "restart"]), r1
     spawns = [e for e in ev1 if e["event"] == "worker_spawn"]
     assert [s["rank"] for s in spawns] == [1, 1, 1] and ev1[0]["node_rank"] == 1
 
