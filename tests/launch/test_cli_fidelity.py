@@ -273,6 +273,23 @@ def test_signals_to_handle_forwards_an_extra_signal(tmp_path: Path) -> None:
     assert ours.env[0]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGUSR1"
 
 
+@pytest.mark.slow
+def test_a_forwarded_sigusr1_ends_a_worker_without_a_handler_at_once(tmp_path: Path) -> None:
+    """As under torchrun, a worker with no SIGUSR1 handler of its own dies of the forwarded
+    signal at once, instead of (with a stack dump on SIGUSR1) sleeping through the grace
+    period until the launcher's SIGKILL."""
+    flags = ("--nproc-per-node", "2", "--signals-to-handle", "SIGTERM,SIGINT,SIGUSR1")
+    ours = _launch(tmp_path, "stalwart", "bare_wait", *flags, stop=signal.SIGUSR1)
+    assert ours.code == 128 + signal.SIGUSR1, ours.stderr
+    assert ours.attempts is not None
+    exits = [
+        json.loads(line)
+        for line in (ours.attempts / "events.jsonl").read_text().splitlines()
+        if '"worker_exit"' in line
+    ]
+    assert sorted(e["signal"] for e in exits) == ["SIGUSR1", "SIGUSR1"], exits
+
+
 # torchrun's PET_<FLAG> variables: each flag's default, as torchrun reads them
 _PET = [
     ({"PET_TEE": "3"}, "tee", Std.ALL),

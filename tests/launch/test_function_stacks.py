@@ -4,7 +4,6 @@ worker's does (both install ``stalwart.monitor.stacks``)."""
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from stalwart.base import procs
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.workers import start_processes
 from stalwart.monitor import envvars as monitor_env
+from stalwart.monitor.stacks import STACK_SIGNAL
 
 from . import funcs
 
@@ -35,8 +35,8 @@ def test_function_worker_dumps_stacks_to_the_file_it_is_given(tmp_path: Path) ->
     ctx = start_processes(funcs.sleep_forever, {0: ()}, {0: env}, logs)
     try:
         pid = ctx.pids()[0]
-        _until(lambda: procs.catches_signal(pid, signal.SIGUSR1), "the SIGUSR1 handler")
-        os.kill(pid, signal.SIGUSR1)
+        _until(lambda: procs.catches_signal(pid, STACK_SIGNAL), "the stack-dump handler")
+        os.kill(pid, STACK_SIGNAL)
         _until(lambda: stacks.exists() and "sleep_forever" in stacks.read_text(), "the dump")
         assert ctx.poll() is None  # a dump does not stop the worker
     finally:

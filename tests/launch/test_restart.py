@@ -69,6 +69,9 @@ def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
     assert "root cause: rank 1" in proc.stderr and "exception: SystemExit: 5" in proc.stderr
     cause_line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("root cause:"))
     assert cause_line.endswith(("exit code 5", "signal SIGABRT")), cause_line
+    # The traceback shown starts at the program: no frame of ours (bootstrap, template).
+    assert 'gloo_restart.py", line' in proc.stderr
+    assert "stalwart/launch/" not in proc.stderr.split("traceback (last lines):")[1], proc.stderr
     # Points at the root-cause rank's folder of the last attempt; without -r there is no
     # stdout.log to name (issue 14), but its error.json is there.
     assert "error file: " in proc.stderr and "attempt_1/1/error.json" in proc.stderr

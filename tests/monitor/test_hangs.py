@@ -57,6 +57,21 @@ def test_heartbeat_timeout_detected_with_stacks(harness: Harness) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_hang_never_sets_off_the_programs_own_sigusr1_handler(harness: Harness) -> None:
+    mon = harness.start(fast(hb_timeout=1.0))
+    proc = harness.spawn(0, "stop_heartbeat_own_usr1")
+    mon.begin_attempt(0, {0: proc.pid}, stderr_paths={0: harness.stderr_path(0)})
+    harness.wait_ready(0)
+    report = _one_hang(harness, 10)
+    assert report.kind is HangKind.HEARTBEAT
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    # The stacks came through the dump's own signal; SIGUSR1 stayed the program's.
+    assert "worker.py" in report.stacks
+    assert "OWN SIGUSR1 HANDLER" not in harness.stderr_path(0).read_text()
+    mon.end_attempt()
+
+
+@pytest.mark.timeout(60)
 def test_initial_heartbeat_timeout(harness: Harness) -> None:
     mon = harness.start(fast(hb_timeout=1.0, hb_initial_timeout=1.5))
     proc = harness.spawn(0, "no_heartbeat")

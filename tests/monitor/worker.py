@@ -62,6 +62,12 @@ def main() -> None:
     if mode == "stop_heartbeat":
         ready()
         time.sleep(600)
+    elif mode == "stop_heartbeat_own_usr1":
+        # A program's own SIGUSR1 handler (Lightning's SLURM requeue is one): a hang must
+        # never set it off.
+        signal.signal(signal.SIGUSR1, lambda *_: print("OWN SIGUSR1 HANDLER", file=sys.stderr))
+        ready()
+        time.sleep(600)
     elif mode == "no_heartbeat":
         client2 = RankMonitorClient()
         client.shutdown_workload_monitoring()

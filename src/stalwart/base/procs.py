@@ -141,7 +141,7 @@ def continue_if_stopped(pid: int, group: bool = False) -> bool:
 def catches_signal(pid: int, sig: int) -> bool:
     """True if `pid` has a handler for `sig` (SigCgt in /proc/<pid>/status).
 
-    Asked before sending SIGUSR1: to a process without the stack-dump handler it would
+    Asked before sending the stack-dump signal: to a process without a handler it would
     be fatal, and whoever registered the handler (our `stacks.install` or a launcher's
     bootstrap) the kernel's view is the one that counts.
     """

@@ -6,7 +6,7 @@ It makes the worker observable, then runs the user's script or module exactly as
 exception's traceback starting at the user's code):
 
 * the parent-death signal, so a worker never outlives a SIGKILLed launcher;
-* ``faulthandler`` on SIGUSR1, so the hang monitor can ask for every thread's stack;
+* ``faulthandler`` on a real-time signal (``stacks.STACK_SIGNAL``), so the hang monitor can ask for every thread's stack;
 * an uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's format)
   even when the script has no ``@record``.
 
@@ -85,6 +85,8 @@ def run_target(args: list[str]) -> None:
             _run_script(target)
     except SystemExit as exc:
         if exc.code not in (None, 0):
+            # The error file's traceback starts at the program, as the uncaught case's does.
+            _drop_own_frames(exc)
             write_error_file(exc)
         raise
     except BaseException as exc:

@@ -116,7 +116,7 @@ class RankMonitorClient:
     strict: raise instead of warning when no node monitor is configured
         (default: STALWART_MONITOR_STRICT=1).
     install_exception_hook: chain sys.excepthook to record the exception and close sections.
-    install_stack_dump: register the SIGUSR1 stack dump at init (see `stacks.install`).
+    install_stack_dump: register the stack dump at init (see `stacks.install`).
     safety_factor: learned timeout = longest observed interval x this
         (default: the node's, from STALWART_MONITOR_SAFETY_FACTOR, else 5).
     """

@@ -126,7 +126,7 @@ def render(attempt: int | None, entries: list[RankEntry], read_max: int) -> str:
 
 def _stacks(e: RankEntry, read_max: int) -> str:
     if not e.stacks_signalled:
-        return "   (no stacks: the rank has no SIGUSR1 handler)"
+        return "   (no stacks: the rank has no stack-dump handler)"
     if e.stderr is None or e.stderr_offset is None:
         return (
             "   (stacks went to the console: the rank's stderr is not a file, see -r/--redirects)"

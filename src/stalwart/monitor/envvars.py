@@ -22,6 +22,6 @@ SAFETY_FACTOR = "STALWART_MONITOR_SAFETY_FACTOR"
 STRICT = "STALWART_MONITOR_STRICT"
 #: The node's configured timeouts (JSON), so a client can report the timeouts in force.
 TIMEOUTS = "STALWART_MONITOR_TIMEOUTS"
-#: File (in the rank's log folder) where the SIGUSR1 stack dump goes instead of stderr,
+#: File (in the rank's log folder) where the stack dump goes instead of stderr,
 #: so dumps of several hung ranks never interleave on a shared console.
 STACKS_FILE = "STALWART_STACKS_FILE"

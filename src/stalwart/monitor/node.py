@@ -2,8 +2,8 @@
 
 It creates the per-run folder (0700), the shared-memory segment and the timer pipe
 (0600), and runs two threads: the timer server and a scanner that judges every armed
-rank's slot each `check_interval`. A hung rank is asked for its stacks (SIGUSR1, with
-SIGCONT in case it is stopped), then sent the terminate signal, then SIGKILL after the
+rank's slot each `check_interval`. A hung rank is asked for its stacks (a real-time
+signal, with SIGCONT in case it is stopped), then sent the terminate signal, then SIGKILL after the
 grace period; a `HangReport` is queued for the supervisor and a `hang_detected` event
 logged. Never imports the launcher: the supervisor drives it through the methods below.
 

@@ -1,7 +1,7 @@
 """Handling a hang: stacks, the dossier, terminate, kill, the report.
 
-A hung rank is asked for its stacks (SIGUSR1, with SIGCONT in case it is stopped); the
-scanner thread runs the planned steps in due order: wait for the dump to settle, write
+A hung rank is asked for its stacks (`stacks.STACK_SIGNAL`, with SIGCONT in case it is
+stopped); the scanner thread runs the planned steps in due order: wait for the dump to settle, write
 the attempt's hang dossier, queue the `HangReport`, send the terminate signal, then
 SIGKILL after the grace period. A rank found waiting on another one's hang is
 terminated after it, so that the supervisor's first failure is the root cause.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.monitor import dossier, layout
+from stalwart.monitor import dossier, layout, stacks
 from stalwart.monitor.judge import (
     Stalled,
     Verdict,
@@ -68,13 +68,13 @@ class NodeHangs(NodeState):
         )
         step, wait = "terminate", 0.0
         self._open_dossier(rank, target, verdict, waiting_on)
-        if self.config.stack_dump_wait > 0 and procs.catches_signal(target, signal.SIGUSR1):
+        if self.config.stack_dump_wait > 0 and procs.catches_signal(target, stacks.STACK_SIGNAL):
             if rank.stderr is not None:
                 try:
                     hang.stderr_offset = rank.stderr.stat().st_size
                 except OSError:
                     hang.stderr_offset = None
-            if procs.signal_pid(target, signal.SIGUSR1):
+            if procs.signal_pid(target, stacks.STACK_SIGNAL):
                 # A stopped process only runs its handler once continued.
                 procs.continue_if_stopped(target)
                 hang.dump_sent_at = time.monotonic()
@@ -254,8 +254,8 @@ class NodeHangs(NodeState):
             if (
                 self.config.stack_dump_wait > 0
                 and procs.is_alive(e.pid)
-                and procs.catches_signal(e.pid, signal.SIGUSR1)
-                and procs.signal_pid(e.pid, signal.SIGUSR1)
+                and procs.catches_signal(e.pid, stacks.STACK_SIGNAL)
+                and procs.signal_pid(e.pid, stacks.STACK_SIGNAL)
             ):
                 procs.continue_if_stopped(e.pid)
                 e.stacks_signalled = True

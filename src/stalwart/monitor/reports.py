@@ -32,7 +32,8 @@ class HangReport:
     section: the section that timed out (SECTION), the last opened section otherwise,
         or the timer scope (TIMER).
     timeout: the deadline that was missed, in seconds.
-    stacks: text the rank wrote after SIGUSR1 (empty when its stderr is not a file we know).
+    stacks: text the rank wrote after the stack-dump signal (empty when its stderr is not
+        a file we know).
     detected_at: wall-clock time (time.time()) of detection.
     waiting_on: global rank of the node's hung rank whose progress stopped first, when
         that is another rank (this one is then most likely blocked waiting on it); None

@@ -4,7 +4,8 @@ Every rank writes its torchrun variables to ``DIR/env_<rank>.json`` and one line
 stdout and stderr.  Then, by MODE: ``ok`` ends 0; ``exit3`` ends rank 1 with code 3;
 ``kill`` has rank 1 SIGKILL itself; ``raise`` raises ``ValueError`` under torch's
 ``@record`` on rank 1; ``wait`` touches ``DIR/ready_<rank>_<attempt>`` and sleeps until
-signalled (SIGUSR1: touches ``DIR/usr1_<rank>`` and ends 0).
+signalled (SIGUSR1: touches ``DIR/usr1_<rank>`` and ends 0); ``bare_wait`` is ``wait``
+with no handler of its own (a SIGUSR1 ends it as the default action does).
 Ranks that do not fail sleep (bounded) until the launcher stops them, so the failing
 rank is always the root cause.
 """
@@ -52,9 +53,10 @@ def main() -> None:
     print(f"out of rank {rank}", flush=True)
     print(f"err of rank {rank}", file=sys.stderr, flush=True)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if mode == "wait":
-        # SLURM's warning before a job's time is up, as a script would catch it.
-        signal.signal(signal.SIGUSR1, lambda *_: (out / f"usr1_{rank}").touch() or sys.exit(0))
+    if mode in ("wait", "bare_wait"):
+        if mode == "wait":
+            # SLURM's warning before a job's time is up, as a script would catch it.
+            signal.signal(signal.SIGUSR1, lambda *_: (out / f"usr1_{rank}").touch() or sys.exit(0))
         (out / f"ready_{rank}_{restart}").touch()
         time.sleep(60)
         sys.exit(9)  # never reached within the tests' time limits

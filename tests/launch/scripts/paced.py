@@ -9,6 +9,7 @@ import time
 
 from stalwart import inject
 from stalwart.monitor import RankMonitorClient
+from stalwart.monitor.stacks import STACK_SIGNAL
 
 out = sys.argv[1]
 steps, pace = int(sys.argv[2]), float(sys.argv[3])
@@ -23,7 +24,7 @@ if mode == "hang-then-exit" and rank == "1":
         client.report_iteration(i)
     # Exits without writing stacks: the monitor is still waiting for them when the
     # supervisor sees the death, and files its report only at the teardown.
-    signal.signal(signal.SIGUSR1, lambda *_: os._exit(7))
+    signal.signal(STACK_SIGNAL, lambda *_: os._exit(7))
     with open(os.path.join(out, "hanging"), "w") as fh:
         fh.write(str(os.getpid()))
     while True:
