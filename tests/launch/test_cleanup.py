@@ -62,21 +62,32 @@ def _strays(log_dir: Path) -> list[dict[str, Any]]:
     return found
 
 
-def _leftover_cgroups() -> list[Path]:
-    parent = _parent_dir()
-    return [] if parent is None else sorted(parent.glob("stalwart-*"))
+def _job_cgroups(out: Path) -> set[Path]:
+    """The job cgroup folders this job's workers ran in, as they recorded them.
+
+    Only this job's own: other jobs on the machine (parallel test runs, benchmarks)
+    create and remove theirs meanwhile."""
+    mount = _v2_mount(Path("/proc/self/mountinfo").read_text())
+    found = set()
+    for rec in out.glob("cgroup_*"):
+        parts = Path(rec.read_text().strip()).parts
+        for i, part in enumerate(parts):
+            if part.startswith("stalwart-"):
+                assert mount is not None
+                found.add(mount.joinpath(*parts[1 : i + 1]))
+    return found
 
 
-def _new_cgroups(before: list[Path]) -> set[Path]:
-    # Other jobs on the machine (parallel test runs, benchmarks) create and remove their
-    # own cgroups meanwhile: only one that was not there before can be this job's.
-    return set(_leftover_cgroups()) - set(before)
+def _cgroups_as_expected(out: Path, mode: str) -> set[Path]:
+    """This job's cgroups: the workers ran in one exactly with cgroups on, else in none."""
+    ours = _job_cgroups(out)
+    assert len(ours) == (1 if mode == "cgroup" else 0), ours
+    return ours
 
 
 @warm_and_cold
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_dies_at_normal_exit(tmp_path: Path, mode: str) -> None:
-    before = _leftover_cgroups()
     proc = stalwart(
         "--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
         SCRIPTS / "daemon.py", tmp_path, "exit", env=_env(mode),
@@ -85,7 +96,7 @@ def test_daemon_dies_at_normal_exit(tmp_path: Path, mode: str) -> None:
     daemons = _daemons(tmp_path)
     assert len(daemons) == 2
     wait_for(lambda: not any(alive(p) for p in daemons), 5, "the daemons to die")
-    assert not _new_cgroups(before)
+    assert not any(p.exists() for p in _cgroups_as_expected(tmp_path, mode))
 
 
 @warm_and_cold
@@ -107,7 +118,6 @@ def test_daemon_dies_at_each_restart(tmp_path: Path, mode: str) -> None:
 @warm_and_cold
 @pytest.mark.parametrize("mode", MODES)
 def test_daemon_dies_when_launcher_is_sigkilled(tmp_path: Path, mode: str) -> None:
-    before = _leftover_cgroups()
     proc = start_stalwart(
         "--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
         SCRIPTS / "daemon.py", tmp_path, "wait", env=_env(mode),
@@ -126,7 +136,8 @@ def test_daemon_dies_when_launcher_is_sigkilled(tmp_path: Path, mode: str) -> No
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=10)
     wait_for(lambda: not any(alive(p) for p in daemons), 5, "the guardian to kill the daemons")
-    wait_for(lambda: not _new_cgroups(before), 5, "the guardian to remove the job cgroup")
+    ours = _cgroups_as_expected(tmp_path, mode)
+    wait_for(lambda: not any(p.exists() for p in ours), 5, "the guardian to remove the job cgroup")
 
 
 def test_cgroup_paths_parsed() -> None:

@@ -42,8 +42,9 @@ def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
     # The rank that called sys.exit(5) is the root cause every time. Its exit code is
     # usually 5, but torch may abort it (SIGABRT) while tearing gloo down at exit, so the
     # recorded exception identifies it.
-    assert all(e["root_cause"]["message"] == "SystemExit: 5" for e in restarts)
-    assert [e["root_cause"]["rank"] for e in restarts] == [a % 2 for a in range(10)]
+    causes = [e["root_cause"] for e in restarts]
+    assert all(c["message"] == "SystemExit: 5" for c in causes), causes
+    assert [c["rank"] for c in causes] == [a % 2 for a in range(10)], causes
     assert kinds(evs)[-2:] == ["job_succeeded", "launcher_exit"]
 
 

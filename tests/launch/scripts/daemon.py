@@ -12,6 +12,11 @@ out_dir, mode = sys.argv[1], sys.argv[2]
 rank = os.environ["RANK"]
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
 pid_file = os.path.join(out_dir, f"daemon_{attempt}_{rank}")
+# Where this worker runs, so that the test can look for its own job's cgroup only.
+with open("/proc/self/cgroup") as fh:
+    own = next(ln[3:].strip() for ln in fh if ln.startswith("0::"))
+with open(os.path.join(out_dir, f"cgroup_{attempt}_{rank}"), "w") as fh:
+    fh.write(own)
 body = (
     "import os, sys, time\n"
     "tmp = sys.argv[1] + '.tmp'\n"
