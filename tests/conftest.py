@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 
 from tests import helpers
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_outlives_its_test() -> Iterator[None]:
+    """A launcher a failed test left running (a wait that timed out) is SIGKILLed, so it
+    cannot hold its workers and ports through the rest of the run."""
+    yield
+    while helpers.STARTED:
+        proc = helpers.STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 @pytest.fixture(params=["warm", "cold"])

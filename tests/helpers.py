@@ -80,8 +80,13 @@ def stalwart(
     )
 
 
+# Launchers started in the background by the running test; the conftest kills any that a
+# failed test left running (its guardian then takes the workers).
+STARTED: list[subprocess.Popen[str]] = []
+
+
 def start_stalwart(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         stalwart_argv(*args),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -89,6 +94,8 @@ def start_stalwart(*args: str | Path, env: dict[str, str] | None = None) -> subp
         env=env or clean_env(),
         cwd=ROOT,
     )
+    STARTED.append(proc)
+    return proc
 
 
 def wait_for(

@@ -5,13 +5,25 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from stalwart.launch.cgroup import _parent_dir
-from tests.helpers import alive, events, kinds, start_stalwart, wait_for, warm_and_cold
+from tests.helpers import (
+    ROOT,
+    alive,
+    clean_env,
+    events,
+    kinds,
+    stalwart_argv,
+    start_stalwart,
+    wait_for,
+    warm_and_cold,
+)
 
 from .helpers import SCRIPTS
 
@@ -49,6 +61,36 @@ def test_signal_forwarded_to_workers_and_grandchildren(tmp_path: Path, sig: sign
         wait_for(lambda w=worker, g=grandchild: not alive(w) and not alive(g), 5, "tree to die")
     evs = events(tmp_path / "logs")
     assert "shutdown" in kinds(evs) and kinds(evs)[-1] == "launcher_exit"
+
+
+@pytest.mark.parametrize("caught", ["Exception", "BaseException"])
+def test_a_signal_whose_exception_was_swallowed_still_stops_the_job(
+    tmp_path: Path, caught: str
+) -> None:
+    """The handler raises wherever the main thread is; code there that catches everything
+    must not keep the job running (a SIGINT was once lost that way under load)."""
+    run = stalwart_argv(
+        "--nproc-per-node", "2", "--log-dir", tmp_path / "logs",
+        SCRIPTS / "sleeper.py", tmp_path, "log",
+    )[3:]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPTS / "swallowing_launcher.py", caught, tmp_path, *run],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+    )
+    try:
+        _, err = proc.communicate(timeout=45)
+    finally:
+        proc.kill()
+    # A BaseException passes ``except Exception``; under ``except BaseException`` the
+    # round loop acts on the signal the handler saw.
+    assert (tmp_path / "swallowed").exists() == (caught == "BaseException")
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"term_{rank}").read_text() == "SIGINT"
 
 
 def test_term_then_kill_after_shutdown_timeout(tmp_path: Path) -> None:

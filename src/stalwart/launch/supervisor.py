@@ -86,7 +86,14 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             if self._rdzv is not None:
                 self._rdzv.interrupt()  # an excluded store host stops serving
             return
+        if self._signal_seen is None:
+            self._signal_seen = signum
         raise SignalReceived(signum)
+
+    def _act_on_swallowed_signal(self) -> None:
+        """A signal whose exception something caught and dropped is acted on here."""
+        if self._signal_seen is not None and not self._stopping:
+            raise SignalReceived(self._signal_seen)
 
     def _install_signals(self) -> None:
         # torchrun's four always (a worker must never be orphaned), plus those asked for.
@@ -251,6 +258,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         scan_every = _STRAY_SCAN if self._cgroup is None else _STRAY_SCAN_WITH_CGROUP
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
+            self._act_on_swallowed_signal()
             if self._hangs is not None:
                 self._hangs.collect()
             # Written as the exit is seen, not after the attempt's teardown.

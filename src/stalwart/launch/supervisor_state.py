@@ -34,8 +34,14 @@ from stalwart.progress import ProgressBoard, Sample
 from stalwart.rendezvous import Rendezvous
 
 
-class SignalReceived(Exception):
-    """A termination signal reached the launcher; the job must stop now."""
+class SignalReceived(BaseException):
+    """A termination signal reached the launcher; the job must stop now.
+
+    A BaseException, as KeyboardInterrupt is: the handler raises it wherever the main
+    thread happens to be, and an ``except Exception`` there (logging's ``emit``, a sink
+    that must not stop hang detection) would otherwise swallow the signal and leave the
+    job running (seen once under load: a SIGINT the launcher never acted on).
+    """
 
     def __init__(self, sig: int) -> None:
         super().__init__(f"launcher received {signal.Signals(sig).name}")
@@ -95,6 +101,9 @@ class SupervisorState:
         self._warm: WarmPool | None = None
         self._defer_signals = False  # set while workers are being started
         self._deferred_signal: int | None = None
+        # The first signal the handler raised for; the round loop re-raises it should
+        # anything have swallowed the exception.
+        self._signal_seen: int | None = None
         self._reason = ""  # why a rank's control request ended the round
         self._cgroup: JobCgroup | None = None
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
