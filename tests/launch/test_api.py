@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from stalwart.launch.logs import LogSpec, Std
+from stalwart.launch.posix import ExitWatcher
 from stalwart.launch.workers import start_processes
 from tests.helpers import alive
 
@@ -71,6 +74,33 @@ def test_poll_wait_timeout_pids_and_close(tmp_path: Path) -> None:
     assert not any(alive(p) for p in pids.values())
     info = ctx.exit_info()
     assert all(code is not None for _, _, code, _ in info.values())
+    # Every exit has its time, also one the exit watcher missed at the teardown.
+    assert all(when is not None for _, _, _, when in info.values()), info
+
+
+def test_the_exit_watcher_records_an_exit_that_comes_with_its_wake_up() -> None:
+    """The teardown wakes the watcher to stop it; a worker that died just then (its
+    pidfd ready in the same poll) still gets its exit time."""
+
+    @dataclass
+    class Handle:
+        pid: int
+        exited_at: float | None = None
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    # Exited but not reaped: its pidfd is readable.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    watcher = ExitWatcher()
+    handle = Handle(child.pid)
+    try:
+        watcher.watch(handle)
+        os.write(watcher._w, b"x")  # the wake-up close() sends, before the thread polls
+        watcher.start()
+        watcher._thread.join(10)
+        assert handle.exited_at is not None
+    finally:
+        watcher.close()
+        child.wait()
 
 
 def test_program_worker_and_exit_code(tmp_path: Path) -> None:

@@ -46,12 +46,8 @@ def test_warm_worker_exits_faster_than_a_cold_one_after_its_script_ends(
     shutdown = {}
     for mode, proc in jobs.items():
         assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
-        # As the report reads it: the exit's own time when the watcher caught it, else the
-        # event's (a worker seen gone at the final join carries no exited_at).
         exited = [
-            float(e.get("exited_at") or e["time"])
-            for e in events(tmp_path / mode)
-            if e["event"] == "worker_exit"
+            float(e["exited_at"]) for e in events(tmp_path / mode) if e["event"] == "worker_exit"
         ]
         end = float((out / f"end_{mode}").read_text())
         shutdown[mode] = exited[0] - end

@@ -44,14 +44,19 @@ class ExitWatcher:
 
     def _run(self) -> None:
         while self._fds:
-            for fd, _ev in self._poller.poll():
+            ready = [fd for fd, _ev in self._poller.poll()]
+            # Exits that came with the wake-up are recorded first: a worker that died
+            # during the teardown still has its exit time.
+            for fd in ready:
                 if fd == self._r:
-                    return
+                    continue
                 w = self._fds.pop(fd)
                 self._poller.unregister(fd)
                 os.close(fd)
                 w.exited_at = time.time()
                 self.changed.set()
+            if self._r in ready:
+                return
 
     def close(self) -> None:
         if self._closed:

@@ -76,8 +76,14 @@ class _Worker:
 
     def exitcode(self) -> int | None:
         if isinstance(self.proc, subprocess.Popen | ForkedProcess):
-            return self.proc.poll()
-        return self.proc.exitcode
+            code = self.proc.poll()
+        else:
+            code = self.proc.exitcode
+        if code is not None and self.exited_at is None:
+            # The exit watcher missed it (it stops at the teardown): the moment it was
+            # seen gone is the closest bound there is.
+            self.exited_at = time.time()
+        return code
 
 
 def _function_child(
