@@ -171,3 +171,24 @@ def test_progress_tick_after_close_is_quiet() -> None:
     clock.tick()
     clock.ping()
     assert not os.path.exists(clock.path)
+
+
+def test_state_built_without_arguments_is_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVIDIA's ``State()`` takes its identity from RANK/WORLD_SIZE; code that builds one
+    that way (its own tests do) gets the same from ours, and keyword building still works."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    state = inprocess.state.State()
+    assert (state.rank, state.world_size) == (3, 8)
+    assert (state.initial_rank, state.initial_world_size) == (3, 8)
+    assert state.iteration == 0
+    state.rank = 5  # mutable, as NVIDIA's
+    assert state.initial_rank == 3
+    built = inprocess.state.State(rank=1, world_size=2, initial_rank=0, initial_world_size=4)
+    assert (built.rank, built.initial_rank, built.initial_world_size) == (1, 0, 4)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert (inprocess.state.State().rank, inprocess.state.State().world_size) == (0, 1)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK='x': expected an integer"):
+        inprocess.state.State()

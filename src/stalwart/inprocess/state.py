@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import os
 from typing import Any
 
 
@@ -61,6 +62,16 @@ class InterruptionRecord:
         )
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
 @dataclasses.dataclass
 class State:
     """A rank's identity and role.
@@ -70,10 +81,12 @@ class State:
     current iteration (only active ranks count in ``world_size``).
     """
 
-    rank: int
-    world_size: int
-    initial_rank: int
-    initial_world_size: int
+    # ``State()`` alone is this process's identity from ``RANK``/``WORLD_SIZE`` (0 and 1
+    # when unset), as NVIDIA's ``State()`` is: code written for it builds one that way.
+    rank: int = dataclasses.field(default_factory=lambda: _env_int("RANK", 0))
+    world_size: int = dataclasses.field(default_factory=lambda: _env_int("WORLD_SIZE", 1))
+    initial_rank: int = -1  # -1: the rank given
+    initial_world_size: int = -1  # -1: the world size given
     iteration: int = 0
     mode: Mode = Mode.ACTIVE
     active_world_size: int = 0
@@ -82,6 +95,12 @@ class State:
     # monitor pipes); abort must leave them alone.
     protected_fds: frozenset[int] = frozenset()
     protected_ports: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.initial_rank < 0:
+            self.initial_rank = self.rank
+        if self.initial_world_size < 0:
+            self.initial_world_size = self.world_size
 
     @property
     def alive_ranks(self) -> list[int]:
