@@ -192,3 +192,48 @@ def test_state_built_without_arguments_is_this_process(monkeypatch: pytest.Monke
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x': expected an integer"):
         inprocess.state.State()
+
+
+def test_a_composed_chain_is_an_instance_of_the_class_its_hooks_share() -> None:
+    """NVIDIA's Compose is an instance of the nearest class its hooks share, so a chain of
+    ``Finalize`` subclasses still passes a type check for a ``Finalize``."""
+    calls: list[str] = []
+
+    class Mine(inprocess.finalize.Finalize):
+        def __call__(self, state: object, exc: object) -> None:
+            calls.append(type(self).__name__)
+
+    class First(Mine):
+        pass
+
+    class Second(Mine):
+        pass
+
+    chain = inprocess.Compose(First(), Second())
+    assert isinstance(chain, inprocess.Compose)
+    assert isinstance(chain, Mine)
+    assert not isinstance(chain, First) and not isinstance(chain, Second)
+    chain(None, None)
+    assert calls == ["Second", "First"]  # the last hook runs first, as there
+    nested = inprocess.Compose(Mine(), First())
+    assert isinstance(nested, Mine) and not isinstance(nested, First)
+    # Plain functions share no class of the program's: a plain chain.
+    plain = inprocess.Compose(lambda s, e: None, lambda s, e: None)
+    assert type(plain) is inprocess.Compose
+
+
+def test_a_chain_of_an_abstract_class_falls_back_to_a_plain_chain() -> None:
+    import abc
+
+    class Base(abc.ABC):
+        @abc.abstractmethod
+        def extra(self) -> None: ...
+
+    class Hook(Base):
+        def extra(self) -> None: ...
+
+        def __call__(self, state: object) -> object:
+            return state
+
+    chain = inprocess.Compose(Hook(), Hook())
+    assert type(chain) is not Hook and chain("s") == "s"

@@ -69,6 +69,18 @@ class Compose:
     act (``finalize``) chain without each having to return what it received.
     """
 
+    def __new__(cls, *hooks: Callable[..., Any]) -> Compose:
+        # As NVIDIA's: the chain is also an instance of the nearest class all its hooks
+        # share (Compose(a, b) of two ``Finalize`` subclasses is a ``Finalize``), so code
+        # that checks a hook's type accepts it.  Plain functions share no such class.
+        base = _shared_class(hooks)
+        if cls is Compose and base is not None:
+            try:
+                return super().__new__(_chain_class(base))
+            except TypeError:  # a final or abstract class cannot be one: a plain chain
+                pass
+        return super().__new__(cls)
+
     def __init__(self, *hooks: Callable[..., Any]) -> None:
         if not hooks:
             raise ConfigError("Compose needs at least one hook")
@@ -90,3 +102,22 @@ class Compose:
 
     def __repr__(self) -> str:
         return f"Compose({', '.join(repr(h) for h in self.hooks)})"
+
+
+def _shared_class(hooks: tuple[Any, ...]) -> type | None:
+    """The nearest class in the first hook's MRO that every hook is an instance of,
+    when it is a class of the program's (not ``object`` or a built-in one)."""
+    if not hooks:
+        return None
+    for klass in type(hooks[0]).__mro__:
+        if klass is object or klass.__module__ == "builtins":
+            return None
+        if getattr(klass, "_is_protocol", False) or klass.__module__ == "typing":
+            continue  # our hook protocols: a shape, not a class to be an instance of
+        if all(isinstance(h, klass) for h in hooks):
+            return klass
+    return None
+
+
+def _chain_class(base: type) -> type[Compose]:
+    return type(f"Compose[{base.__qualname__}]", (Compose, base), {})
