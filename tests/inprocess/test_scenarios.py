@@ -143,10 +143,11 @@ def test_hook_errors_are_reported_with_rank_and_iteration() -> None:
     assert "initialize hook failed on rank 1 in iteration 0" in r1.output
     assert [e["iteration"] for e in r1.of("initialize")] == [0, 1]
     assert r1.of("result")[-1]["value"] == 3
-    # finalize failed on rank 0 after iteration 1: reported to the caller.
+    # finalize failed on rank 0 after iteration 1: its own exception reaches the caller,
+    # as with NVIDIA's wrapper, with a note that says where.
     err = r0.of("error")[0]
-    assert err["type"] == "HookError"
-    assert err["message"].startswith("finalize hook failed on rank 0 in iteration 1")  # type: ignore[union-attr]
+    assert err["type"] == "ValueError" and err["message"] == "bad finalize"
+    assert err["notes"] == ["stalwart: raised by the finalize hook on rank 0 in iteration 1"]
 
 
 @pytest.mark.timeout(60)

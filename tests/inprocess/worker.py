@@ -219,7 +219,13 @@ def scenario_hooks() -> None:
     try:
         emit("result", value=fn())
     except Exception as exc:
-        emit("error", type=type(exc).__name__, message=str(exc))
+        emit(
+            "error",
+            type=type(exc).__name__,
+            message=str(exc),
+            notes=getattr(exc, "__notes__", []),
+            cause=type(exc.__cause__).__name__ if exc.__cause__ else None,
+        )
 
 
 def scenario_base_exit() -> None:

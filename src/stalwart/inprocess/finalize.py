@@ -3,7 +3,7 @@
 Runs after an interrupted iteration (with the exception this rank saw, or
 ``None`` when a peer's fault interrupted it) and once after the completed
 last iteration (with ``None``).  An exception here takes the rank out of the
-job (``HookError``).
+job and reaches the wrapper's caller as itself, as with NVIDIA's wrapper.
 """
 
 from __future__ import annotations

@@ -478,7 +478,19 @@ class Runner:
         try:
             self.opts.finalize(state, error)
         except Exception as exc:
-            self._hook_failed("finalize", state, exc)
+            # As NVIDIA's wrapper: the hook's own exception reaches the caller (chained
+            # from the fault), so code that catches its type keeps working; the note
+            # says where it happened.
+            log.error(
+                "finalize hook failed on rank %d in iteration %d", state.rank, state.iteration
+            )
+            exc.add_note(
+                f"stalwart: raised by the finalize hook on rank {state.rank} "
+                f"in iteration {state.iteration}"
+            )
+            if error is not None and exc.__cause__ is None:
+                raise exc from error
+            raise
 
     def _health_check(self, state: State, error: BaseException | None) -> None:
         """Before each iteration (``error`` None) and after a fault (the fault's exception)."""
