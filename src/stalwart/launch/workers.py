@@ -9,12 +9,12 @@ failure and not the first one noticed.
 
 ``ProcessContext`` follows torch elastic's contract: ``poll()`` is all-or-nothing (a
 result once every worker succeeded or any failed), ``wait(timeout, period)``,
-``pids()``, ``close(death_sig, timeout)`` with TERM -> KILL escalation.
+``pids()``, ``close(death_sig, timeout)`` with TERM -> KILL escalation.  What the
+workers started that a group kill would miss is found and killed by ``strays.StrayScan``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -28,8 +28,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from stalwart.base import envvars, procs
 from stalwart.launch import posix
 from stalwart.launch.cgroup import JobCgroup
@@ -37,6 +35,7 @@ from stalwart.launch.errors import ProcessFailure, record
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
 from stalwart.launch.runfiles import APPEND_FLAGS
+from stalwart.launch.strays import StrayScan, children_of
 from stalwart.launch.warm import ForkedProcess, WarmPool
 from stalwart.monitor import stacks
 
@@ -145,7 +144,7 @@ class WorkerSpecEntry:
     rank: int | None = None
 
 
-class ProcessContext:
+class ProcessContext(StrayScan):
     """A group of workers started together and watched as one."""
 
     def __init__(
@@ -206,7 +205,7 @@ class ProcessContext:
         if self._workers:
             raise RuntimeError("ProcessContext.start() called twice")
         if self.adopt_orphans:
-            self._preexisting = set(_children(os.getpid(), recursive=False))
+            self._preexisting = set(children_of(os.getpid(), recursive=False))
         for spec in self.specs:
             if callable(self.entrypoint):
                 w = self._start_function(spec)
@@ -410,7 +409,7 @@ class ProcessContext:
         # Taken before any signal: once a worker dies its descendants are re-parented and
         # no longer appear under it.
         descendants = {
-            p for w in workers if w.exitcode() is None for p in _children(w.pid, recursive=True)
+            p for w in workers if w.exitcode() is None for p in children_of(w.pid, recursive=True)
         }
         for w in workers:
             if w.exitcode() is None:
@@ -454,123 +453,6 @@ class ProcessContext:
                 return False
             self._watcher.changed.clear()
             self._watcher.changed.wait(min(left, 0.05))
-
-    def _templates_paused(self) -> contextlib.AbstractContextManager[None]:
-        """While the launcher's children are scanned, no warm template is forked: one
-        born mid-scan is not yet among those spared, and would look like an orphan."""
-        return self.warm.paused() if self.warm is not None else contextlib.nullcontext()
-
-    def strays(self) -> dict[int, float]:
-        """Descendants of the workers, and orphans re-parented to us, that left every
-        worker's process group (pid -> start time): what a group kill would miss."""
-        with self._templates_paused():
-            return self._strays()
-
-    def _strays(self) -> dict[int, float]:
-        groups = {w.pid for w in self._workers.values()}
-        # One pass over the process table per call (this runs every half second), not
-        # one per worker as psutil's recursive children() would.
-        tree = _process_tree()
-        found = {p for w in groups for p in _below(tree, w)}
-        if self.adopt_orphans:
-            spare = self._spare()
-            for pid in tree.get(os.getpid(), ()):
-                if pid not in spare and pid not in groups and pid not in self._preexisting:
-                    found.add(pid)
-                    found.update(_below(tree, pid))
-        out: dict[int, float] = {}
-        for pid in found:
-            try:
-                if os.getpgid(pid) in groups:
-                    continue
-                out[pid] = psutil.Process(pid).create_time()
-            except (OSError, psutil.Error):
-                continue
-        return out
-
-    def _spare(self) -> set[int]:
-        """Helpers that serve the next attempt or guard the job: never killed here."""
-        spare = {os.getpid()}
-        if self.warm is not None:
-            spare.update(self.warm.owned_pids())
-        if self.guardian is not None:
-            spare.add(self.guardian.proc.pid)
-        return spare
-
-    def _kill_strays(self, descendants: set[int]) -> None:
-        """Whatever the workers started that outlives them.  Three nets, because each
-        misses something the others catch: the job's cgroup (everything, where cgroup v2
-        is usable), what we see as a child subreaper (descendants of the workers, and
-        orphans re-parented to us), and the run token in the environment (processes of
-        ours the kernel re-parented elsewhere, e.g. to a restarted template)."""
-        with self._templates_paused():
-            self._kill_strays_now(descendants)
-
-    def _kill_strays_now(self, descendants: set[int]) -> None:
-        spare = self._spare()
-        worker_pids = {w.pid for w in self._workers.values()}
-        if self.cgroup is not None:
-            self.cgroup.kill_except(spare)
-        victims = set(descendants)
-        if self.adopt_orphans:
-            for pid in _children(os.getpid(), recursive=False):
-                if pid in spare or pid in worker_pids or pid in self._preexisting:
-                    continue
-                victims.add(pid)
-                victims.update(_children(pid, recursive=True))
-        if self.run_token:
-            victims.update(self._with_token())
-        victims -= spare
-        for pid in victims:
-            try:
-                child = psutil.Process(pid)
-                child.kill()
-                if child.ppid() == os.getpid() and pid not in worker_pids:
-                    child.wait(1)  # reap re-parented grandchildren (we are subreaper)
-            except psutil.Error:
-                pass
-
-    def _with_token(self) -> list[int]:
-        """Our descendants that carry the run token (the warm template too: the caller
-        spares it)."""
-        found = []
-        for child in _children(os.getpid(), recursive=True):
-            try:
-                env = psutil.Process(child).environ()
-            except psutil.Error:
-                continue
-            if env.get(envvars.RUN_TOKEN) == self.run_token:
-                found.append(child)
-        return found
-
-
-def _process_tree() -> dict[int, list[int]]:
-    """parent pid -> child pids, from one pass over the process table."""
-    tree: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        ppid = proc.info["ppid"]
-        if ppid is not None:
-            tree.setdefault(ppid, []).append(proc.pid)
-    return tree
-
-
-def _below(tree: dict[int, list[int]], pid: int) -> set[int]:
-    """All descendants of *pid* in *tree*."""
-    out: set[int] = set()
-    todo = list(tree.get(pid, ()))
-    while todo:
-        p = todo.pop()
-        if p not in out:
-            out.add(p)
-            todo.extend(tree.get(p, ()))
-    return out
-
-
-def _children(pid: int, recursive: bool) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=recursive)]
-    except psutil.Error:
-        return []
 
 
 def start_processes(
