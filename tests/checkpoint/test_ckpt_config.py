@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from stalwart.checkpoint import CheckpointerConfig
-from stalwart.checkpoint.process import WriterProcessConfig, _as_config
+from stalwart.checkpoint.process_args import WriterProcessConfig, _as_config
 
 
 def test_checkpointer_config_extends_the_writer_config() -> None:

@@ -19,7 +19,7 @@ from stalwart.checkpoint import (
     WriterProcessConfig,
 )
 from stalwart.checkpoint.child import write_call_style
-from stalwart.checkpoint.process import resolve_process_args
+from stalwart.checkpoint.process_args import resolve_process_args
 
 
 class _TorchStyle:

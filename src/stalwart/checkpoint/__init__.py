@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .identity import RankInfo
     from .inplace import StateMismatchError
     from .loader import Loaded, complete_steps, load_latest, load_step, verify_step
-    from .process import CheckpointProcess, CheckpointProcessConfig, WriterProcessConfig
+    from .process import CheckpointProcess
+    from .process_args import CheckpointProcessConfig, WriterProcessConfig
     from .resume import restore
     from .writer import SaveResult, TorchFileWriter
 
@@ -52,8 +53,8 @@ _WHERE = {
     "load_step": "loader",
     "verify_step": "loader",
     "CheckpointProcess": "process",
-    "CheckpointProcessConfig": "process",
-    "WriterProcessConfig": "process",
+    "CheckpointProcessConfig": "process_args",
+    "WriterProcessConfig": "process_args",
     "restore": "resume",
     "SaveResult": "writer",
     "TorchFileWriter": "writer",

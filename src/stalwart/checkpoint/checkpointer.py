@@ -32,7 +32,8 @@ from . import layout
 from .identity import resolve_rank, resolve_world_size
 from .loader import Loaded
 from .manifest import DEFAULT_ALGORITHM
-from .process import CheckpointProcess, WriterProcessConfig
+from .process import CheckpointProcess
+from .process_args import WriterProcessConfig
 from .ram import RamSegment, SnapshotTooLargeError, open_local
 from .staging import TENSOR_ALIGN, StagingPlan, check_unchanged, plan
 from .writer import SaveResult, TorchFileWriter
