@@ -8,6 +8,7 @@ checked here, once: downstream code gets typed values (`Std`, `Endpoint`,
 """
 
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
+from stalwart.config.flags import HANG_FLAGS, Flag
 from stalwart.config.output import (
     DEFAULT_PREFIX,
     Std,
@@ -16,10 +17,8 @@ from stalwart.config.output import (
 )
 from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
 from stalwart.config.settings import (
-    HANG_FLAGS,
     RDZV_BACKENDS,
     RESTART_POLICIES,
-    Flag,
     LaunchConfig,
     check_log_dir,
     launch_flags,

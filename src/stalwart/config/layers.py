@@ -15,7 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from stalwart.config.settings import HANG_FLAGS, Flag, LaunchConfig, launch_flags
+from stalwart.config.flags import HANG_FLAGS, Flag
+from stalwart.config.settings import LaunchConfig, launch_flags
 from stalwart.config.values import ConfigError
 
 

@@ -1,11 +1,12 @@
-"""Every launcher setting, declared once: a `LaunchConfig` field with its `Flag` beside it.
+"""Every launcher setting, declared once: a `LaunchConfig` field with its `Flag` beside it
+(`flags.py` says how a flag is declared, parsed and checked).
 
 A field's `Flag` (its dataclass metadata) carries all of the setting's spellings: the
 command-line names (torchrun's, each ``--a-b`` also as ``--a_b``), the help text, the
 parser from text (or a YAML value), the ``STALWART_<KEY>`` environment name and the YAML
 key.  ``config.layers`` derives the argparse parser, the precedence merge and the typed
 values from these declarations; the fields are in ``--help`` order.  Hang detection's
-flags are declared in `HANG_FLAGS`: their values make the monitor's own ``MonitorConfig``,
+flags are declared in `flags.HANG_FLAGS`: their values make the monitor's own ``MonitorConfig``,
 which the command line builds and hands in (this layer imports nothing of the monitor).
 """
 
@@ -15,12 +16,27 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
+from stalwart.config.flags import (
+    A_FLOAT,
+    AN_INT,
+    HANG_FLAGS,
+    HANG_GROUP,
+    INT,
+    Flag,
+    as_given,
+    checked,
+    filters_flag,
+    flag,
+    one_line,
+    one_of,
+    setting,
+    switch_flag,
+)
 from stalwart.config.output import (
     DEFAULT_PREFIX,
     Std,
@@ -40,94 +56,6 @@ from stalwart.config.values import (
 
 if TYPE_CHECKING:
     from stalwart.monitor.config import MonitorConfig
-
-ENV_PREFIX = "STALWART_"
-
-Parse = Callable[[Any, str], Any]
-Check = Callable[[Any], str]
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How one setting is spelled on the command line, in the environment and in YAML."""
-
-    names: tuple[str, ...]  # as torchrun spells them; "--a-b" also gets "--a_b"
-    key: str  # the YAML key, the environment's suffix and argparse's dest
-    help: str | None = None
-    parse: Parse | None = None  # (value, flag name) -> typed value; None: str()
-    argtype: Callable[[str], Any] | None = None  # argparse's own check (int, float, Path)
-    action: str | None = None  # store_true, store_const, append; None: takes a value
-    const: Any = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    nargs: str | None = None
-    env: str | None = None  # the environment variable; None: none
-    yaml: bool = True  # read from the --config file's top level
-    torch_env: str | None = None  # torchrun's own variable (an empty value is unset)
-    target: str = ""  # the LaunchConfig field or MonitorConfig key it sets ("": key)
-    check: Check | None = None  # the typed value -> "" when good, else what was expected
-
-    @property
-    def spellings(self) -> tuple[str, ...]:
-        out: list[str] = []
-        for name in self.names:
-            out.append(name)
-            if name.startswith("--") and "-" in name[2:]:
-                out.append("--" + name[2:].replace("-", "_"))  # torchrun's other spelling
-        return tuple(out)
-
-    @property
-    def flag(self) -> str:
-        """The spelling errors name: the first long one."""
-        return next((n for n in self.names if n.startswith("--")), self.names[0])
-
-    @property
-    def positional(self) -> bool:
-        return not self.names[0].startswith("-")
-
-    @property
-    def sets(self) -> str:
-        """The name of what it sets (a LaunchConfig field, a MonitorConfig key)."""
-        return self.target or self.key
-
-    def value(self, raw: Any) -> Any:
-        """*raw* (text, or a YAML scalar or list) as the setting's type."""
-        if self.parse is None:
-            return str(raw)
-        return self.parse(raw, self.flag)
-
-    def problem(self, value: Any) -> str:
-        """One line naming a bad typed *value* and what was expected ("" when good)."""
-        why = self.check(value) if self.check is not None else ""
-        if not why:
-            return ""
-        shown = repr(value) if isinstance(value, str) else str(value)
-        return f"{self.flag} {shown}: {why}"
-
-
-def flag(
-    *names: str,
-    key: str = "",
-    env: bool = True,
-    yaml: bool = True,
-    **kw: Any,
-) -> Flag:
-    """A `Flag`; its key is the first long name's (``--max-restarts``: ``max_restarts``),
-    its variable ``STALWART_<KEY>`` unless *env* is False."""
-    long = next((n for n in names if n.startswith("--")), names[0])
-    key = key or long.lstrip("-").replace("-", "_")
-    return Flag(
-        names=names, key=key, env=ENV_PREFIX + key.upper() if env else None, yaml=yaml, **kw
-    )
-
-
-def setting(default: Any = MISSING, f: Flag | None = None, *, factory: Any = MISSING) -> Any:
-    """A `LaunchConfig` field: its default and its `Flag`."""
-    meta = {"flag": f} if f is not None else {}
-    if factory is not MISSING:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
-
 
 MAX_MONITOR_INTERVAL = 3600.0
 MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
@@ -151,115 +79,6 @@ SIGNALS_TO_HANDLE = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")
 
 
-def _check(ok: Callable[[Any], bool], expected: str) -> Check:
-    def check(value: Any) -> str:
-        return "" if ok(value) else expected
-
-    return check
-
-
-def _one_of(choices: tuple[str, ...]) -> Check:
-    return _check(lambda v: v in choices, f"expected one of {', '.join(choices)}")
-
-
-def _typed(conv: Callable[[Any], Any]) -> Parse:
-    def parse(value: Any, name: str) -> Any:
-        try:
-            return conv(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name} {value!r}: expected {conv.__name__}") from None
-
-    return parse
-
-
-def _one_line(parse: Callable[[str, str], Any]) -> Parse:
-    def wrapped(value: Any, name: str) -> Any:
-        try:
-            return parse(str(value), name)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-
-    return wrapped
-
-
-def _switch(value: Any, _name: str) -> bool:
-    # A flag or YAML gives a bool; torchrun's PET_<FLAG> variables give "1" or "0".
-    return value if isinstance(value, bool) else not is_false(value)
-
-
-def _as_given(value: Any, _name: str) -> Any:
-    return value
-
-
-_INT, _FLOAT = _typed(int), _typed(float)
-# A number flag: argparse checks the command line, the parser YAML and variables.
-_AN_INT: dict[str, Any] = {"argtype": int, "parse": _INT}
-_A_FLOAT: dict[str, Any] = {"argtype": float, "parse": _FLOAT}
-_HANG_GROUP = "hang detection (see docs/monitor.md)"
-
-
-def _switch_flag(*names: str, help: str | None = None) -> Flag:
-    """A switch of the command line (no STALWART_ variable, no YAML key), as torchrun's;
-    its PET_<FLAG> variable is read by ``stalwart.cluster``."""
-    return flag(*names, env=False, yaml=False, action="store_true", parse=_switch, help=help)
-
-
-def _filters_flag(stream: str) -> Flag:
-    """torchrun's ``--duplicate-<stream>-filters``: its default (no filter) only."""
-    return flag(
-        f"--duplicate-{stream}-filters",
-        parse=_torch_list,
-        help="not supported; refused unless empty",
-        check=_check(
-            lambda s: not s,
-            f"not supported by stalwart run; grep attempt_<n>/<rank>/{stream}.log instead",
-        ),
-    )
-
-
-def _torch_list(value: Any, _name: str) -> list[str]:
-    """torchrun's comma-separated list, ``,,`` standing for a comma (or a YAML list)."""
-    if isinstance(value, list):
-        return [str(v) for v in value]
-    parts = str(value).replace(",,", "\0").split(",")
-    return [p.replace("\0", ",") for p in parts if p]
-
-
-def _hang(*names: str, **kw: Any) -> Flag:
-    # Values stay as given: MonitorConfig.from_mapping parses (and names) them.
-    return flag(*names, yaml=False, parse=_as_given, **kw)
-
-
-# The monitor's settings are YAML's ``monitor:`` mapping, keyed by MonitorConfig's names.
-HANG_FLAGS: tuple[Flag, ...] = (
-    _hang("--hb-timeout", help="max seconds between heartbeats, or auto"),
-    _hang("--hb-initial-timeout", help="max seconds to the first heartbeat"),
-    _hang(
-        "--section-timeout",
-        target="section_timeouts",
-        action="append",
-        metavar="NAME=SECS",
-        help="max seconds a named section may stay open (repeatable); auto learns the others",
-    ),
-    _hang("--out-of-section-timeout", help="max seconds with no section open, or auto"),
-    _hang("--safety-factor", help="learned timeout = max observed x this"),
-    _hang("--hang-signal", target="term_signal", help="signal sent to a hung rank (default TERM)"),
-    _hang("--stack-dump-wait", help="seconds to let a hung rank dump stacks"),
-    _hang("--auto-warmup-steps", help="heartbeats seen before auto applies"),
-    _hang("--auto-warmup-seconds", help="seconds seen before auto applies"),
-    _hang("--auto-percentile", help="observed interval auto uses (100=max)"),
-    _hang("--auto-floor", help="shortest timeout auto may learn (seconds)"),
-    _hang("--straggler-factor", help="slower than the others by this: named"),
-    _hang("--straggler-window", help="seconds each straggler verdict spans"),
-    _hang(
-        "--straggler-restart",
-        action="store_const",
-        const=True,
-        help="restart the job without a straggler's node (elastic --nnodes MIN:MAX)",
-    ),
-)
-
-
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """What ``stalwart run`` was asked to do, each value parsed and checked once."""
@@ -271,7 +90,7 @@ class LaunchConfig:
         ),
     )
     args: list[str] = setting(
-        factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=_as_given)
+        factory=list, f=flag("args", env=False, yaml=False, nargs="...", parse=as_given)
     )
     # The argparse dest and YAML key are "nnodes": the property below is the job's size.
     # No STALWART_NNODES: stalwart never read one (SLURM's and PET_NNODES come as the
@@ -296,18 +115,18 @@ class LaunchConfig:
     )
     node_rank: int | None = setting(
         0,
-        flag("--node-rank", **_AN_INT, help="this node's rank (static rendezvous)"),
+        flag("--node-rank", **AN_INT, help="this node's rank (static rendezvous)"),
     )
     standalone: bool = setting(
         False,
-        _switch_flag("--standalone", help="single node, private rendezvous"),
+        switch_flag("--standalone", help="single node, private rendezvous"),
     )
     rdzv_backend: str = setting(
         "static",
         flag(
             "--rdzv-backend",
             help="static, c10d or etcd",
-            check=_one_of(RDZV_BACKENDS),
+            check=one_of(RDZV_BACKENDS),
         ),
     )
     rdzv_endpoint: str = setting(
@@ -319,7 +138,7 @@ class LaunchConfig:
             "--rdzv-id",
             key="run_id",
             help="job id shared by all nodes",
-            check=_check(
+            check=checked(
                 lambda r: _RUN_ID.fullmatch(r) is not None,
                 "expected letters, digits and . _ - @ + : "
                 "(up to 128, not starting with . or -; it names the run's folder)",
@@ -340,8 +159,8 @@ class LaunchConfig:
         29500,
         flag(
             "--master-port",
-            **_AN_INT,
-            check=_check(lambda p: 0 < p < 65536, "expected 1..65535"),
+            **AN_INT,
+            check=checked(lambda p: 0 < p < 65536, "expected 1..65535"),
         ),
     )
     # The address peers use to reach this node ("": the route to the store).
@@ -352,19 +171,19 @@ class LaunchConfig:
         0,
         flag(
             "--max-restarts",
-            **_AN_INT,
-            check=_check(lambda n: n >= 0, "expected >= 0"),
+            **AN_INT,
+            check=checked(lambda n: n >= 0, "expected >= 0"),
         ),
     )
     monitor_interval: float = setting(
         0.1,
         flag(
             "--monitor-interval",
-            **_A_FLOAT,
+            **A_FLOAT,
             help="seconds between checks",
             # Bounded: waits longer than the platform's timer maximum raise OverflowError
             # deep in a thread, and nan compares false with everything.
-            check=_check(
+            check=checked(
                 lambda s: 0 < s <= MAX_MONITOR_INTERVAL,
                 f"expected seconds > 0 and <= {MAX_MONITOR_INTERVAL:g}",
             ),
@@ -375,23 +194,23 @@ class LaunchConfig:
         flag(
             "--start-method",
             choices=START_METHODS,
-            check=_check(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
+            check=checked(lambda m: m in START_METHODS, "expected spawn, fork or forkserver"),
         ),
     )
     log_dir: Path | None = setting(None, flag("--log-dir", parse=lambda v, _n: Path(str(v))))
     redirects: Std | dict[int, Std] = setting(
         Std.NONE,
-        flag("-r", "--redirects", parse=_one_line(parse_std), help="0..3 or map like 0:3,1:0"),
+        flag("-r", "--redirects", parse=one_line(parse_std), help="0..3 or map like 0:3,1:0"),
     )
     tee: Std | dict[int, Std] = setting(
         Std.NONE,
-        flag("-t", "--tee", parse=_one_line(parse_std), help="0..3 or map like 0:3,1:0"),
+        flag("-t", "--tee", parse=one_line(parse_std), help="0..3 or map like 0:3,1:0"),
     )
     local_ranks_filter: set[int] | None = setting(
         None,
         flag(
             "--local-ranks-filter",
-            parse=_one_line(lambda v, _n: parse_ranks_filter(v)),
+            parse=one_line(lambda v, _n: parse_ranks_filter(v)),
             help="local ranks shown on the console",
         ),
     )
@@ -406,15 +225,15 @@ class LaunchConfig:
     role: str = setting("default", flag("--role"))
     module: bool = setting(
         False,
-        _switch_flag("-m", "--module", help="run the entrypoint as a module"),
+        switch_flag("-m", "--module", help="run the entrypoint as a module"),
     )
     no_python: bool = setting(
         False,
-        _switch_flag("--no-python", help="run the entrypoint as a program"),
+        switch_flag("--no-python", help="run the entrypoint as a program"),
     )
     run_path: bool = setting(
         False,
-        _switch_flag("--run-path", help="accepted for torchrun compatibility"),
+        switch_flag("--run-path", help="accepted for torchrun compatibility"),
     )
     # torchrun's flags below.  Those stalwart cannot honour accept torchrun's default and
     # refuse anything else (rather than ignore it): docs/migrating.md says why.
@@ -429,7 +248,7 @@ class LaunchConfig:
     )
     virtual_local_rank: bool = setting(
         False,
-        _switch_flag(
+        switch_flag(
             "--virtual-local-rank",
             help="LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES its one GPU",
         ),
@@ -439,7 +258,7 @@ class LaunchConfig:
         flag(
             "--event-log-handler",
             help="accepted for torchrun compatibility; events go to events.jsonl",
-            check=_one_of(EVENT_LOG_HANDLERS),
+            check=one_of(EVENT_LOG_HANDLERS),
         ),
     )
     logs_specs: str = setting(
@@ -447,7 +266,7 @@ class LaunchConfig:
         flag(
             "--logs-specs",
             help="only 'default': stalwart writes one log layout",
-            check=_check(
+            check=checked(
                 lambda s: s in ("", "default"),
                 "expected default (stalwart writes one log layout: --log-dir, -r, -t)",
             ),
@@ -458,7 +277,7 @@ class LaunchConfig:
         flag(
             "--numa-binding",
             help="not supported (GPU affinity); refused",
-            check=_check(
+            check=checked(
                 lambda s: s == "",
                 "not supported by stalwart run (it binds workers near their GPUs); "
                 "wrap the program with numactl and --no-python instead",
@@ -467,20 +286,20 @@ class LaunchConfig:
     )
     duplicate_stdout_filters: list[str] = setting(
         factory=list,
-        f=_filters_flag("stdout"),
+        f=filters_flag("stdout"),
     )
     duplicate_stderr_filters: list[str] = setting(
         factory=list,
-        f=_filters_flag("stderr"),
+        f=filters_flag("stderr"),
     )
     shutdown_timeout: float = setting(
         30.0,
         flag(
             "--shutdown-timeout",
-            **_A_FLOAT,
+            **A_FLOAT,
             torch_env="TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
             help="TERM -> KILL grace, seconds",
-            check=_check(
+            check=checked(
                 lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
                 f"expected seconds >= 0 and <= {MAX_SHUTDOWN_TIMEOUT:g}",
             ),
@@ -491,7 +310,7 @@ class LaunchConfig:
         flag(
             "--restart-policy",
             help="any-failed (default, as torchrun) or all-failed (for stalwart.inprocess jobs)",
-            check=_one_of(RESTART_POLICIES),
+            check=one_of(RESTART_POLICIES),
         ),
     )
     # The flag turns it off; YAML ``warm: false`` and STALWART_WARM=0 too.
@@ -514,7 +333,7 @@ class LaunchConfig:
             parse=parse_size,
             help="memory per local rank for checkpoint snapshots that survive a worker "
             "restart (e.g. 2GiB; two snapshots are kept; default 0: off)",
-            check=_check(lambda n: n >= 0, "expected a size >= 0"),
+            check=checked(lambda n: n >= 0, "expected a size >= 0"),
         ),
     )
     # Peer nodes that hold a replica of each node's snapshots; None: 1 with >= 2 nodes.
@@ -522,10 +341,10 @@ class LaunchConfig:
         None,
         flag(
             "--ckpt-replicas",
-            **_AN_INT,
+            **AN_INT,
             help="peer nodes that keep a copy of each node's RAM snapshots, for a node loss "
             "(default 1 with 2 or more nodes)",
-            check=_check(lambda n: n is None or n >= 0, "expected a count >= 0"),
+            check=checked(lambda n: n is None or n >= 0, "expected a count >= 0"),
         ),
     )
     # YAML or the flag only (no variable was ever read for it).
@@ -556,19 +375,19 @@ class LaunchConfig:
         0,  # 0: no /metrics endpoint
         flag(
             "--metrics-port",
-            parse=_INT,
+            parse=INT,
             help="serve Prometheus /metrics on this port",
-            check=_check(lambda p: 0 <= p <= 65535, "expected a port, 1..65535"),
+            check=checked(lambda p: 0 <= p <= 65535, "expected a port, 1..65535"),
         ),
     )
     metrics_addr: str = setting(
         "0.0.0.0", flag("--metrics-addr", help="address for --metrics-port (0.0.0.0)")
     )
     # Hang detection: the HANG_FLAGS group, built into the monitor's own record.
-    monitor: MonitorConfig = field(metadata={"group": (_HANG_GROUP, HANG_FLAGS)})
+    monitor: MonitorConfig = field(metadata={"group": (HANG_GROUP, HANG_FLAGS)})
     verbose: bool = setting(
         False,
-        _switch_flag("-v", "--verbose"),
+        switch_flag("-v", "--verbose"),
     )
     # Derived once from the fields above (by __post_init__).
     store_endpoints: tuple[Endpoint, ...] = field(init=False, default=())
