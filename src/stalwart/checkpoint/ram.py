@@ -37,6 +37,7 @@ from stalwart.base.files import untrusted
 from . import ramlayout as rl
 from .errors import CheckpointCorruptError, CheckpointError
 from .inplace import bind, same_memory
+from .skeleton import SkeletonUnpickler
 from .staging import StagingPlan, TensorRef, _run_copies, copy_planned, ref_view
 
 logger = logging.getLogger(__name__)
@@ -302,7 +303,7 @@ class RamSegment:
         skeleton = self._skeleton(slot, record)
         start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
         wanted: list[tuple[torch.Tensor, TensorRef]] = []
-        unpickler = _SafeUnpickler(io.BytesIO(skeleton), wanted, weights_only)
+        unpickler = SkeletonUnpickler(io.BytesIO(skeleton), wanted, weights_only)
         try:
             state = unpickler.load()
         except pickle.UnpicklingError as exc:
@@ -386,70 +387,6 @@ class StagedSnapshot:
     tensor_offset: int
     tensor_bytes: int
     older: tuple[tuple[int, int], ...]  # (slot, step) of the other committed slots
-
-
-_SAFE_GLOBALS = {
-    ("collections", "OrderedDict"),
-    ("builtins", "complex"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-    ("torch", "Size"),
-    ("torch", "device"),
-    ("stalwart.checkpoint.staging", "TensorRef"),
-}
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Rebuilds a skeleton, allocating a fresh tensor for every reference in it."""
-
-    def __init__(
-        self, file: io.BytesIO, wanted: list[tuple[torch.Tensor, TensorRef]], weights_only: bool
-    ) -> None:
-        super().__init__(file)
-        self._wanted = wanted
-        self._weights_only = weights_only
-        self._seen: dict[int, int] = {}  # offset -> index in wanted
-        # How often each wanted tensor appears in the state, and which one each object
-        # handed out stands for (a Parameter wraps it); the objects are kept alive here
-        # so their ids stay theirs.
-        self.uses: list[int] = []
-        self.index_of: dict[int, int] = {}
-        self._handed: list[torch.Tensor] = []
-
-    def find_class(self, module: str, name: str) -> Any:
-        if not self._weights_only:
-            return super().find_class(module, name)
-        if (module, name) in _SAFE_GLOBALS or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not allowed with weights_only=True "
-            "(pass weights_only=False only for snapshots of a trusted job)"
-        )
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not isinstance(pid, TensorRef):
-            raise pickle.UnpicklingError(f"unexpected persistent id {type(pid).__name__}")
-        i = self._seen.get(pid.offset) if pid.nbytes else None
-        if i is None:
-            # Not yet touched: restoring in place leaves most of these untouched, and
-            # an untouched allocation costs next to nothing.
-            t = torch.empty(pid.shape, dtype=pid.dtype)
-            if t.numel() * t.element_size() != pid.nbytes:
-                raise pickle.UnpicklingError("tensor reference with inconsistent size")
-            i = len(self._wanted)
-            self._wanted.append((t, pid))
-            self.uses.append(0)
-            if pid.nbytes:
-                self._seen[pid.offset] = i
-        t = self._wanted[i][0]
-        out = torch.nn.Parameter(t, requires_grad=pid.requires_grad) if pid.parameter else t
-        self.uses[i] += 1
-        self.index_of[id(out)] = i
-        self._handed.append(out)
-        return out
 
 
 @dataclass(frozen=True)
