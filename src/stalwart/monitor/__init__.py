@@ -8,15 +8,14 @@ Nothing here imports torch at import time, nor the launcher.
 """
 
 from stalwart.monitor.client import (
-    HeartbeatTimeouts,
     RankMonitorClient,
     RankMonitorClientError,
     RankMonitorError,
-    SectionTimeouts,
 )
 from stalwart.monitor.config import MonitorConfig, parse_section_timeout
 from stalwart.monitor.node import NodeMonitor
 from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
+from stalwart.monitor.timeouts_in_force import HeartbeatTimeouts, SectionTimeouts
 from stalwart.monitor.timer import TimerClient, TimerUnavailableError, expires
 
 __all__ = [

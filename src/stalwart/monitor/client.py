@@ -14,8 +14,6 @@ Workload control requests cannot be honoured without a launcher and always raise
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import mmap
 import os
@@ -39,6 +37,7 @@ from stalwart.monitor.learned import (
 )
 from stalwart.monitor.pipe import PipeError, PipeWriter
 from stalwart.monitor.reports import ControlAction
+from stalwart.monitor.timeouts_in_force import Configured, HeartbeatTimeouts, SectionTimeouts
 from stalwart.monitor.wire import ControlMessage, encode
 
 log = logging.getLogger(__name__)
@@ -54,58 +53,6 @@ class RankMonitorError(RuntimeError):
 
 #: NVIDIA's name for the same error, so `except RankMonitorClientError` works unchanged.
 RankMonitorClientError = RankMonitorError
-
-
-@dataclasses.dataclass(frozen=True)
-class HeartbeatTimeouts:
-    """Heartbeat timeouts in force, in NVIDIA's shape (None: not checked)."""
-
-    initial: float | None
-    subsequent: float | None
-    were_calculated: bool
-
-    @property
-    def are_valid(self) -> bool:
-        return self.initial is not None and self.subsequent is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class SectionTimeouts:
-    """Section and out-of-section timeouts in force, in NVIDIA's shape."""
-
-    section: dict[str, float | None]
-    out_of_section: float | None
-    calculated_sections: list[str]
-    is_out_of_section_calculated: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class _Configured:
-    """The node's configured timeouts, as the launcher put them in the environment."""
-
-    hb_initial: float | None = None
-    hb: float | None = None
-    sections: dict[str, float] = dataclasses.field(default_factory=dict)
-    oos: float | None = None
-
-    @classmethod
-    def from_env(cls) -> _Configured:
-        raw = os.environ.get(envvars.TIMEOUTS)
-        if not raw:
-            return cls()
-        try:
-            data = json.loads(raw)
-
-            def secs(v: Any) -> float | None:
-                return float(v) if isinstance(v, int | float) and v > 0 else None
-
-            sections = {str(k): float(v) for k, v in dict(data.get("sections") or {}).items()}
-            return cls(
-                secs(data.get("hb_initial")), secs(data.get("hb")), sections, secs(data.get("oos"))
-            )
-        except (ValueError, TypeError, AttributeError):
-            log.warning("ignoring malformed %s=%r", envvars.TIMEOUTS, raw[:200])
-            return cls()
 
 
 class RankMonitorClient:
@@ -140,7 +87,7 @@ class RankMonitorClient:
             raise ValueError(f"safety_factor must be >= 1, got {safety_factor}")
         self.safety_factor = safety_factor
         self.learned = LearnedTimeouts()
-        self._configured = _Configured.from_env()
+        self._configured = Configured.from_env()
         self.last_exception: str | None = None
         self.active = False  # True when a node monitor actually reads our slot
         self._buf: mmap.mmap | bytearray | None = None
