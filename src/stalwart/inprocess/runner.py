@@ -21,7 +21,6 @@ until every other rank has left.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
@@ -29,8 +28,6 @@ import logging
 import os
 import threading
 import time
-import traceback
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -39,13 +36,10 @@ import torch.distributed as dist
 from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 
-from .abort import destroy_process_groups
 from .asyncexc import clear_pending, install_wake_handler
 from .call import Call, inject_call
 from .errors import (
     ConfigError,
-    HealthCheckError,
-    HookError,
     InProcessError,
     InternalError,
     RankShouldRestart,
@@ -60,8 +54,10 @@ from .monitor_process import MonitorProcess
 from .monitor_thread import AtomicGate, MonitorThread
 from .options import Options
 from .progress import Periodic, ProgressClock
+from .runner_ending import RunnerEnding
+from .runner_faults import RunnerFaults
 from .sockets import open_socket_fds
-from .state import Interruption, InterruptionRecord, Mode, State
+from .state import Mode, State
 from .store import ITERATION_ENV, CoordStore, store_port
 
 log = logging.getLogger(__name__)
@@ -95,7 +91,7 @@ class _Outcome:
     exit: BaseException | None = None
 
 
-class Runner:
+class Runner(RunnerFaults, RunnerEnding):
     """Owns the store clients, background threads, monitor process and gate for one call."""
 
     def __init__(self, options: Options) -> None:
@@ -418,196 +414,6 @@ class Runner:
             clock_starts=lambda: coord.any_completed(it),
         )
         return value
-
-    def _record_exit(self, state: State, exc: BaseException) -> None:
-        """Tell the peers first: this rank's iteration ends and the rank leaves."""
-        record = InterruptionRecord(
-            state.initial_rank,
-            state.iteration,
-            Interruption.BASE_EXCEPTION,
-            f"{type(exc).__name__}: {exc}",
-        )
-        try:
-            self.coord.record_interruption(record)
-        except Exception:
-            log.exception("could not record the interruption in the store")
-
-    def _record(self, state: State, error: Exception) -> None:
-        kind = Interruption.HOOK if isinstance(error, HookError) else Interruption.EXCEPTION
-        record = InterruptionRecord(
-            state.initial_rank, state.iteration, kind, f"{type(error).__name__}: {error}"
-        )
-        try:
-            self.coord.record_interruption(record)
-        except Exception:
-            log.exception("could not record the interruption in the store")
-
-    def _report_fault(self, state: State, error: Exception, aborted: bool) -> None:
-        log.warning(
-            "rank %d iteration %d failed: %s",
-            state.rank,
-            state.iteration,
-            "".join(traceback.format_exception_only(type(error), error)).strip(),
-        )
-        log.debug("traceback", exc_info=error)
-        # The tracebacks pin the failed iteration's frames (its DDP, groups, tensors).
-        seen: set[int] = set()
-        link: BaseException | None = error
-        while link is not None and id(link) not in seen:
-            seen.add(id(link))
-            link.__traceback__ = None
-            link = link.__cause__ or link.__context__
-        if self.opts.abort is not None and not aborted:
-            try:
-                self.opts.abort(state)
-            except Exception as exc:
-                log.exception("abort failed")
-                raise HookError("abort", state.rank, state.iteration, exc) from exc
-
-    def _after_fault(self, state: State, error: Exception | None) -> None:
-        destroy_process_groups()
-        self.groups.release()
-        self.clock.disarm()
-        self._finalize(state, error)
-        self._health_check(state, error)
-        gc.collect()
-
-    def _finalize(self, state: State, error: BaseException | None) -> None:
-        if self.opts.finalize is None:
-            return
-        try:
-            self.opts.finalize(state, error)
-        except Exception as exc:
-            # As NVIDIA's wrapper: the hook's own exception reaches the caller (chained
-            # from the fault), so code that catches its type keeps working; the note
-            # says where it happened.
-            log.error(
-                "finalize hook failed on rank %d in iteration %d", state.rank, state.iteration
-            )
-            exc.add_note(
-                f"stalwart: raised by the finalize hook on rank {state.rank} "
-                f"in iteration {state.iteration}"
-            )
-            if error is not None and exc.__cause__ is None:
-                raise exc from error
-            raise
-
-    def _health_check(self, state: State, error: BaseException | None) -> None:
-        """Before each iteration (``error`` None) and after a fault (the fault's exception)."""
-        if self.opts.health_check is None:
-            return
-        try:
-            self.opts.health_check(state, error)
-        except Exception as exc:
-            log.error("rank %d failed its health check: %s", state.rank, exc)
-            raise HealthCheckError("health_check", state.rank, state.iteration, exc) from exc
-
-    def _expect_state(self, name: str, value: object) -> State:
-        if not isinstance(value, State):
-            raise InternalError(f"{name} must return a State or None, got {type(value).__name__}")
-        return value
-
-    def _hook_failed(self, name: str, state: State, exc: Exception) -> typing.NoReturn:
-        log.error("%s hook failed on rank %d in iteration %d", name, state.rank, state.iteration)
-        raise HookError(name, state.rank, state.iteration, exc) from exc
-
-    # -- leaving -----------------------------------------------------------------------
-    def _leave_abnormally(self, state: State, exc: BaseException) -> None:
-        """Mark this rank terminated so survivors do not wait for its heartbeat to stop."""
-        log.error(
-            "initial rank %d leaves the job: %s: %s", state.initial_rank, type(exc).__name__, exc
-        )
-        with contextlib.suppress(Exception):
-            destroy_process_groups()
-        if self.is_host:
-            # Before the record that lets peers pass the termination barrier, so
-            # their next iteration's env:// store is there when they look.
-            with contextlib.suppress(Exception):
-                self._serve_port(state.iteration + 1)
-        with contextlib.suppress(Exception):
-            self.coord.record_terminated(state.initial_rank, type(exc).__name__)
-            self.coord.record_interruption(
-                InterruptionRecord(
-                    state.initial_rank,
-                    state.iteration,
-                    Interruption.BASE_EXCEPTION,
-                    f"{type(exc).__name__}: {exc}",
-                )
-            )
-
-    def _finish(self, clean: bool) -> None:
-        # Stop the background threads before announcing the exit: once peers
-        # see "left", the store host may go, and a heartbeat caught mid-call
-        # on a vanished store would stall this exit long enough for the
-        # monitor process to take it for a hang.  A host leaving early keeps
-        # beating while it serves the others.
-        if clean or not self.is_host:
-            self._stop_background()
-        if clean:
-            with contextlib.suppress(Exception):
-                self.coord.record_left()
-        if self.is_host:
-            self._keep_store_until_peers_leave(clean)
-        self._stop_background()
-        self.groups.release()
-        self._close()
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        gc.collect()
-
-    def _stop_background(self) -> None:
-        self.monitor_process.stop()
-        self.ticker.stop()
-        self.heartbeat.stop()
-
-    def _keep_store_until_peers_leave(self, clean: bool) -> None:
-        """The store lives in this process: peers still need it to finish.
-
-        After a completed job peers only have to read the completion barrier
-        and record leaving, so ``last_call_wait`` bounds the wait.  When this
-        rank leaves early (health check, hook error) the others go on training
-        through this store: it stays up until each has left or stopped beating.
-        """
-        coord = self.coord
-        deadline = time.monotonic() + self.opts.last_call_wait if clean else None
-        pending = [r for r in range(self.state.initial_world_size) if r != self.state.initial_rank]
-        # Having left early, this rank still serves each later iteration's env:// store.
-        next_iteration = self.state.iteration + 2
-        while pending and (deadline is None or time.monotonic() < deadline):
-            try:
-                pending = [r for r in pending if not (coord.has_left(r) or coord.is_gone(r))]
-                if not clean and coord.fault(next_iteration - 1) is not None:
-                    self._serve_port(next_iteration)
-                    next_iteration += 1
-            except Exception:
-                return
-            if pending:
-                time.sleep(0.01 if clean else 0.005)
-        if pending:
-            log.warning("store host stops waiting for ranks %s to leave", pending)
-
-    def _serve_port(self, iteration: int) -> None:
-        if self.coord.port(iteration) is None:
-            self.iteration_stores.close_before(iteration - 1)
-            self.coord.publish_port(iteration, self.iteration_stores.open(iteration))
-
-    def _log_interruptions(self, state: State) -> None:
-        """One summary per restart, on the store host: who interrupted and why."""
-        try:
-            records = self.coord.interruptions(state.iteration, range(state.initial_world_size))
-        except Exception:
-            return
-        for rec in records:
-            log.info(
-                "iteration %d interrupted by initial rank %d: %s %s",
-                rec.iteration,
-                rec.rank,
-                rec.kind.value,
-                rec.message[:300],
-            )
 
 
 def run_wrapped(
