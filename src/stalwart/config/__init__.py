@@ -9,6 +9,8 @@ checked here, once: downstream code gets typed values (`Std`, `Endpoint`,
 
 from stalwart.config.endpoints import Endpoint, parse_endpoint, parse_endpoints
 from stalwart.config.flags import HANG_FLAGS, Flag
+from stalwart.config.host import check_log_dir, max_local_workers
+from stalwart.config.layers import launch_flags
 from stalwart.config.output import (
     DEFAULT_PREFIX,
     Std,
@@ -20,9 +22,6 @@ from stalwart.config.settings import (
     RDZV_BACKENDS,
     RESTART_POLICIES,
     LaunchConfig,
-    check_log_dir,
-    launch_flags,
-    max_local_workers,
 )
 from stalwart.config.values import (
     ConfigError,

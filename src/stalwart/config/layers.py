@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config.flags import HANG_FLAGS, Flag
-from stalwart.config.settings import LaunchConfig, launch_flags
+from stalwart.config.settings import LaunchConfig
 from stalwart.config.values import ConfigError
+
+
+def launch_flags() -> list[Flag]:
+    """`LaunchConfig`'s flags in ``--help`` order (the hang group not among them)."""
+    return [f.metadata["flag"] for f in fields(LaunchConfig) if "flag" in f.metadata]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

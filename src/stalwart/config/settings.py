@@ -12,9 +12,7 @@ which the command line builds and hands in (this layer imports nothing of the mo
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import uuid
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -27,7 +25,6 @@ from stalwart.config.flags import (
     HANG_FLAGS,
     HANG_GROUP,
     INT,
-    Flag,
     as_given,
     checked,
     filters_flag,
@@ -37,6 +34,7 @@ from stalwart.config.flags import (
     setting,
     switch_flag,
 )
+from stalwart.config.host import check_log_dir, max_local_workers, program_problem
 from stalwart.config.output import (
     DEFAULT_PREFIX,
     Std,
@@ -60,9 +58,6 @@ if TYPE_CHECKING:
 MAX_MONITOR_INTERVAL = 3600.0
 MAX_SHUTDOWN_TIMEOUT = 7 * 86400.0
 _RUN_ID = re.compile(r"[A-Za-z0-9_@+:][A-Za-z0-9._@+:-]{0,127}")
-# A bare interpreter with the launcher's environment needs tens of MiB; a torch worker
-# hundreds.  The floor keeps a typo (99999) from making 99,999 folders and processes.
-_WORKER_MEMORY = 64 << 20
 
 
 # any-failed: torchrun's rule, any worker failure restarts every worker.
@@ -466,7 +461,7 @@ class LaunchConfig:
         if self.log_dir is not None:
             check_log_dir(self.log_dir)
         if self.no_python:
-            problem = _program_problem(self.entrypoint)
+            problem = program_problem(self.entrypoint)
             if problem:
                 raise ConfigError(f"--no-python {self.entrypoint!r}: {problem}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
@@ -501,52 +496,3 @@ class LaunchConfig:
                     f"port (expected {lowest}..65535)"
                 )
         self._set("store_endpoints", endpoints)
-
-
-def launch_flags() -> list[Flag]:
-    """`LaunchConfig`'s flags in ``--help`` order (the hang group not among them)."""
-    return [f.metadata["flag"] for f in fields(LaunchConfig) if "flag" in f.metadata]
-
-
-def max_local_workers() -> tuple[int, str]:
-    """How many workers this machine could start at all, and why that many."""
-    import resource
-
-    import psutil
-
-    mem = psutil.virtual_memory().total
-    limit = max(1, mem // _WORKER_MEMORY)
-    why = f"{mem / (1 << 30):.0f} GiB of memory at {_WORKER_MEMORY >> 20} MiB per worker"
-    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-    if soft != resource.RLIM_INFINITY and soft < limit:
-        limit, why = max(1, soft), f"the process limit RLIMIT_NPROC is {soft}"
-    return int(limit), why
-
-
-def _program_problem(program: str) -> str:
-    """Why *program* cannot be executed ("" when it can), as ``execvp`` would find it."""
-    if os.sep not in program:
-        return "" if shutil.which(program) else "no such program on PATH"
-    path = Path(program)
-    if not path.exists():
-        return "no such file"
-    if path.is_dir():
-        return "is a folder, expected an executable program"
-    if not os.access(path, os.X_OK):
-        return "not executable (chmod +x, or run it through its interpreter)"
-    return ""
-
-
-def check_log_dir(path: Path) -> None:
-    """A one-line error now rather than a traceback when the run folder is made."""
-    if str(path) == os.devnull:
-        return
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"--log-dir {str(path)!r}: {str(probe)!r} is not writable")
