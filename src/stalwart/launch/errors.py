@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from stalwart.base import envvars
+from stalwart.base.files import replace_file
+from stalwart.base.records import MESSAGE_LIMIT, TRACEBACK_LIMIT, clip, printable
 
 if TYPE_CHECKING:
     from stalwart.rendezvous.api import WorkerFailed
@@ -62,9 +64,7 @@ def write_error_file(exc: BaseException, path: str | None = None) -> Path | None
         return p
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(error_payload(exc)))
-        os.replace(tmp, p)
+        replace_file(p, json.dumps(error_payload(exc)).encode())
     except OSError as err:
         logger.warning("could not write error file %s: %s", p, err)
         return None
@@ -127,10 +127,12 @@ class ProcessFailure:
             logger.warning("unreadable error file %s: %s", self.error_file, err)
             return
         msg = data.get("message") if isinstance(data, dict) else None
+        # A worker's words are cut to the documented sizes as they enter the launcher.
         if isinstance(msg, dict):
-            self.message = str(msg.get("message", ""))
-            extra = msg.get("extraInfo") or {}
-            self.traceback = str(extra.get("py_callstack", ""))
+            self.message = clip(str(msg.get("message", "")), MESSAGE_LIMIT)
+            extra = msg.get("extraInfo")
+            extra = extra if isinstance(extra, dict) else {}
+            self.traceback = clip(str(extra.get("py_callstack", "")), TRACEBACK_LIMIT)
             ts_ns = extra.get("timestamp_ns")
             ts = extra.get("timestamp")
             try:
@@ -138,10 +140,10 @@ class ProcessFailure:
                     self.timestamp = int(ts_ns) / 1e9
                 elif ts is not None:
                     self.timestamp = float(int(ts))
-            except ValueError:
+            except (ValueError, TypeError, OverflowError):
                 pass
         elif isinstance(msg, str):
-            self.message = msg
+            self.message = clip(msg, MESSAGE_LIMIT)
 
     @property
     def signal(self) -> str | None:
@@ -160,10 +162,10 @@ class ProcessFailure:
             "exitcode": self.exitcode,
             "signal": self.signal,
             "timestamp": self.timestamp,
-            "message": self.message,
-            "traceback": self.traceback,
+            "message": clip(self.message, MESSAGE_LIMIT),
+            "traceback": clip(self.traceback, TRACEBACK_LIMIT),
             "error_file": self.error_file,
-            "reason": self.reason,
+            "reason": clip(self.reason, MESSAGE_LIMIT),
         }
 
     def to_record(self) -> WorkerFailed:
@@ -243,13 +245,14 @@ def format_summary(
         f"root cause: rank {rank} (node {cause.node_rank}, local rank {cause.local_rank}, "
         f"pid {cause.pid}) {cause.describe_exit()}",
     ]
+    # A worker's words reach the terminal with their control characters made visible.
     if cause.reason:
-        lines.append(f"reason: {cause.reason}")
+        lines.append(f"reason: {printable(cause.reason)}")
     if cause.message:
-        lines.append(f"exception: {cause.message}")
+        lines.append(f"exception: {printable(cause.message)}")
     if cause.traceback:
         lines.append("traceback (last lines):")
-        lines.extend("  " + ln for ln in traceback_head(cause.traceback).splitlines())
+        lines.extend("  " + printable(ln) for ln in traceback_head(cause.traceback).splitlines())
     if cause.error_file:
         folder = Path(cause.error_file).parent
         # Only files the worker really left: without -r/-t there are no logs.
@@ -265,8 +268,8 @@ def format_summary(
             lines.append(
                 f"  rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}, pid {f.pid}) "
                 f"{f.describe_exit()} at +{f.timestamp - cause.timestamp:.3f}s"
-                + (f": {f.message}" if f.message else "")
-                + (f" [{f.reason}]" if f.reason else "")
+                + (f": {printable(f.message)}" if f.message else "")
+                + (f" [{printable(f.reason)}]" if f.reason else "")
             )
     if log_dir:
         lines.append(f"run folder: {log_dir}")

@@ -8,6 +8,7 @@ tests read, so it is append-only, flushed per line, and safe to write from threa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -17,7 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.base.events import Event
+from stalwart.base.records import (
+    EVENT_LINE_LIMIT,
+    BadRecord,
+    bounded,
+    parse_event_line,
+    printable,
+)
 from stalwart.launch.runfiles import open_append
+
+logger = logging.getLogger(__name__)
+
+# Files already warned about in this process: a reader that goes over a file several
+# times (``stalwart report``) says once that it skipped lines.
+_warned: set[str] = set()
 
 
 class EventLog:
@@ -30,10 +44,14 @@ class EventLog:
             self._base["node_rank"] = node_rank
         self._lock = threading.Lock()
         self._fd: int | None = None
+        #: Where this launcher's run starts in the file: a reused run folder (same run
+        #: id) holds earlier runs before it, which this run's accounting leaves out.
+        self.start_offset = 0
         if path is not None:
             # O_APPEND keeps each line whole even if several launchers share the file;
             # a link planted at the path is refused (the folder is ``make_run_dir``'s).
             self._fd = open_append(path)
+            self.start_offset = os.fstat(self._fd).st_size
 
     def set_node_rank(self, node_rank: int) -> None:
         self._base["node_rank"] = node_rank
@@ -45,7 +63,8 @@ class EventLog:
             "mono": time.monotonic(),
             "pid": os.getpid(),
             **self._base,
-            **fields,
+            # What a worker said (a message, a traceback, stacks) is cut to size here.
+            **{k: bounded(v) for k, v in fields.items()},
         }
         if self._fd is not None:
             line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
@@ -60,16 +79,49 @@ class EventLog:
                 self._fd = None
 
 
-def read_events(path: Path) -> Iterator[dict[str, Any]]:
-    """Yields the events of a file in order, skipping a torn last line."""
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                yield obj
+def read_events(path: Path, *, start: int = 0) -> Iterator[dict[str, Any]]:
+    """Yields the event records of a file in order, from byte *start* on, one line in
+    memory at a time. A line that is not a usable record (``records.parse_event_line``)
+    is skipped; the skipped lines are reported in one warning when the reading ends
+    (once per file and process).
+    A torn last line (still being written) is skipped silently."""
+    skipped = 0
+    first = ""
+    number = 0
+    try:
+        with open(path, "rb") as fh:
+            if start:
+                fh.seek(start)
+            while True:
+                line = fh.readline(EVENT_LINE_LIMIT + 1)
+                if not line:
+                    break
+                number += 1
+                whole = line.endswith(b"\n")
+                if not whole and len(line) > EVENT_LINE_LIMIT:
+                    size = len(line)
+                    while line and not line.endswith(b"\n"):  # the rest of a long line
+                        line = fh.readline(EVENT_LINE_LIMIT)
+                        size += len(line)
+                    skipped += 1
+                    first = first or f"line {number}: a line of {size} bytes or more"
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    record = parse_event_line(line)
+                except BadRecord as err:
+                    if whole:
+                        skipped += 1
+                        first = first or f"line {number}: {err}"
+                    continue
+                yield record
+    finally:
+        if skipped and str(path) not in _warned:
+            _warned.add(str(path))
+            logger.warning(
+                "%s: skipped %d malformed event line(s) (first: %s)",
+                path,
+                skipped,
+                printable(first),
+            )

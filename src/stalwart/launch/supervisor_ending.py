@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from stalwart.base.events import Event
+from stalwart.base.records import clip, printable
 from stalwart.launch.decide import (
     Ending,
     Restart,
@@ -75,7 +76,9 @@ class SupervisorEnding(SupervisorState):
                 move.attempt,
                 cause.rank,
                 cause.describe_exit(),
-                f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
+                f" ({printable(clip(cause.reason or cause.message, 200))})"
+                if cause.reason or cause.message
+                else "",
                 move.next_attempt,
                 self.cfg.max_restarts,
             )
@@ -154,7 +157,8 @@ class SupervisorEnding(SupervisorState):
             return {}
         fields: dict[str, Any] = {}
         try:
-            events = list(read_events(path))
+            # This run only: a reused run folder keeps earlier runs' events before it.
+            events = list(read_events(path, start=self.events.start_offset))
             unfired = never_fired(self.cfg.inject, events, self._ranks_run)
             if unfired:
                 fields["inject_not_fired"] = unfired

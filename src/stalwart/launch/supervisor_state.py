@@ -83,7 +83,7 @@ class SupervisorState:
             node_rank=cfg.node_rank,
         )
         if self._metrics is not None:
-            self._metrics.watch(self.events.path)
+            self._metrics.watch(self.events.path, start=self.events.start_offset)
         self.logs = LogSpec(
             self.run_dir,
             redirects=cfg.redirects,

@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stalwart.rendezvous import keys
-from stalwart.rendezvous.api import FailureRecord, RendezvousError, RendezvousInfo
+from stalwart.rendezvous.api import (
+    FailureRecord,
+    RendezvousError,
+    RendezvousInfo,
+    bounded_failure,
+)
 from stalwart.rendezvous.kv import (
     C10dKV,
     check_run_id,
@@ -157,7 +162,7 @@ class StaticRendezvous:
 
     def report_failure(self, round_: int, failure: FailureRecord) -> None:
         k = keys.Round(round_)
-        self.kv.set(k.failure(failure.node_rank), failure.encode().decode())
+        self.kv.set(k.failure(failure.node_rank), bounded_failure(failure).encode().decode())
         self.kv.create(k.failed, str(failure.node_rank))
 
     def failed(self, round_: int) -> bool:
