@@ -18,13 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.base.events import Event
-from stalwart.base.records import (
-    EVENT_LINE_LIMIT,
-    BadRecord,
-    bounded,
-    parse_event_line,
-    printable,
-)
+from stalwart.base.records import EVENT_LINE_LIMIT, bounded, printable
+from stalwart.launch.event_schema import BadRecord, parse_event_line
 from stalwart.launch.runfiles import open_append
 
 logger = logging.getLogger(__name__)

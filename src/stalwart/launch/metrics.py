@@ -26,8 +26,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from stalwart.base.events import Event
-from stalwart.base.records import EVENT_LINE_LIMIT, BadRecord, parse_event_line
+from stalwart.base.records import EVENT_LINE_LIMIT
 from stalwart.config import ConfigError
+from stalwart.launch.event_schema import BadRecord, parse_event_line
 from stalwart.launch.goodput import CATEGORIES, account
 from stalwart.launch.metrics_http import RateLimitedLog, serve
 

@@ -3,8 +3,9 @@
 It answers ``GET /metrics`` (and ``/``) from a prometheus-client registry and nothing
 else. Whoever reaches the port is a stranger, so:
 
-* at most ``MAX_CONNECTIONS`` are served at once; one more is accepted and closed at
-  once (the launcher's descriptors stay bounded, whatever the flood);
+* at most ``MAX_CONNECTIONS`` are served at once, ``MAX_PER_PEER`` from one address;
+  one more is accepted and closed at once (the launcher's descriptors stay bounded,
+  whatever the flood, and one flooding host leaves room for the others);
 * a connection gets ``REQUEST_DEADLINE`` seconds in all, and ``IDLE_TIMEOUT`` between
   two bytes; a slow or silent peer (slowloris) is cut off, never waited for;
 * a request's line and headers are at most ``MAX_REQUEST`` bytes in all;
@@ -32,6 +33,7 @@ from stalwart.base.records import printable
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32
+MAX_PER_PEER = 8
 REQUEST_DEADLINE = 10.0
 IDLE_TIMEOUT = 5.0
 LOG_EVERY = 60.0
@@ -121,6 +123,7 @@ class MetricsHTTPServer(ThreadingMixIn, HTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    request_queue_size = 128  # a burst waits in the kernel; the cap applies on accept
 
     def __init__(self, addr: tuple[str, int], registry: CollectorRegistry) -> None:
         if ":" in addr[0]:
@@ -129,7 +132,7 @@ class MetricsHTTPServer(ThreadingMixIn, HTTPServer):
         self.registry = registry
         self.bad_input = RateLimitedLog(logger)
         self.refused = 0
-        self._active: dict[socket.socket, float] = {}
+        self._active: dict[socket.socket, tuple[float, str]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(
@@ -138,15 +141,18 @@ class MetricsHTTPServer(ThreadingMixIn, HTTPServer):
         self._reaper.start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        peer = str(client_address[0])
         with self._lock:
-            full = len(self._active) >= MAX_CONNECTIONS
+            from_peer = sum(1 for _, p in self._active.values() if p == peer)
+            full = len(self._active) >= MAX_CONNECTIONS or from_peer >= MAX_PER_PEER
             if not full:
-                self._active[request] = time.monotonic() + REQUEST_DEADLINE
+                self._active[request] = (time.monotonic() + REQUEST_DEADLINE, peer)
         if full:
             self.refused += 1
             self.bad_input.warning(
-                f"metrics: {MAX_CONNECTIONS} connections open; closed one more from "
-                f"{client_address[0]}"
+                f"metrics: too many connections open ({from_peer} from {peer}, "
+                f"{MAX_CONNECTIONS} at most in all, {MAX_PER_PEER} from one address); "
+                "closed one more"
             )
             self.shutdown_request(request)
             return
@@ -167,7 +173,7 @@ class MetricsHTTPServer(ThreadingMixIn, HTTPServer):
         while not self._stop.wait(0.5):
             now = time.monotonic()
             with self._lock:
-                late = [s for s, deadline in self._active.items() if deadline <= now]
+                late = [s for s, (deadline, _) in self._active.items() if deadline <= now]
             for sock in late:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
