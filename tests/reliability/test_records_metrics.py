@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.metrics import MetricsServer
-from tests.helpers import STARTED, ROOT, clean_env, cold_only, free_port, stalwart_argv, wait_for
+from tests.helpers import ROOT, STARTED, clean_env, cold_only, free_port, stalwart_argv, wait_for
 from tests.launch.test_metrics import scrape
 
 pytestmark = [pytest.mark.timeout(180), cold_only]

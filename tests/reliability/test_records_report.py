@@ -89,7 +89,9 @@ def _cause(**fields: object) -> Callable[[Lines], Lines]:
     return mutate
 
 
-HOSTILE_TEXT = "[/red][bold]x\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x9b1m\r\x08 </td><img src=x onerror=alert(1)>"
+HOSTILE_TEXT = (
+    "[/red][bold]x\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x9b1m\r\x08 </td><img src=x onerror=alert(1)>"
+)
 
 # (name, change, whether the changed line is skipped with a warning)
 CASES: list[tuple[str, Callable[[Lines], Lines], bool]] = [
@@ -114,7 +116,11 @@ CASES: list[tuple[str, Callable[[Lines], Lines], bool]] = [
     ("event a number", _set("worker_exit", event=5), True),
     ("stall_s a word", _set("checkpoint_commit", stall_s="x"), True),
     ("a JSON array", _append(b"[1, 2, 3]"), True),
-    ("deep nesting", _append(b'{"event":"x","time":1,"a":' + b"[" * 100000 + b"]" * 100000 + b"}"), True),
+    (
+        "deep nesting",
+        _append(b'{"event":"x","time":1,"a":' + b"[" * 100000 + b"]" * 100000 + b"}"),
+        True,
+    ),
     ("not UTF-8", _append(b'{"event":"restart","time":1,"reason":"\xff\xfe"}'), True),
     ("a 2 MB line", _append(b'{"event":"x","time":1,"pad":"' + b"a" * (2 << 20) + b'"}'), True),
     ("NUL bytes", _append(b"\x00\x00\x00"), True),
@@ -176,11 +182,15 @@ def test_every_format_survives(
         assert r"\x1b]0;pwned" in console and "[/red]" in console
 
 
-def test_json_into_a_closed_pipe_ends_quietly(base_run: Path) -> None:
-    # `stalwart report DIR --json | head -1`: head leaves after one line.
+def test_json_into_a_closed_pipe_ends_quietly(base_run: Path, tmp_path: Path) -> None:
+    # `stalwart report LOGS --json | head -1`: head leaves after one line, long before
+    # the report of 300 runs is written (more than a pipe holds).
+    for i in range(300):
+        (tmp_path / f"run{i}").mkdir()
+        shutil.copy(base_run, tmp_path / f"run{i}" / "events.jsonl")
     pipeline = subprocess.run(
         ["bash", "-o", "pipefail", "-c",
-         f"{' '.join(STALWART)} report {base_run.parent} --json | head -1"],
+         f"{' '.join(STALWART)} report {tmp_path} --json | head -1"],
         capture_output=True, text=True, cwd=ROOT, timeout=60, env=clean_env(),
     )  # fmt: skip
     assert pipeline.stdout == "{\n"
@@ -216,11 +226,10 @@ def test_html_inserts_no_markup_from_a_record(base_run: Path, tmp_path: Path) ->
             if key in rec:
                 rec[key] = payload
         if isinstance(rec.get("root_cause"), dict):
-            rec["root_cause"].update(signal=payload, message=payload, reason=payload)
+            rec["root_cause"].update(rank=payload, signal=payload, message=payload, reason=payload)
         out.append(json.dumps(rec).encode())
     (folder / "events.jsonl").write_bytes(b"\n".join(out) + b"\n")
     page = tmp_path / "run.html"
     assert report_main([str(folder), "--html", str(page)]) == 0
     text = page.read_text()
     assert "<script" not in text and "<svg onload" not in text
-    assert shutil.which("bash")  # the pipe test above relies on it too

@@ -120,3 +120,28 @@ def read_events(path: Path, *, start: int = 0) -> Iterator[dict[str, Any]]:
                 skipped,
                 printable(first),
             )
+
+
+def last_run_start(path: Path) -> int:
+    """The byte offset where the file's last run begins. A run folder reused with the
+    same run id holds earlier runs first; a run begins at a ``launcher_start`` that
+    follows a ``launcher_exit`` (several launchers of one job start before any exits).
+    Read line by line: the file can be large."""
+    start = offset = 0
+    exited = False
+    with open(path, "rb") as fh:
+        while line := fh.readline(EVENT_LINE_LIMIT + 1):
+            here = offset
+            offset += len(line)
+            # Cheap first: most lines are neither kind.
+            if b"launcher_" not in line:
+                continue
+            try:
+                kind = parse_event_line(line)["event"]
+            except BadRecord:
+                continue
+            if kind == Event.LAUNCHER_EXIT:
+                exited = True
+            elif kind == Event.LAUNCHER_START and exited:
+                start, exited = here, False
+    return start

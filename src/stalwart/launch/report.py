@@ -2,7 +2,8 @@
 
 PATH is a run folder, an ``events.jsonl`` or a log dir holding several runs; for a log
 dir the runs are listed first and the newest (or ``--run ID``) is shown.  The numbers
-come from ``goodput.account``, the same function the end-of-job summary uses.
+come from ``goodput.account``, the same function the end-of-job summary uses. A run
+folder reused with the same run id holds several runs; the last one is shown.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rich.text import Text
 from stalwart.base.events import Event
 from stalwart.base.files import replace_file
 from stalwart.base.records import printable
-from stalwart.launch.events import read_events
+from stalwart.launch.events import last_run_start, read_events
 from stalwart.launch.goodput import CATEGORIES, Breakdown, account
 
 
@@ -39,9 +40,15 @@ def find_runs(path: Path) -> list[Path]:
 
 
 def _started(path: Path) -> float:
-    for ev in read_events(path):
+    for ev in read_events(path, start=last_run_start(path)):
         return float(ev["time"])
     return 0.0
+
+
+def run_events(path: Path) -> list[dict[str, Any]]:
+    """The events of the last run in *path* (a reused run folder keeps earlier runs
+    before it: they are not this run's)."""
+    return list(read_events(path, start=last_run_start(path)))
 
 
 def _outcome(events: list[dict[str, Any]]) -> str:
@@ -99,7 +106,7 @@ def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_record(path: Path) -> dict[str, Any]:
     """Everything ``--json`` prints for one run."""
-    events = list(read_events(path))
+    events = run_events(path)
     b = account(events)
     return {
         "run_id": events[0].get("run_id") if events else None,
@@ -129,7 +136,7 @@ def _print_runs(console: Console, runs: list[Path], chosen: Path) -> None:
     for col in ("run", "started", "outcome", "tries", "wall s", "goodput"):
         table.add_column(col, overflow="fold")
     for path in runs:
-        events = list(read_events(path))
+        events = run_events(path)
         b = account(events)
         mark = " *" if path == chosen else ""
         table.add_row(
@@ -250,7 +257,7 @@ def _report(argv: list[str]) -> int:
     if ns.html is not None or ns.png is not None:
         from stalwart.launch import timeline
 
-        tl = timeline.build(list(read_events(chosen)))
+        tl = timeline.build(run_events(chosen))
         try:
             if ns.html is not None:
                 replace_file(ns.html, timeline.to_html(tl).encode(), mode=0o644)
@@ -270,5 +277,5 @@ def _report(argv: list[str]) -> int:
     console = Console()
     if len(runs) > 1:
         _print_runs(console, runs, chosen)
-    _print_run(console, chosen, list(read_events(chosen)))
+    _print_run(console, chosen, run_events(chosen))
     return 0
