@@ -38,13 +38,15 @@ def clip(text: str, limit: int) -> str:
     raise and the exception) are the ones that name the fault."""
     if len(text) <= limit:
         return text
-    note = f"\n[... {len(text) - limit} characters cut ...]\n"
-    if limit <= len(note) + 2:
-        return text[-limit:] if limit > 0 else ""
-    room = limit - len(note)
-    # The note's own length depends on how much is cut: recount with the real figure.
-    note = f"\n[... {len(text) - room} characters cut ...]\n"
-    room = max(limit - len(note), 0)
+    cut = len(text) - limit
+    while True:  # the note's length depends on the figure in it: settle both
+        note = f"\n[... {cut} characters cut ...]\n"
+        room = limit - len(note)
+        if room < 2:
+            return text[-limit:] if limit > 0 else ""
+        if len(text) - room == cut:
+            break
+        cut = len(text) - room
     head = room // 4
     return text[:head] + note + text[len(text) - (room - head) :]
 
@@ -52,7 +54,7 @@ def clip(text: str, limit: int) -> str:
 def bounded(value: Any, limit: int = FIELD_LIMIT, depth: int = 0) -> Any:
     """A copy of an event record's field that can be written and read back: strings
     clipped to *limit*, numbers that JSON cannot hold (NaN, infinities) as None, and
-    nesting beyond ``DEPTH_LIMIT`` flattened to text."""
+    nesting beyond ``DEPTH_LIMIT`` replaced by a note."""
     if isinstance(value, str):
         return clip(value, limit)
     if isinstance(value, bool) or value is None or isinstance(value, int):
@@ -60,7 +62,8 @@ def bounded(value: Any, limit: int = FIELD_LIMIT, depth: int = 0) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if depth >= DEPTH_LIMIT:
-        return clip(str(value), limit)
+        # Not str(value): its own repr of a deep structure can exhaust the stack.
+        return f"[{type(value).__name__} nested more than {DEPTH_LIMIT} deep]"
     if isinstance(value, dict):
         return {clip(str(k), 256): bounded(v, limit, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
