@@ -37,14 +37,12 @@ def _folder(logs: Path, run_id: str) -> Path:
     return folder
 
 
-# What a learned-timeouts file can hold that is not a learned timeout.
+# What a learned-timeouts file can hold that is not a learned timeout, and once stopped
+# the launcher (a wrong type) or the hang check (infinity). Other malformed files (a
+# list, NaN, bad UTF-8) were already ignored: the table in test_records_units has them.
 TAMPERED = {
     "heartbeat a string": b'{"version": 1, "heartbeat": "x"}',
-    "sections a list": b'{"version": 1, "sections": [1, 2]}',
-    "not an object": b"[1, 2, 3]",
     "infinite": b'{"version": 1, "heartbeat": {"initial": Infinity, "subsequent": Infinity}}',
-    "NaN": b'{"version": 1, "out_of_section": NaN}',
-    "not UTF-8": b'{"version": 1, "sections": {"\xff": 1}}',
 }
 
 
