@@ -129,6 +129,8 @@ def test_a_five_megabyte_exception_message_restarts_normally(tmp_path: Path) -> 
     # The console line that says so stays one short line.
     line = next(ln for ln in proc.stderr.splitlines() if "attempt 0 failed" in ln)
     assert len(line) < 400, line
+    # The terminal escape at the message's end is shown, not acted on.
+    assert "\x1b" not in line and "\\x1b[2J end" in line, line
     assert max(len(json.dumps(e)) for e in evs) < 64 * 1024
 
 
