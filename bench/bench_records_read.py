@@ -35,7 +35,7 @@ print(time.perf_counter() - t, len(events), resource.getrusage(resource.RUSAGE_S
 
 STALWART = """
 import resource, sys, time
-from stalwart.launch.events import read_events
+from stalwart.reporting.read import read_events
 t = time.perf_counter()
 events = list(read_events(sys.argv[1]))
 print(time.perf_counter() - t, len(events), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
@@ -43,7 +43,7 @@ print(time.perf_counter() - t, len(events), resource.getrusage(resource.RUSAGE_S
 
 STALWART_STREAM = """
 import resource, sys, time
-from stalwart.launch.events import last_run_start
+from stalwart.reporting.read import last_run_start
 t = time.perf_counter()
 start = last_run_start(sys.argv[1])
 print(time.perf_counter() - t, start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.metrics import MetricsServer
+from stalwart.reporting.metrics import MetricsServer
 from tests.helpers import ROOT, STARTED, clean_env, cold_only, free_port, stalwart_argv, wait_for
 from tests.launch.test_metrics import scrape
 

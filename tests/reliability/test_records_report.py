@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.report import report_main
+from stalwart.reporting.report import report_main
 from tests.helpers import ROOT, STALWART, clean_env, cold_only, stalwart
 from tests.launch.helpers import SCRIPTS
 

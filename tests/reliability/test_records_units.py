@@ -20,8 +20,6 @@ from stalwart.base.records import (
     clip,
     printable,
 )
-from stalwart.launch.event_schema import BadRecord, parse_event_line
-from stalwart.launch.metrics_http import RateLimitedLog
 from stalwart.monitor import jobsync
 from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.rendezvous.api import (
@@ -31,6 +29,8 @@ from stalwart.rendezvous.api import (
     bounded_failure,
     decode_failure,
 )
+from stalwart.reporting.event_schema import BadRecord, parse_event_line
+from stalwart.reporting.metrics_http import RateLimitedLog
 
 
 @pytest.mark.parametrize("size", [0, 1, 10, 99, 100, 101, 1000, 5 << 20])

@@ -6,7 +6,7 @@ stacks) ends up in the job's store and in ``events.jsonl``, and whatever is in
 So text is cut to a documented size where it enters a record (``clip``, ``bounded``),
 is shown on a terminal with its control characters made visible (``printable``), and
 a record read back is used only once it fits the types and ranges its readers rely
-on (``launch.event_schema``).
+on (``reporting.event_schema``).
 
 The sizes (characters):
 

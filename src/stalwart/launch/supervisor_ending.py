@@ -21,8 +21,6 @@ from stalwart.launch.decide import (
     Stop,
 )
 from stalwart.launch.errors import ProcessFailure, format_summary, root_cause
-from stalwart.launch.events import read_events
-from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.supervisor_state import JobResult, SupervisorState
 from stalwart.launch.workers import RunResult
 from stalwart.rendezvous import (
@@ -30,6 +28,8 @@ from stalwart.rendezvous import (
     NodeLost,
     WorkerFailed,
 )
+from stalwart.reporting.read import read_events
+from stalwart.reporting.summary import end_block, never_fired
 
 logger = logging.getLogger(__name__)
 

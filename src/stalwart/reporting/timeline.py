@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 
 from stalwart.base.events import Event
 from stalwart.base.records import printable
-from stalwart.launch.goodput import CATEGORIES, Breakdown, account, last_step_end
+from stalwart.reporting.goodput import CATEGORIES, Breakdown, account, last_step_end
 
 # Drawing order and colours shared by the page and the image.
 COLOURS = {

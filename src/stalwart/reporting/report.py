@@ -22,8 +22,8 @@ from rich.text import Text
 from stalwart.base.events import Event
 from stalwart.base.files import replace_file
 from stalwart.base.records import printable
-from stalwart.launch.events import last_run_start, read_events
-from stalwart.launch.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.read import last_run_start, read_events
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -255,7 +255,7 @@ def _report(argv: list[str]) -> int:
             return 2
         chosen = match[0]
     if ns.html is not None or ns.png is not None:
-        from stalwart.launch import timeline
+        from stalwart.reporting import timeline
 
         tl = timeline.build(run_events(chosen))
         try:

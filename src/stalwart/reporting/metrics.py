@@ -27,10 +27,9 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from stalwart.base.events import Event
 from stalwart.base.records import EVENT_LINE_LIMIT
-from stalwart.config import ConfigError
-from stalwart.launch.event_schema import BadRecord, parse_event_line
-from stalwart.launch.goodput import CATEGORIES, account
-from stalwart.launch.metrics_http import RateLimitedLog, serve
+from stalwart.reporting.event_schema import BadRecord, parse_event_line
+from stalwart.reporting.goodput import CATEGORIES, account
+from stalwart.reporting.metrics_http import RateLimitedLog, serve
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +226,10 @@ def _families(s: RunState, now: float) -> Iterator[Metric]:
         )
 
 
+class MetricsPortError(ValueError):
+    """The port cannot be served (taken, or not allowed): a one-line message."""
+
+
 class MetricsServer:
     """The HTTP endpoint; binding happens at construction, so a taken port fails early."""
 
@@ -238,7 +241,7 @@ class MetricsServer:
             self._server, self._thread = serve(port, addr, self.registry)
         except OSError as err:
             why = "already in use" if err.errno == errno.EADDRINUSE else os.strerror(err.errno or 0)
-            raise ConfigError(f"--metrics-port {port}: {addr}:{port} is {why}") from None
+            raise MetricsPortError(f"--metrics-port {port}: {addr}:{port} is {why}") from None
 
     @property
     def port(self) -> int:
