@@ -156,6 +156,8 @@ class Replicator:
 
     def _pass(self, ring: Ring, segs: dict[int, SegmentFile]) -> None:
         for lr in range(self._nproc):
+            if lr in segs and not segs[lr].unchanged():
+                segs.pop(lr).close()  # replaced or damaged: map it again, if it is whole
             if lr not in segs:
                 try:
                     segs[lr] = SegmentFile(self._folder / rl.segment_name(lr), writable=False)

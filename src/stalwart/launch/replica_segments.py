@@ -45,8 +45,10 @@ class SegmentFile:
         try:
             size = os.fstat(fd).st_size
             self.slot_bytes = rl.slot_capacity(size)
-            if self.slot_bytes < rl.PAGE:
-                raise ValueError(f"{path}: {size} bytes is too small for a snapshot segment")
+            problem = rl.segment_problem(size)
+            if problem:
+                raise ValueError(f"{path}: {problem}")
+            self.size = size
             length = rl.GENERATIONS * rl.slot_stride(self.slot_bytes)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=prot)
@@ -59,6 +61,14 @@ class SegmentFile:
     def records(self) -> list[tuple[int, rl.CommitRecord]]:
         """Committed slots, newest (highest seq) first."""
         return rl.committed_slots(self._map, self.slot_bytes)
+
+    def unchanged(self) -> bool:
+        """Whether the file still has the size it was mapped at: reading a mapping past
+        a file's end is a SIGBUS, which would end the launcher."""
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_size == self.size
+        except OSError:
+            return False
 
     def newest_of(self, rank: int, world_size: int) -> tuple[int, rl.CommitRecord] | None:
         mine = [(s, r) for s, r in self.records() if r.rank == rank and r.world_size == world_size]
