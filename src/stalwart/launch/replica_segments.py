@@ -29,6 +29,8 @@ REPLICA_NO_ROOM = Event.REPLICA_NO_ROOM
 REPLICA_PREFIX = "replica_r"
 # Reserved segments not yet holding a rank: no SEGMENT_SUFFIX, so workers never map them.
 FREE_PREFIX = "free_replica_"
+# A push of a rank whose replica is being written already is refused after this long.
+_BUSY_WAIT_S = 2.0
 # Linux >= 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -253,12 +255,19 @@ class ReplicaHolder:
         allocate_segment(path, self.segment_bytes)
 
     def receive(
-        self, sock: socket.socket, manifest: wire.Manifest, *, announce: bool
+        self,
+        sock: socket.socket,
+        manifest: wire.Manifest,
+        *,
+        announce: bool,
+        deadline: float | None = None,
     ) -> wire.Reply:
         """Take a snapshot off the stream into the slot that is not the newest.
 
         ``announce``: a push, whose sender waits for a go-ahead (or a refusal) before it
-        sends the bytes and for the verdict after; a fetch has neither."""
+        sends the bytes and for the verdict after; a fetch has neither. ``deadline``
+        (``time.monotonic()``): when all of it must have arrived. Another copy of the
+        same rank under way is a refusal after ``_BUSY_WAIT_S``, not a wait for it."""
         rec = manifest.record
 
         def answer(reply: wire.Reply) -> wire.Reply:
@@ -270,7 +279,10 @@ class ReplicaHolder:
             skel, tensors = wire.payload_sizes(rec, self.slot_bytes)
         except wire.WireError as exc:
             return answer(wire.Reply(False, str(exc)))
-        with self.lock(rec.rank):
+        lock = self.lock(rec.rank)
+        if not lock.acquire(timeout=_BUSY_WAIT_S):
+            return answer(wire.Reply(False, f"busy: another copy of rank {rec.rank} under way"))
+        try:
             try:
                 seg = self._segment(rec.rank)
             except NoRoom as exc:
@@ -281,21 +293,29 @@ class ReplicaHolder:
                     self._emit(REPLICA_NO_ROOM, rank=rec.rank, error=error)
                 return answer(wire.Reply(False, error))
             answer(wire.Reply(True))  # go ahead
-            return answer(self._fill(sock, seg, rec, skel, tensors))
+            return answer(self._fill(sock, seg, rec, skel, tensors, deadline))
+        finally:
+            lock.release()
 
     def _fill(
-        self, sock: socket.socket, seg: SegmentFile, rec: rl.CommitRecord, skel: int, tensors: int
+        self,
+        sock: socket.socket,
+        seg: SegmentFile,
+        rec: rl.CommitRecord,
+        skel: int,
+        tensors: int,
+        deadline: float | None,
     ) -> wire.Reply:
         held = seg.records()
         slot = 0 if not held else 1 - held[0][0]
         seg.invalidate(slot)
         with seg.region(slot, 0, skel) as view:
-            wire.recv_exact(sock, view)
+            wire.recv_exact(sock, view, deadline)
             skeleton_hash = xxhash.xxh3_64_intdigest(view)
         with seg.region(slot, rec.tensor_offset, tensors) as view:
-            wire.recv_exact(sock, view)
+            wire.recv_exact(sock, view, deadline)
             tensor_hash = xxhash.xxh3_64_intdigest(view)
-        end = wire.expect(sock, wire.End)
+        end = wire.expect(sock, wire.End, deadline)
         assert isinstance(end, wire.End)
         if not end.ok:
             return wire.Reply(False, "the source snapshot changed while it was sent")
