@@ -119,7 +119,8 @@ class OneLine:
             self._last[kind] = now
             held = self._held.pop(kind, 0)
         more = f" (and {held} more since)" if held else ""
-        line = " ".join(message.split())[:300]  # one line, whatever the peer sent
+        # One line of printable text, whatever the peer sent (no terminal escapes).
+        line = "".join(c if c.isprintable() else "?" for c in " ".join(message.split()))[:300]
         logger.warning("replica server: %s%s", line, more)
         if self._emit is not None:
             self._emit(REPLICA_CONN_REFUSED, reason=kind, error=line, more=held)

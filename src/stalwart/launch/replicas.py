@@ -62,6 +62,7 @@ from stalwart.launch.replica_segments import (
 from stalwart.launch.replica_server import (
     MAX_CONNECTIONS,
     MAX_PER_HOST,
+    REPLICA_CONN_REFUSED,
     STORE_KEY,
     KVLike,
     PeerAddress,
@@ -75,6 +76,7 @@ __all__ = [
     "FREE_PREFIX",
     "MAX_CONNECTIONS",
     "MAX_PER_HOST",
+    "REPLICA_CONN_REFUSED",
     "REPLICA_FETCHED",
     "REPLICA_FETCH_FAILED",
     "REPLICA_NO_ROOM",
