@@ -25,8 +25,18 @@ from stalwart.checkpoint import complete_steps
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
+from stalwart.launch import replicas as rp
 from stalwart.launch.snapshots import SnapshotMemory
 from tests.helpers import ROOT, clean_env, read_events, stalwart_argv, wait_for
+from tests.multinode.replica_helpers import (
+    SLOT,
+    Events,
+    addr,
+    push,
+    replica_steps,
+    server,
+    snapshot,
+)
 from tests.multinode.test_netns import assert_matches_reference, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
@@ -132,3 +142,30 @@ def test_a_cut_segment_is_skipped_with_one_warning_and_disk_loads(
         seg.close()
     finally:
         mem.close()
+
+
+def test_a_replica_segment_cut_under_the_launcher_is_made_anew(tmp_path: Path) -> None:
+    """The launcher keeps replica segments mapped; one cut short under it is made anew
+    at the next push rather than written past its end (a SIGBUS would end the launcher)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = (
+        SnapshotMemory(1, SLOT, base=tmp_path / "a"),
+        SnapshotMemory(1, SLOT, base=tmp_path / "b"),
+    )
+    srv = server(b, Events(), 1)
+    try:
+        for step in (3, 5):
+            snapshot(a, 0, rank=2, step=step)
+            seg = rp.SegmentFile(a.folder / rl.segment_name(0), writable=False)
+            (slot, rec), *_ = seg.records()
+            assert push(addr(srv), seg, slot, rec, 0) == ""
+            seg.close()
+            if step == 3:
+                replica = b.folder / f"{rp.REPLICA_PREFIX}2{rl.SEGMENT_SUFFIX}"
+                os.truncate(replica, replica.stat().st_size // 2)
+        assert replica_steps(b.folder, 2) == [5]
+    finally:
+        srv.close()
+        a.close()
+        b.close()

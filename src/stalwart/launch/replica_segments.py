@@ -226,6 +226,13 @@ class ReplicaHolder:
     def _segment(self, rank: int) -> SegmentFile:
         """The rank's replica segment, mapped once and kept (under the rank's lock)."""
         seg = self._open.get(rank)
+        if seg is not None and not seg.unchanged():
+            # Cut short or replaced under us: writing past its end would be a SIGBUS.
+            logger.warning("replica segment %s changed size; making it anew", seg.path)
+            del self._open[rank]
+            seg.close()
+            seg.path.unlink(missing_ok=True)
+            seg = None
         if seg is None:
             path = self.path_of(rank)
             with self._guard:
