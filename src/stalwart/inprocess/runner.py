@@ -37,7 +37,7 @@ from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 
 from .assignment import assignment_input
-from .asyncexc import clear_pending, install_wake_handler
+from .asyncexc import clear_pending, install_wake_handler, reraise_if_unraisable
 from .call import Call, inject_call
 from .errors import (
     ConfigError,
@@ -257,15 +257,15 @@ class Runner(RunnerFaults, RunnerEnding):
             protected_fds=open_socket_fds(),
             protected_ports=self.protected_ports,
         )
-        if iteration > 0:
-            log.info(
-                "initial rank %d enters iteration %d as rank %d/%d (%s)",
-                state.initial_rank,
-                iteration,
-                state.rank,
-                state.world_size,
-                state.mode.value,
-            )
+        log.log(
+            logging.INFO if iteration > 0 else logging.DEBUG,
+            "initial rank %d enters iteration %d as rank %d/%d (%s)",
+            state.initial_rank,
+            iteration,
+            state.rank,
+            state.world_size,
+            state.mode.value,
+        )
         return state
 
     def _place(self, state: State, iteration: int, terminated: frozenset[int]) -> State:
@@ -429,7 +429,8 @@ class Runner(RunnerFaults, RunnerEnding):
         self._health_check(state, None)
         value = None
         if state.mode is Mode.ACTIVE:
-            with self.clock.on_main_thread():
+            # A restart landing in a destructor would be swallowed: raise it again.
+            with self.clock.on_main_thread(), reraise_if_unraisable(RankShouldRestart):
                 value = fn(*args, **kwargs)
             self.clock.disarm()
             coord.record_completed(state.iteration)
