@@ -265,14 +265,21 @@ def _run_in_own_group(argv: list[str], cwd: Path, log: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _test_key(node_id: str) -> str:
+    path, sep, rest = node_id.partition("::")
+    return path.rsplit("/", 1)[-1] + sep + rest
+
+
 def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
     """Outcomes read from pytest's per-test lines as they were printed, so a suite that
     kills its own pytest process (some of NVIDIA's hard-timeout tests) still counts: a
     collected test with no line counts as failed."""
     collect_log = log.with_suffix(".collect")
     _run_in_own_group(_pytest_argv(python, suite, "--collect-only", "-q"), cwd, collect_log)
+    # Collected ids are relative to the rootdir pytest picked, the -v lines to the
+    # invocation folder: compare from the file name on.
     collected = {
-        line.strip()
+        _test_key(line.strip())
         for line in collect_log.read_text(errors="replace").splitlines()
         if "::" in line and not line.startswith(" ")
     }
@@ -286,6 +293,7 @@ def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
         if match is None:
             continue
         test, kind = match.groups()
+        test = _test_key(test)
         if kind in ("FAILED", "ERROR"):
             outcome[test] = "failed"
         elif test not in outcome:
