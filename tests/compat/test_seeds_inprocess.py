@@ -7,6 +7,7 @@ one hears of the first iteration."""
 from __future__ import annotations
 
 import gc
+import json
 import subprocess
 import sys
 import threading
@@ -132,5 +133,9 @@ def test_unconfigured_logging_is_warned_about_and_configured_logging_is_used(
     assert debug.returncode == 0, debug.stderr[-3000:]
     assert "enters iteration 0 as rank 0/1" in debug.stdout, debug.stdout[-3000:]
     assert "logging is not configured" not in debug.stderr
-    # the monitor process tells the rank's stderr of trouble only
+    # the monitor process tells the rank's stderr of trouble only, and its log file
+    # (asked for) that it started and whom it watched, though the function returned at once
     assert "monitor_process" not in debug.stderr
+    events = [json.loads(x[6:]) for x in debug.stdout.splitlines() if x.startswith("EVENT ")]
+    pid = events[-1]["pid"]
+    assert f"training_pid={pid} " in (tmp_path / "monitor.log").read_text()

@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hard-timeout", type=float, required=True)
     parser.add_argument("--grace", type=float, required=True)
     parser.add_argument("--logfile", default=None)
+    parser.add_argument("--ready-fd", type=int, default=None)
     args = parser.parse_args(argv)
     # The rank's stderr hears only of trouble; the log file, when asked for, of everything.
     stderr = logging.StreamHandler(sys.stderr)
@@ -73,6 +74,11 @@ def main(argv: list[str]) -> int:
         args.parent,
         args.hard_timeout,
     )
+    if args.ready_fd is not None:
+        # The rank waits for this before ending us, so the start line is never lost.
+        with contextlib.suppress(OSError):
+            os.write(args.ready_fd, b"1")
+            os.close(args.ready_fd)
     try:
         while True:
             time.sleep(args.interval)
