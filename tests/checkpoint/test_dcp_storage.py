@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +307,13 @@ def test_share_of_splits_every_file_once() -> None:
     assert sorted(n for s in shares for n in s) == sorted(names)
     with pytest.raises(ValueError):
         share_of(names, 3, 3)
+
+
+def test_the_checkpoint_package_does_not_import_dcp() -> None:
+    code = (
+        "import sys; from stalwart.checkpoint import AsyncCheckpointer, load_latest; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')"
+        " or m.startswith('stalwart.checkpoint.dcp')))"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"

@@ -15,6 +15,8 @@ argv: <mode> <out> <root> [step...]
   plainload N  plain dcp.load of <root>/step_N, check as above
   loop         async saves of steps 1, 2, 3, ... forever, printing SAVED <step>
   ckpt N M..   AsyncCheckpointer.save / restore with the DTensor state dict
+  job N        a job under `stalwart run`: resume from the newest step, train and save
+               steps up to N; rank 1 exits at step 3 of the first attempt
 """
 
 import os
@@ -135,7 +137,7 @@ def check(step: int) -> None:
     dist.barrier()
 
 
-model, optim = build(seed=1 if mode in ("save", "async", "plain", "loop", "ckpt") else 99)
+model, optim = build(seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job") else 99)
 data = DataPosition()
 state = {"app": App(model, optim), "data": data}
 
@@ -184,6 +186,20 @@ elif mode == "load":
         train(model, optim, data, 2)
         sdcp.save(state, root, step, keep_last=2)
         record(step)
+elif mode == "job":
+    loaded = sdcp.load_newest(state, root)
+    if loaded is not None:
+        check(loaded)
+    with open(out / "resumes", "a") as f:
+        f.write(f"{rank} {loaded} {data.index}\n")
+    for step in range((loaded or 0) + 1, steps[0] + 1):
+        train(model, optim, data, 2)
+        sdcp.save(state, root, step, keep_last=2)
+        record(step)
+        crashed = out / "crashed"
+        if step == 3 and rank == 1 and not crashed.exists():
+            crashed.write_text("")
+            os._exit(1)
 elif mode == "plainload":
     dcp.load(state, checkpoint_id=root / f"step_{steps[0]:09d}")
     check(steps[0])

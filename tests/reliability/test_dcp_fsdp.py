@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, free_port, wait_for
+from tests.helpers import ROOT, clean_env, free_port, stalwart, wait_for
 
 WORKER = Path(__file__).with_name("dcp_fsdp_worker.py")
 
@@ -203,3 +203,21 @@ def test_async_checkpointer_saves_and_restores_a_dtensor_state(job: tuple[Path, 
     assert not (root / "step_000000001").exists()  # keep_last=2
     # What AsyncCheckpointer wrote is a plain DCP checkpoint.
     assert loaded(ranks(2, "plainload", out, root, 3)) == {"LOADED 3"}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_job_under_stalwart_run_resumes_after_a_crash(job: tuple[Path, Path]) -> None:
+    out, root = job
+    res = stalwart(
+        "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", out / "logs",
+        WORKER, "job", out, root, 5,
+        timeout=540,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "crashed").exists()
+    # First attempt: nothing to load. Second: both ranks resumed from step 3 (the last
+    # step committed before rank 1 died), with the gathered state and the data position
+    # (6 batches: 2 per step) equal to what was saved.
+    resumes = sorted((out / "resumes").read_text().splitlines())
+    assert resumes == ["0 3 6", "0 None 0", "1 3 6", "1 None 0"], resumes
+    assert os.readlink(root / "latest") == "step_000000005"
