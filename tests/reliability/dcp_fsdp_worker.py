@@ -127,7 +127,11 @@ def same(a: object, b: object, where: str = "") -> None:
 def record(step: int) -> None:
     full = full_state(model, optim, data)
     if rank == 0:
-        torch.save(full, out / f"full_{step}.pt")
+        # Renamed into place: a rank killed mid-write (the crash trials) leaves no torn
+        # reference for the next attempt to compare with.
+        tmp = out / f".full_{step}.pt.tmp"
+        torch.save(full, tmp)
+        os.replace(tmp, out / f"full_{step}.pt")
 
 
 def check(step: int) -> None:
