@@ -35,6 +35,7 @@ from .manifest import DEFAULT_ALGORITHM
 from .process import CheckpointProcess
 from .process_args import WriterProcessConfig
 from .ram import RamSegment, SnapshotTooLargeError, open_local
+from .sharded import holds_sharded
 from .staging import TENSOR_ALIGN, StagingPlan, check_unchanged, plan
 from .writer import SaveResult, TorchFileWriter
 
@@ -154,6 +155,8 @@ class AsyncCheckpointer:
             "direct_io": self.config.direct_io,
         }
         self._writer: CheckpointProcess | None = None
+        # DTensor / Stateful state goes through DCP (see dcp.py), built on first use.
+        self._sharded: Any = None
         if self._ram is None or not self._ram.records():
             self._start_writer()
         # else: a restarted worker with snapshots in RAM restores first; the writer
@@ -211,6 +214,8 @@ class AsyncCheckpointer:
         """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer is closed")
+        if not isinstance(state_dict, Future) and holds_sharded(state_dict):
+            return self._save_sharded(state_dict, step)
         path = str(layout.step_dir(self.directory, step))
         kwargs: dict[str, Any] = {"step": step, "metadata": metadata}
         t0 = time.perf_counter()
@@ -250,6 +255,26 @@ class AsyncCheckpointer:
                 self._track(fut)
         self.last_stall_s = stall = time.perf_counter() - t0
         fut.add_done_callback(self._log_failure)
+        fut.add_done_callback(lambda f: _record_commit(f, step, stall, t0, path))
+        return fut
+
+    def _save_sharded(self, state_dict: dict[str, Any], step: int) -> Future[SaveResult]:
+        t0 = time.perf_counter()
+        if self._sharded is None:
+            from .dcp import ShardedSaves
+
+            self._sharded = ShardedSaves(
+                self.directory, self._writer_kwargs["keep_last"], self.rank
+            )
+        with self._lock:
+            fut: Future[SaveResult] = self._sharded.save(state_dict, step)
+            self._maybe_unstaged = True
+            self._track(fut)
+        if self.config.staging is not StagingMode.BACKGROUND:
+            fut.staged.wait()  # type: ignore[attr-defined]
+        self.last_stall_s = stall = time.perf_counter() - t0
+        fut.add_done_callback(self._log_failure)
+        path = str(layout.step_dir(self.directory, step))
         fut.add_done_callback(lambda f: _record_commit(f, step, stall, t0, path))
         return fut
 
@@ -343,6 +368,8 @@ class AsyncCheckpointer:
         """
         from .resume import restore
 
+        if into is not None and holds_sharded(into):
+            return self._restore_sharded(into, group)
         self._wait_ram_commit()
         try:
             return restore(
@@ -364,6 +391,15 @@ class AsyncCheckpointer:
                 # Deferred while the restore read (RamSegment.__init__): the saves
                 # that follow want the pages faulted in.
                 self._ram.start_populating()
+
+    def _restore_sharded(self, into: Any, group: Any) -> Loaded | None:
+        from .dcp import load_newest
+
+        self.wait()
+        step = load_newest(into, self.directory, process_group=group)
+        if step is None:
+            return None
+        return Loaded(step, into, layout.step_dir(self.directory, step))
 
     def _track(self, fut: Future[SaveResult]) -> None:
         self._inflight = [f for f in self._inflight if not f.done()]
@@ -417,6 +453,9 @@ class AsyncCheckpointer:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if self._sharded is not None:
+            self._sharded.close()
+            self._sharded = None
         if self._writer is not None:
             # Our writer has no user init function: one that never wrote has nothing to
             # finish, so a child still importing torch is not waited for.

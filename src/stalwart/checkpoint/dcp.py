@@ -1,0 +1,290 @@
+"""Sharded checkpoints (DCP, FSDP2, DTensor state dicts) with stalwart's guarantees.
+
+``save``/``async_save`` call DCP's own ``dcp.save``/``dcp.async_save`` with
+:class:`~stalwart.checkpoint.dcp_storage.DcpWriter` (atomic commit across ranks,
+checksums, keep-last) and, for the asynchronous one,
+:class:`~stalwart.checkpoint.dcp_stager.ReusingStager`. ``load_newest`` is the
+collective loader: the ranks agree on the newest step every one of them sees,
+verify it together (each rank checksums a disjoint slice of its files), and
+fall back step by step, all together, past any that fails; it also loads plain
+``dcp.save`` folders under the root. DCP reshards at load, so a job restarted
+at another world size loads the same steps.
+
+Anything with ``state_dict``/``load_state_dict`` in the state dict (DCP's
+``Stateful`` protocol: a data loader's position, an RNG) is saved and restored
+by DCP itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from . import layout
+from .dcp_metadata import read_metadata, shard_extents
+from .dcp_records import COMMIT_NAME, METADATA_NAME, DcpCommit, next_candidate, share_of
+from .dcp_stager import ReusingStager
+from .dcp_storage import DcpReader, DcpWriter, read_record, verify_entries
+from .errors import CheckpointCorruptError, CheckpointError
+from .writer import SaveResult
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepScan:
+    """The step folders under a root, by what they hold."""
+
+    committed: list[int]
+    plain: list[int]
+
+
+def scan(root: str | os.PathLike[str]) -> StepScan:
+    """Committed stalwart steps and plain DCP folders under ``root``, newest first.
+
+    A folder with per-rank records but no commit is a save that did not finish and
+    is neither; so is a folder without DCP metadata.
+    """
+    base = Path(root)
+    committed: list[int] = []
+    plain: list[int] = []
+    for step in layout.list_steps(base):
+        folder = layout.step_dir(base, step)
+        if (folder / COMMIT_NAME).is_file():
+            committed.append(step)
+        elif (folder / METADATA_NAME).is_file() and not _has_rank_records(folder):
+            plain.append(step)
+    return StepScan(committed, plain)
+
+
+def _has_rank_records(folder: Path) -> bool:
+    try:
+        return any(p.name.endswith(".stalwart.json") for p in folder.iterdir())
+    except OSError:
+        return False
+
+
+def verify_share(folder: Path, rank: int, world_size: int) -> None:
+    """Check this rank's slice of a step (raises CheckpointCorruptError).
+
+    Every rank reads the metadata through the restricted unpickler; the shards are
+    split among the ranks. A committed step is checked against its checksums, a
+    plain DCP folder only for files long enough for what its metadata says.
+    """
+    if (folder / COMMIT_NAME).is_file():
+        commit = read_record(folder / COMMIT_NAME, DcpCommit)
+        if METADATA_NAME not in commit.files:
+            raise CheckpointCorruptError(f"{folder}: the commit record lacks {METADATA_NAME}")
+        verify_entries(folder, {METADATA_NAME: commit.files[METADATA_NAME]})
+        md = read_metadata(folder / METADATA_NAME)
+        missing = shard_extents(md).keys() - commit.files.keys()
+        if missing:
+            raise CheckpointCorruptError(
+                f"{folder}: metadata names {sorted(missing)[:3]} that the commit lacks"
+            )
+        mine = share_of([n for n in commit.files if n != METADATA_NAME], rank, world_size)
+        verify_entries(folder, {n: commit.files[n] for n in mine})
+        return
+    md = read_metadata(folder / METADATA_NAME)
+    extents = shard_extents(md)
+    for name in share_of(list(extents), rank, world_size):
+        try:
+            size = os.stat(folder / name).st_size
+        except OSError as exc:
+            raise CheckpointCorruptError(f"{folder / name}: {exc.strerror or exc}") from exc
+        if size < extents[name]:
+            raise CheckpointCorruptError(
+                f"{folder / name}: {size} bytes, the metadata needs {extents[name]}"
+            )
+
+
+def _agree_min(value: int, group: Any) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
+def _rank_world(group: Any) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def load_newest(
+    state_dict: dict[str, Any],
+    root: str | os.PathLike[str],
+    *,
+    process_group: Any = None,
+    planner: Any = None,
+) -> int | None:
+    """Load the newest step that every rank finds and that verifies, in place.
+
+    Collective over ``process_group`` (the default group when initialised). Returns
+    the step loaded, or None when there is none (``state_dict`` untouched).
+    """
+    base = Path(root)
+    rank, world = _rank_world(process_group)
+    below: int | None = None
+    while True:
+        found = scan(base)
+        step = _agree_min(next_candidate(found.committed, found.plain, below), process_group)
+        if step < 0:
+            return None
+        folder = layout.step_dir(base, step)
+        try:
+            verify_share(folder, rank, world)
+            ok = 1
+        except CheckpointCorruptError as exc:
+            logger.warning(
+                "rank %d: step %d does not verify, trying an older one: %s", rank, step, exc
+            )
+            ok = 0
+        if _agree_min(ok, process_group):
+            dcp_load(
+                state_dict,
+                storage_reader=DcpReader(folder, verify=False),
+                planner=planner,
+                process_group=process_group,
+            )
+            return step
+        below = step
+
+
+def save(
+    state_dict: dict[str, Any],
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    keep_last: int | None = 3,
+    process_group: Any = None,
+    planner: Any = None,
+) -> Metadata:
+    """``dcp.save`` as step ``step`` of ``root`` with stalwart's commit (collective)."""
+    writer = DcpWriter(root, step, keep_last=keep_last)
+    try:
+        metadata: Metadata = dcp_save(
+            state_dict, storage_writer=writer, planner=planner, process_group=process_group
+        )
+        return metadata
+    except CheckpointException as exc:
+        raise unwrap(exc) from exc
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The first rank's own error out of DCP's ``CheckpointException`` (which lists
+    every rank's traceback), so a full disk reads as one line naming it."""
+    if isinstance(exc, CheckpointException):
+        for failed, _ in exc.failures.values():
+            if isinstance(failed, CheckpointError):
+                return failed
+    return exc
+
+
+class AsyncDcpSaver:
+    """Asynchronous DCP saves of one job into ``root``, staging into reused buffers.
+
+    ``save`` returns once the copy is queued; ``staged`` of the returned pair
+    resolves when the state may change again, ``done`` once the step is committed.
+    The next save waits for the previous one's upload (the buffers are shared).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        process_group: Any = None,
+        background: bool = True,
+    ) -> None:
+        self.root = Path(root)
+        self.keep_last = keep_last
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            # The upload's collectives run on a thread while the loop runs its own:
+            # sharing one group would interleave them (collective: every rank builds
+            # its saver at the same point).
+            process_group = dist.new_group(backend="gloo")
+        self.process_group = process_group
+        self.stager = ReusingStager(background=background)
+        self._last: Future[Any] | None = None
+
+    def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
+        writer = DcpWriter(self.root, step, keep_last=self.keep_last)
+        if self._last is not None:
+            self._last.exception()
+        response = dcp_async_save(
+            state_dict,
+            storage_writer=writer,
+            async_stager=self.stager,
+            process_group=self.process_group,
+        )
+        if isinstance(response, Future):
+            staged: Future[None] = Future()
+            staged.set_result(None)
+            upload = response
+        else:
+            staged, upload = response.staging_completion, response.upload_completion
+        self.stager.hold_until(upload)
+        self._last = upload
+        return staged, upload
+
+    def wait(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        try:
+            if self._last is not None:
+                self._last.exception()
+        finally:
+            self.stager.close()
+
+
+class ShardedSaves:
+    """``AsyncCheckpointer``'s sharded path: its saves of DTensor / ``Stateful`` state
+    go through DCP (collective: every rank calls ``save`` for the same step)."""
+
+    def __init__(self, root: Path, keep_last: int | None, rank: int) -> None:
+        self.rank = rank
+        self._saver = AsyncDcpSaver(root, keep_last=keep_last)
+
+    def save(self, state_dict: dict[str, Any], step: int) -> Future[SaveResult]:
+        """A Future of the committed step's :class:`SaveResult`; its ``staged`` event
+        is set once the state may change again."""
+        t0 = time.perf_counter()
+        staged_fut, upload = self._saver.save(state_dict, step)
+        result: Future[SaveResult] = Future()
+        staged = threading.Event()
+        result.staged = staged  # type: ignore[attr-defined]
+        staged_fut.add_done_callback(lambda _: staged.set())
+        folder = layout.step_dir(self._saver.root, step)
+        nbytes = self._saver.stager.staged_bytes
+
+        def finished(fut: Future[Any]) -> None:
+            exc = fut.exception()
+            if exc is not None:
+                result.set_exception(unwrap(exc))
+                return
+            write_s = time.perf_counter() - t0
+            result.set_result(SaveResult(step, self.rank, folder, nbytes, "", write_s, True))
+
+        upload.add_done_callback(finished)
+        return result
+
+    def close(self) -> None:
+        self._saver.close()

@@ -1,0 +1,126 @@
+"""A DCP ``AsyncStager`` that copies into buffers it keeps from one save to the next.
+
+DCP's own blocking staging allocates a fresh CPU copy of the state on every save
+(memory churn users report as leaks, and the copy stalls the loop); its
+asynchronous stager copies on a thread but still allocates. This one allocates
+each buffer once (by the tensor's place in the state dict, its shape and dtype)
+and copies on one background thread, so ``dcp.async_save`` returns as soon as
+the copy is queued. A DTensor is staged as a DTensor over the staged local
+shard, with its mesh, placements and global shape, so DCP plans it as usual.
+
+The buffers are reused: the next ``stage`` waits for the copy before it and for
+the uploads passed to :meth:`ReusingStager.hold_until`
+(:func:`stalwart.checkpoint.dcp.async_save` does that); a caller of
+``dcp.async_save`` directly waits for the previous upload before the next save.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+_Key = tuple[str, ...]
+
+
+class ReusingStager(AsyncStager):
+    """Stage a state dict into reused CPU buffers, in the background by default."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, *, background: bool = True) -> None:
+        self._buffers: dict[_Key, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="stalwart-dcp-stage") if background else None
+        )
+        self._pending: Future[Any] | None = None
+        self._held: list[Future[Any]] = []
+        self.staged_bytes = 0
+
+    def hold_until(self, upload: Future[Any]) -> None:
+        """The next staging waits for ``upload`` (it reads this stager's buffers)."""
+        with self._lock:
+            self._held.append(upload)
+
+    def _wait_idle(self) -> None:
+        with self._lock:
+            waits = [*self._held, *([self._pending] if self._pending else [])]
+            self._held = []
+        for fut in waits:
+            # A failed earlier save is reported by its own future, not by this one.
+            fut.exception()
+
+    def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]] | dict[str, Any]:
+        self._wait_idle()
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = self._mirror(state_dict, (), copies)
+        self.staged_bytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+
+        def run() -> dict[str, Any]:
+            for dst, src in copies:
+                dst.copy_(src)
+            return staged  # type: ignore[no-any-return]
+
+        if self._pool is None:
+            return run()
+        fut = self._pool.submit(run)
+        with self._lock:
+            self._pending = fut
+        return fut
+
+    def synchronize_staging(self) -> None:
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self._wait_idle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._buffers.clear()
+
+    def _buffer(self, key: _Key, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = torch.empty(
+                src.shape, dtype=src.dtype, pin_memory=src.is_cuda and torch.cuda.is_available()
+            )
+            self._buffers[key] = buf
+        return buf
+
+    def _mirror(self, obj: Any, key: _Key, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        if isinstance(obj, DTensor):
+            local = obj.to_local().detach()
+            buf = self._buffer(key, local)
+            copies.append((buf, local))
+            return DTensor.from_local(
+                buf,
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
+            )
+        if isinstance(obj, torch.Tensor):
+            src = obj.detach()
+            buf = self._buffer(key, src)
+            copies.append((buf, src))
+            return buf
+        recurse: Callable[[Any, str], Any] = lambda v, k: self._mirror(v, (*key, k), copies)  # noqa: E731
+        if isinstance(obj, dict):
+            return {k: recurse(v, str(k)) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [recurse(v, str(i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            return tuple(recurse(v, str(i)) for i, v in enumerate(obj))
+        # Plain values (step counters, a data loader's position) are small; a copy keeps
+        # the loop's later changes out of this save.
+        return copy.deepcopy(obj)

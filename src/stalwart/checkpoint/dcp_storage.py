@@ -1,0 +1,392 @@
+"""stalwart's guarantees behind DCP's own storage interfaces.
+
+:class:`DcpWriter` is a ``FileSystemWriter`` (so ``dcp.save``/``dcp.async_save``
+take it as ``storage_writer=``) that checksums every shard while DCP writes it,
+fsyncs it (including the bytes DCP's buffered stream still held when DCP called
+fsync), records each rank's files, and has the coordinator write the commit
+record after DCP's metadata: a step is complete only once every rank's shards
+and the metadata are durable. It then moves ``latest`` and applies keep-last.
+
+:class:`DcpReader` is a ``FileSystemReader`` whose metadata goes through the
+restricted unpickler and whose shards are checked against the commit record
+before DCP reads them. Both write and read plain DCP folders: ``dcp.load``
+reads what :class:`DcpWriter` wrote, and :class:`DcpReader` reads plain saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import layout
+from .dcp_metadata import read_metadata
+from .dcp_records import (
+    COMMIT_NAME,
+    FORMAT_VERSION,
+    MAX_RECORD_BYTES,
+    METADATA_NAME,
+    DcpCommit,
+    RankShards,
+    bad_names,
+    rank_record_name,
+    steps_to_delete,
+)
+from .errors import CheckpointCorruptError, CheckpointError
+from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
+from .manifest import DEFAULT_ALGORITHM, FileEntry, Hasher, file_checksum, new_hasher
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_R = TypeVar("_R", RankShards, DcpCommit)
+
+
+class DcpWriteError(CheckpointError):
+    """A DCP save through stalwart failed; the previous steps are untouched.
+
+    ``errno`` is the failing ``OSError``'s (e.g. ``errno.ENOSPC``), else None.
+    """
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
+class _HashingFile(io.FileIO):
+    """A file that hashes what is written to it, as long as it is written in order."""
+
+    def __init__(self, path: Path, hasher: Hasher) -> None:
+        super().__init__(path, "w")
+        self._hasher = hasher
+        self.size = 0
+        self.in_order = True
+
+    def write(self, b: Any, /) -> int:
+        n = super().write(b)
+        if n:
+            self._hasher.update(memoryview(b).cast("B")[:n])
+            self.size += n
+        return n
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET, /) -> int:
+        at = super().seek(pos, whence)
+        if at != self.size:
+            # A writer that goes back would make the running hash wrong; the file
+            # is then hashed again from disk once closed.
+            self.in_order = False
+        return at
+
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording size and checksum of every file it writes."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self._lock = threading.Lock()
+        self._written: dict[str, FileEntry] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        p = Path(path)
+        raw = _HashingFile(p, new_hasher(self.algorithm))
+        stream = io.BufferedWriter(raw, buffer_size=1 << 20)
+        try:
+            yield stream
+            if not raw.closed:
+                # DCP fsyncs the descriptor before closing its buffered stream: the
+                # bytes still in the buffer reach the disk only here.
+                stream.flush()
+                os.fsync(raw.fileno())
+        finally:
+            stream.close()
+        if raw.in_order:
+            entry = FileEntry(raw.size, raw.digest(), self.algorithm)
+        else:
+            size, digest = file_checksum(p, self.algorithm)
+            entry = FileEntry(size, digest, self.algorithm)
+        with self._lock:
+            self._written[p.name] = entry
+
+    def take(self, names: Iterable[str]) -> dict[str, FileEntry]:
+        with self._lock:
+            return {n: self._written.pop(n) for n in names}
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _failed(step: int | None, folder: Path, exc: BaseException) -> DcpWriteError:
+    err = _os_error(exc)
+    what = f"{err.strerror or err} (errno {err.errno})" if err else f"{type(exc).__name__}: {exc}"
+    return DcpWriteError(
+        f"DCP save of step {step} into {folder} failed: {what}; "
+        "the previous checkpoint is untouched",
+        errno=err.errno if err else None,
+    )
+
+
+def write_record(folder: Path, name: str, data: bytes) -> None:
+    """Write a small file under its final name atomically and durably."""
+    tmp = folder / f"{layout.TMP_PREFIX}{name}.{os.getpid()}"
+    write_file_durably(tmp, data)
+    os.replace(tmp, folder / name)
+    fsync_dir(folder)
+
+
+def read_record(path: Path, kind: type[_R]) -> _R:
+    """Decode one of our JSON records, bounded in size, any failure as corruption."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{path} is missing") from exc
+    except OSError as exc:
+        raise CheckpointCorruptError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if len(raw) > MAX_RECORD_BYTES:
+        raise CheckpointCorruptError(f"{path}: over {MAX_RECORD_BYTES} bytes, not a record of ours")
+    try:
+        record = msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as exc:
+        raise CheckpointCorruptError(f"{path}: unreadable record: {exc}") from exc
+    if bad_names(record.files):
+        raise CheckpointCorruptError(
+            f"{path}: lists {bad_names(record.files)[:3]}, expected file names inside the folder"
+        )
+    if record.format != FORMAT_VERSION:
+        raise CheckpointCorruptError(f"{path}: format {record.format!r}, expected {FORMAT_VERSION}")
+    return record
+
+
+def verify_entries(folder: Path, files: dict[str, FileEntry]) -> None:
+    """Raise CheckpointCorruptError unless every file matches its size and checksum."""
+    for name, entry in files.items():
+        path = folder / name
+        try:
+            size = os.stat(path).st_size
+            if size != entry.size:
+                raise CheckpointCorruptError(
+                    f"{path}: {size} bytes, the commit record says {entry.size}"
+                )
+            _, digest = file_checksum(path, entry.algorithm)
+        except FileNotFoundError as exc:
+            raise CheckpointCorruptError(f"{path} is missing") from exc
+        except OSError as exc:
+            raise CheckpointCorruptError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        if digest != entry.checksum:
+            raise CheckpointCorruptError(
+                f"{path}: {entry.algorithm} {digest}, the commit record says {entry.checksum}"
+            )
+
+
+class DcpWriter(FileSystemWriter):
+    """A DCP storage writer for ``<root>/step_<step>`` with stalwart's commit protocol.
+
+    Give ``step`` here, or a ``checkpoint_id`` naming a step folder to ``dcp.save``.
+    ``keep_last``: how many committed steps stay (None: all).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        keep_last: int | None = 3,
+        algorithm: str = DEFAULT_ALGORITHM,
+        thread_count: int = 1,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last}: expected >= 1 or None (keep everything)")
+        new_hasher(algorithm)  # an unknown algorithm fails here, not in every rank's save
+        self.root = Path(root)
+        self.step = step
+        folder = layout.step_dir(self.root, step) if step is not None else self.root
+        super().__init__(folder, sync_files=True, thread_count=thread_count, overwrite=True)
+        self.keep_last = keep_last
+        self.fs: _HashingFileSystem = _HashingFileSystem(algorithm)
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.path)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            folder = Path(checkpoint_id)
+            step = layout.parse_step(folder.name)
+            if step is None:
+                raise ValueError(
+                    f"checkpoint_id {str(checkpoint_id)!r}: expected a step folder like "
+                    f"{layout.step_dir_name(0)!r}"
+                )
+            self.root, self.step = folder.parent, step
+        elif self.step is None:
+            raise ValueError("DcpWriter needs a step: pass step= or a checkpoint_id")
+
+    def _guard(self, fn: Callable[[], _T]) -> _T:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _failed(self.step, self.folder, exc) from exc
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        with warnings.catch_warnings():
+            # Re-saving a step is expected here: the coordinator clears the folder.
+            warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+            return self._guard(lambda: super(DcpWriter, self).prepare_local_plan(plan))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank writes: what an earlier save of this
+        # step left must not vouch for the shards about to be overwritten.
+        self._guard(self._clear_folder)
+        return super().prepare_global_plan(plans)
+
+    def _clear_folder(self) -> None:
+        for entry in self.folder.iterdir():
+            if entry.is_file() or entry.is_symlink():
+                entry.unlink()
+        fsync_dir(self.folder)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._guard(lambda: self._write_data_and_record(plan, planner))
+        except BaseException:
+            # Nothing half-written stays: this rank's files of the failed save go, and
+            # the step folder too when no other rank has files in it.
+            self._remove_own(plan.storage_data.prefix)
+            raise
+
+    def _remove_own(self, prefix: str) -> None:
+        with contextlib.suppress(OSError):
+            for entry in self.folder.iterdir():
+                if entry.name.startswith(prefix) or entry.name.startswith(
+                    f"{layout.TMP_PREFIX}{prefix}"
+                ):
+                    entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.folder.rmdir()
+
+    def _write_data_and_record(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        results = super().write_data(plan, planner).wait()
+        names = {wr.storage_data.relative_path for wr in results}
+        prefix: str = plan.storage_data.prefix
+        record = RankShards(FORMAT_VERSION, self.step or 0, prefix, self.fs.take(names))
+        write_record(self.folder, rank_record_name(prefix), msgspec.json.encode(record))
+        done: Future[list[WriteResult]] = Future()  # DCP's futures are torch's
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._guard(lambda: self._finish_and_commit(metadata, results))
+        except BaseException:
+            # Every rank's shards are in, but the step cannot be committed: none of it
+            # is of use, and a later save of this step starts from an empty folder.
+            remove_tree(self.folder)
+            raise
+        self._after_commit()
+
+    def _finish_and_commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        super().finish(metadata, results)
+        fsync_dir(self.folder)
+        # DCP writes its metadata under a temporary name, then renames it.
+        (meta,) = self.fs.take([f"{METADATA_NAME}.tmp"]).values()
+        files: dict[str, FileEntry] = {METADATA_NAME: meta}
+        for i, rank_results in enumerate(results):
+            prefix = f"__{i}_"
+            shards = read_record(self.folder / rank_record_name(prefix), RankShards)
+            wrote = {wr.storage_data.relative_path for wr in rank_results}
+            if not wrote <= shards.files.keys():
+                raise CheckpointCorruptError(
+                    f"{self.folder}: rank {i} reported {sorted(wrote - shards.files.keys())} "
+                    "that its record does not list"
+                )
+            files.update(shards.files)
+        commit = DcpCommit(FORMAT_VERSION, self.step or 0, len(results), files, time.time())
+        write_record(self.folder, COMMIT_NAME, msgspec.json.encode(commit))
+
+    def _after_commit(self) -> None:
+        # The step is durable; what follows is housekeeping that must not fail the save.
+        try:
+            current = layout.read_latest(self.root)
+            if self.step is not None and (current is None or current <= self.step):
+                replace_symlink(self.root / layout.LATEST, layout.step_dir_name(self.step))
+            if self.keep_last is not None:
+                present = layout.list_steps(self.root)
+                committed = [s for s in present if is_committed(layout.step_dir(self.root, s))]
+                for s in steps_to_delete(committed, present, self.keep_last):
+                    logger.info("retention: deleting DCP step %d", s)
+                    remove_tree(layout.step_dir(self.root, s))
+        except OSError as exc:
+            logger.warning("step %s committed, but housekeeping failed: %s", self.step, exc)
+
+
+def is_committed(folder: Path) -> bool:
+    return (folder / COMMIT_NAME).is_file()
+
+
+class DcpReader(FileSystemReader):
+    """A DCP storage reader that never unpickles more than DCP's metadata classes and,
+    for a step stalwart committed, checks the shards it reads before reading them.
+
+    ``verify=False`` skips the checksums (the loader verified the whole step already).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        super().__init__(path)
+        self.verify = verify
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.path)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_metadata(self.folder / METADATA_NAME)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        assert md.storage_meta is not None
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.verify and is_committed(self.folder):
+            commit = read_record(self.folder / COMMIT_NAME, DcpCommit)
+            touched = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            missing = touched - commit.files.keys()
+            if missing:
+                raise CheckpointCorruptError(
+                    f"{self.folder}: metadata names {sorted(missing)[:3]} that the commit lacks"
+                )
+            verify_entries(self.folder, {n: commit.files[n] for n in touched})
+        return super().read_data(plan, planner)

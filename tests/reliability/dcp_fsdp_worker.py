@@ -1,0 +1,224 @@
+"""An FSDP2 (``fully_shard``) rank on gloo that saves and loads through stalwart's DCP path.
+
+Deliberately without a ``__main__`` guard: nothing on the save path may run this
+file a second time (a spawned child would). Each start appends a line to
+``<out>/starts``.
+
+argv: <mode> <out> <root> [step...]
+  save N M..   train, save steps N, M, ... (sync); rank 0 writes the gathered
+               full state of each step to <out>/full_<step>.pt
+  async N M..  the same with AsyncDcpSaver (background staging and upload)
+  plain N      the same with plain dcp.save(checkpoint_id=<root>/step_N)
+  load [N]     load the newest good step with load_newest, check the gathered full
+               state against <out>/full_<step>.pt, print LOADED <step>; with N,
+               train and save step N afterwards (the resize tests)
+  plainload N  plain dcp.load of <root>/step_N, check as above
+  loop         async saves of steps 1, 2, 3, ... forever, printing SAVED <step>
+  ckpt N M..   AsyncCheckpointer.save / restore with the DTensor state dict
+  job N        a job under `stalwart run`: resume from the newest step, train and save
+               steps up to N; rank 1 exits at step 3 of the first attempt
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+
+from stalwart.checkpoint import dcp as sdcp
+
+mode, out, root = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+steps = [int(s) for s in sys.argv[4:]]
+with open(out / "starts", "a") as f:
+    f.write(f"{os.getpid()}\n")
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+class DataPosition:
+    """Where the data loader is: a Stateful DCP saves and restores by itself."""
+
+    def __init__(self) -> None:
+        self.index = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"index": self.index}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.index = int(sd["index"])
+
+
+class App:
+    """The torchtitan pattern: model and optimizer as one Stateful."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, object]:
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+
+
+def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Linear(48, 16), torch.nn.Linear(16, 8)
+    )
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, data: DataPosition, n: int) -> None:
+    for _ in range(n):
+        g = torch.Generator().manual_seed(1000 + data.index)
+        x = torch.randn(8, 24, generator=g)
+        loss = model(x).square().mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        data.index += 1
+
+
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer, data: DataPosition) -> dict:
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        "model": get_model_state_dict(model, options=opts),
+        "optim": get_optimizer_state_dict(model, optim, options=opts),
+        "data": data.index,
+    }
+
+
+def same(a: object, b: object, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b))
+        for k in a:
+            same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where  # type: ignore[arg-type]
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):  # type: ignore[call-overload]
+            same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+def record(step: int) -> None:
+    full = full_state(model, optim, data)
+    if rank == 0:
+        # Renamed into place: a rank killed mid-write (the crash trials) leaves no torn
+        # reference for the next attempt to compare with.
+        tmp = out / f".full_{step}.pt.tmp"
+        torch.save(full, tmp)
+        os.replace(tmp, out / f"full_{step}.pt")
+
+
+def check(step: int) -> None:
+    full = full_state(model, optim, data)
+    if rank == 0:
+        same(torch.load(out / f"full_{step}.pt", weights_only=True), full)
+    dist.barrier()
+
+
+model, optim = build(seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job") else 99)
+data = DataPosition()
+state = {"app": App(model, optim), "data": data}
+
+if mode == "save":
+    for step in steps:
+        train(model, optim, data, 2)
+        sdcp.save(state, root, step, keep_last=2)
+        record(step)
+elif mode == "plain":
+    for step in steps:
+        train(model, optim, data, 2)
+        dcp.save(state, checkpoint_id=root / f"step_{step:09d}")
+        record(step)
+elif mode == "async":
+    saver = sdcp.AsyncDcpSaver(root, keep_last=2)
+    for step in steps:
+        train(model, optim, data, 2)
+        record(step)
+        staged, done = saver.save(state, step)
+        staged.result()
+        train(model, optim, data, 1)  # changes after staging stay out of the step
+        done.result()
+    saver.close()
+elif mode == "ckpt":
+    from stalwart.checkpoint import AsyncCheckpointer
+
+    with AsyncCheckpointer(root, keep_last=2) as ckpt:
+        for step in steps:
+            train(model, optim, data, 2)
+            record(step)
+            ckpt.save(state, step).result(timeout=60)
+        model2, optim2 = build(seed=99)
+        model, optim = model2, optim2
+        data = DataPosition()
+        state = {"app": App(model, optim), "data": data}
+        loaded = ckpt.restore(into=state)
+        assert loaded is not None
+        print(f"LOADED {loaded.step}", flush=True)
+        check(loaded.step)
+elif mode == "load":
+    loaded = sdcp.load_newest(state, root)
+    print(f"LOADED {loaded}", flush=True)
+    if loaded is not None:
+        check(loaded)
+    for step in steps:
+        train(model, optim, data, 2)
+        sdcp.save(state, root, step, keep_last=2)
+        record(step)
+elif mode == "job":
+    loaded = sdcp.load_newest(state, root)
+    if loaded is not None:
+        check(loaded)
+    with open(out / "resumes", "a") as f:
+        f.write(f"{rank} {loaded} {data.index}\n")
+    for step in range((loaded or 0) + 1, steps[0] + 1):
+        train(model, optim, data, 2)
+        sdcp.save(state, root, step, keep_last=2)
+        record(step)
+        crashed = out / "crashed"
+        if step == 3 and rank == 1 and not crashed.exists():
+            crashed.write_text("")
+            os._exit(1)
+elif mode == "plainload":
+    dcp.load(state, checkpoint_id=root / f"step_{steps[0]:09d}")
+    check(steps[0])
+    print(f"LOADED {steps[0]}", flush=True)
+elif mode == "loop":
+    saver = sdcp.AsyncDcpSaver(root, keep_last=3)
+    step = 0
+    while True:
+        step += 1
+        train(model, optim, data, 1)
+        record(step)
+        staged, done = saver.save(state, step)
+        done.result()
+        print(f"SAVED {step}", flush=True)
+        time.sleep(0.05 * (step % 3))
+
+dist.barrier()
+dist.destroy_process_group()
