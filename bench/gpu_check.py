@@ -1,0 +1,197 @@
+"""stalwart's NCCL/CUDA paths, one mode each, for a lent GPU machine (bench/gpu_check.sh).
+
+Each mode is a small job of its own, run under ``stalwart run`` by the shell script, and
+prints one ``gpu_check <mode> ok {...}`` line with what it saw; any failure is a non-zero
+exit. ``--device cpu`` runs the same logic on gloo so the script itself is checked on a
+machine without a GPU (the CI machine), which is the only place it can be checked before
+a device is lent.
+
+Modes:
+  env        what the machine has: torch, CUDA, NCCL, the GPU.
+  ddp        DDP on NCCL with AsyncCheckpointer saving CUDA state (staging from device
+             memory); the shell script injects a crash, and the second attempt must resume
+             from the checkpoint onto the device and finish.
+  dcp        FSDP2 (``fully_shard``) with CUDA DTensors through stalwart's DCP saver and
+             its reusing stager (pinned host buffers), then ``load_newest``: the restored
+             state must equal the saved one bit for bit.
+  inprocess  ``stalwart.inprocess.Wrapper`` over an NCCL group: a fault in the first
+             iteration aborts the communicators and the second iteration runs a
+             collective on a fresh group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["env", "ddp", "dcp", "inprocess"])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--ckpt", type=Path, default=Path("/tmp/gpu_check_ckpt"))
+    p.add_argument("--steps", type=int, default=60)
+    return p.parse_args()
+
+
+def _device(kind: str) -> torch.device:
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("gpu_check: --device cuda but torch.cuda.is_available() is False")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _report(mode: str, **seen: object) -> None:
+    print(f"gpu_check {mode} ok {json.dumps(seen, default=str)}", flush=True)
+
+
+def _model(device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).to(device)
+
+
+def mode_env(device: torch.device) -> None:
+    seen: dict[str, object] = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        seen["gpu"] = torch.cuda.get_device_name(device)
+        seen["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    _report("env", **seen)
+
+
+def mode_ddp(device: torch.device, ckpt: Path, steps: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from stalwart import inject
+    from stalwart.checkpoint import AsyncCheckpointer, load_latest
+
+    dist.init_process_group(_backend(device))
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = _model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    start = 0
+    found = load_latest(ckpt, rank=0)
+    if found is not None:
+        model.load_state_dict(found.state_dict["model"])
+        opt.load_state_dict(found.state_dict["optim"])
+        start = int(found.state_dict["step"])
+    if attempt > 0 and found is None:
+        sys.exit("gpu_check ddp: a restarted attempt found no checkpoint to resume from")
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    saver = AsyncCheckpointer(ckpt, keep_last=2, rank=0, world_size=1) if rank == 0 else None
+    for step in range(start, steps):
+        inject.step(step)
+        x = torch.randn(32, 64, device=device, generator=None)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        done = step + 1
+        if saver is not None and done % 10 == 0:
+            # CUDA tensors: the checkpointer stages them out of device memory.
+            saver.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": done}, done)
+    if saver is not None:
+        saver.wait()
+        saver.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    _report("ddp", attempt=attempt, resumed_from=start, steps=steps)
+    del ddp
+    dist.destroy_process_group()
+
+
+def mode_dcp(device: torch.device, ckpt: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from stalwart.checkpoint.dcp import AsyncDcpSaver, load_newest
+
+    dist.init_process_group(_backend(device))
+    model = _model(device)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64, device=device)).sum().backward()
+    opt.step()
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    saver = AsyncDcpSaver(ckpt)
+    staged, done = saver.save(state, step=1)
+    staged.result()
+    done.result()
+    saver.close()
+    saved = {k: v.full_tensor().cpu().clone() for k, v in msd.items()}
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    msd2, osd2 = get_state_dict(model, opt)
+    target = {"model": msd2, "optim": osd2}
+    step = load_newest(target, ckpt)
+    if step != 1:
+        sys.exit(f"gpu_check dcp: load_newest returned step {step}, expected 1")
+    bad = [
+        k for k, v in target["model"].items() if not torch.equal(v.full_tensor().cpu(), saved[k])
+    ]
+    if bad:
+        sys.exit(f"gpu_check dcp: restored tensors differ from the saved ones: {bad}")
+    _report("dcp", tensors=len(saved), device=str(next(iter(msd.values())).device))
+    dist.destroy_process_group()
+
+
+def mode_inprocess(device: torch.device) -> None:
+    from stalwart.inprocess import Call, Wrapper
+
+    backend = _backend(device)
+    seen: dict[str, object] = {}
+
+    @Wrapper(soft_timeout=30.0, hard_timeout=60.0, max_iterations=3)
+    def train(call: Call) -> float:
+        dist.init_process_group(backend)
+        t = torch.ones(4, device=device) * (call.iteration + 1)
+        dist.all_reduce(t)
+        if call.iteration == 0:
+            raise RuntimeError("gpu_check: injected fault in iteration 0")
+        seen["iteration"] = call.iteration
+        seen["sum"] = float(t.sum())
+        dist.destroy_process_group()
+        return float(t.sum())
+
+    result = train()
+    if seen.get("iteration") != 1 or result is None:
+        sys.exit(f"gpu_check inprocess: expected a second iteration, saw {seen}")
+    _report("inprocess", **seen)
+
+
+def main() -> None:
+    args = _args()
+    device = _device(args.device)
+    if args.mode == "env":
+        mode_env(device)
+    elif args.mode == "ddp":
+        mode_ddp(device, args.ckpt, args.steps)
+    elif args.mode == "dcp":
+        mode_dcp(device, args.ckpt)
+    else:
+        mode_inprocess(device)
+
+
+if __name__ == "__main__":
+    main()
