@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from stalwart.checkpoint import seed
+
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel")
 _MAX_MSG = 1 << 20
 _RESET = (
@@ -219,6 +221,11 @@ def _become_worker(req: dict[str, Any], fds: list[int], sock: socket.socket) -> 
     if torch is not None and threads.isdigit():
         torch.set_num_threads(int(threads))
     argv = list(req["argv"])
+    # Still one thread and nothing of the program loaded: the moment to fork the seed of
+    # this worker's checkpoint writer (torch imported, ready in milliseconds when the
+    # program first saves). Before the reporter's thread starts, which would make it unsafe.
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    seed.prefork(fd_floor=learn_fd_floor(soft), close=() if learn_fd is None else (learn_fd,))
     if learn_fd is not None:
         own = (
             req["cwd"] if argv[:1] == ["-m"] else os.path.dirname(os.path.join(req["cwd"], argv[0]))
