@@ -54,9 +54,7 @@ _libc.madvise.restype = ctypes.c_int
 _ADVISE_CHUNK = 8 << 20
 
 
-def _advise(
-    addr: int, length: int, advice: int, stop: threading.Event | None = None
-) -> None:
+def _advise(addr: int, length: int, advice: int, stop: threading.Event | None = None) -> None:
     """madvise(2) in chunks, through ctypes, which lets go of the GIL during the call.
 
     ``mmap.madvise`` holds the GIL throughout: pre-faulting a 1 GiB segment "in the
