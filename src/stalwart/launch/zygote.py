@@ -24,6 +24,9 @@ environment, cwd, standard streams, default signal handlers, fresh random state,
 parent-death signal once the launcher is its parent) and runs the target through
 ``bootstrap.run_target``, exiting through the interpreter's normal shutdown.
 
+Before running the target, while still one thread, a worker forks the seed of its
+checkpoint writer (``stalwart.checkpoint.seed``), which never imports the program.
+
 Forking is refused (the launcher falls back to a cold spawn) if this process has more
 than one thread or has initialised CUDA: forking after either is unsafe.
 """
