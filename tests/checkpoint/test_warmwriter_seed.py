@@ -11,6 +11,7 @@ import struct
 import sys
 import types
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,31 @@ def test_a_seed_whose_parent_never_needs_it_exits_at_eof() -> None:
     mine.close()
     _pid, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_a_seed_descriptor_the_program_reused_is_never_touched(tmp_path: Path) -> None:
+    # The program closed the seed's socket and a file of its own got the number: the
+    # writer starts fresh, and the file is neither written to nor closed.
+    from stalwart.checkpoint import CheckpointProcess
+
+    pid = seed.prefork(fd_floor=1000)
+    assert pid is not None and seed.seed_waiting()
+    fd = seed._seed.sock.fileno()  # type: ignore[union-attr]
+    os.close(fd)
+    own = os.open(tmp_path / "mine", os.O_CREAT | os.O_RDWR)
+    os.dup2(own, fd)
+    os.close(own)
+    try:
+        kwargs = {"root": str(tmp_path / "ck"), "rank": 0, "world_size": 1}
+        kwargs.update(keep_last=2, algorithm="sha256")
+        cp = CheckpointProcess(TorchFileWriter, kwargs)
+        try:
+            cp.wait_ready(60)
+            assert cp.start_method is StartMethod.FRESH
+        finally:
+            cp.close()
+        os.write(fd, b"still mine")
+        assert (tmp_path / "mine").read_bytes() == b"still mine"
+    finally:
+        os.close(fd)
+        os.waitpid(pid, 0)  # the seed saw its socket close (EOF) and left

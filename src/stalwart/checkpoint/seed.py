@@ -34,6 +34,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -174,7 +175,7 @@ class _PidChild:
     def kill(self) -> None:
         if self._code is None:
             try:
-                os.kill(self._pid, 9)
+                os.kill(self._pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -213,6 +214,16 @@ class _Seed:
     pid: int
     sock: socket.socket
     owner: int  # the process that forked it; a fork of that process must not use it
+    # The socket's identity: a program may close its descriptor and open a file that
+    # gets the same number, which must then be neither used nor closed by us.
+    identity: tuple[int, int]
+
+    def still_ours(self) -> bool:
+        try:
+            st = os.fstat(self.sock.fileno())
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
 
 
 _seed_lock = threading.Lock()
@@ -258,8 +269,9 @@ def prefork(*, fd_floor: int | None, close: tuple[int, ...] = ()) -> int | None:
         finally:
             os._exit(code)
     theirs.close()
+    st = os.fstat(mine.fileno())
     with _seed_lock:
-        _seed = _Seed(pid, mine, parent)
+        _seed = _Seed(pid, mine, parent, (st.st_dev, st.st_ino))
     return pid
 
 
@@ -269,8 +281,10 @@ def _take_seed() -> _Seed | None:
         seed, _seed = _seed, None
     if seed is None:
         return None
-    if seed.owner != os.getpid():
-        seed.sock.close()  # inherited through a fork of the worker: not our child
+    if seed.owner != os.getpid() or not seed.still_ours():
+        # Inherited through a fork of the worker (not our child), or the program closed
+        # the descriptor: forget it without touching whatever the number is now.
+        seed.sock.detach()
         return None
     return seed
 
