@@ -159,11 +159,13 @@ def _rate(samples: list[tuple[float, int]], lo: int, hi: int) -> float | None:
 def full_speed_at(
     before: list[tuple[float, int]], after: list[tuple[float, int]], window: int
 ) -> float | None:
-    """When the attempt sampled by *after* ((time, step) pairs, sorted) runs at full speed
-    for good: from there on, every window of *window* steps has a rate of at least
-    FULL_SPEED of the failed attempt's (*before*, its first window left out as warm-up
-    where it has more). None if its last window is still slow, or either side has too
-    few samples."""
+    """When the attempt sampled by *after* ((time, step) pairs, sorted) is back at full
+    speed: the start of its first span of two windows of *window* steps (two checkpoint
+    intervals, so a save that stalls after a fast first interval is caught) whose rate is
+    at least FULL_SPEED of the failed attempt's (*before*, its first window left out as
+    warm-up where it has more); an attempt shorter than the span is judged whole.  None
+    if no span gets there, or either side has too few samples.  Not "stays there for
+    good": on a shared machine a later load spike would make that measure the machine."""
     if len(before) < 2 or len(after) < 2:
         return None
     first, last = before[0][1], before[-1][1]
@@ -171,21 +173,14 @@ def full_speed_at(
     ref = ref if ref is not None else _rate(before, first, last)
     if ref is None:
         return None
-    start = after[0][1]
-    # The window ending at each sample; full speed from the start of the first window
-    # after the last slow one (a stall anywhere in the attempt counts, not only early).
-    lows = [max(start, s_j - window) for _t, s_j in after[1:]]
-    slow = [
-        i
-        for i, (lo, (_t, s_j)) in enumerate(zip(lows, after[1:], strict=True))
-        # No rate (two ranks' samples of one step): nothing to judge there.
-        if (rate := _rate(after, lo, s_j)) is not None and rate < FULL_SPEED * ref
-    ]
-    if not slow:
-        return after[0][0]
-    if slow[-1] == len(lows) - 1:
-        return None
-    return _step_time(after, lows[slow[-1] + 1])
+    start, span = after[0][1], 2 * window
+    ends = [s_j for _t, s_j in after if s_j - span >= start] or [after[-1][1]]
+    for s_j in ends:
+        lo = max(start, s_j - span)
+        rate = _rate(after, lo, s_j)
+        if rate is not None and rate >= FULL_SPEED * ref:
+            return _step_time(after, lo)
+    return None
 
 
 def _fault(attempt: int, evs: list[dict[str, Any]], outcome_ev: dict[str, Any]) -> Fault:
