@@ -33,6 +33,7 @@ BENCHES = {
     "frameworks": ("bench_frameworks.py", ["--repeats", "3"], ["--repeats", "1"]),
     "goodput": ("bench_goodput.py", ["--repeats", "3"], ["--repeats", "1", "--steps", "200"]),
     "launcher_exit": ("bench_launcher_exit.py", ["--repeats", "5"], ["--repeats", "2"]),
+    "restart_costs": ("bench_warmwriter.py", ["--repeats", "3"], ["--repeats", "1"]),
 }
 
 
