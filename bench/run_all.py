@@ -34,6 +34,7 @@ BENCHES = {
     "goodput": ("bench_goodput.py", ["--repeats", "3"], ["--repeats", "1", "--steps", "200"]),
     "launcher_exit": ("bench_launcher_exit.py", ["--repeats", "5"], ["--repeats", "2"]),
     "dcp": ("bench_dcp.py", ["--repeats", "3"], ["--mib", "64", "--repeats", "1"]),
+    "restart_costs": ("bench_warmwriter.py", ["--repeats", "3"], ["--repeats", "1"]),
 }
 
 

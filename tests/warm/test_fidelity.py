@@ -93,14 +93,16 @@ def _compare(ref: dict[str, Any], got: dict[str, Any], by_design: set[str], what
     assert [a for a in got["orig_argv"] if a != "crash"] == ref["orig_argv"]
     assert got["stdout_console"] != "" and got["parent"]["ppid_is_1"] is False
     assert got["parent"]["parent_cmdline"][1:4] == ["-m", "stalwart.cli", "run"]
-    # Beyond 0, 1, 2: the stack-dump file, and in warm rank 0 the module-report pipe,
-    # both close-on-exec, the pipe far above the numbers programs use.
+    # Beyond 0, 1, 2: the stack-dump file, in warm rank 0 the module-report pipe, and in
+    # a warm worker the socket to its checkpoint writer's seed, all close-on-exec, the
+    # pipe and the socket far above the numbers programs use.
     assert {k: v for k, v in ref["fds"].items() if int(k) > 2} == {}
     ours = {int(k): v for k, v in got["fds"].items() if int(k) > 2}
     stacks = [fd for fd, v in ours.items() if v.endswith("stacks.log")]
     pipes = [fd for fd, v in ours.items() if v.startswith("pipe:")]
-    assert len(stacks) == 1 and set(ours) == set(stacks) | set(pipes), ours
-    assert all(fd >= 1000 for fd in pipes), ours
+    sockets = [fd for fd, v in ours.items() if v.startswith("socket:")]
+    assert len(stacks) == 1 and set(ours) == set(stacks) | set(pipes) | set(sockets), ours
+    assert len(sockets) <= 1 and all(fd >= 1000 for fd in pipes + sockets), ours
     # Caught signals: torchrun's (SIGINT) plus the stack dump's real-time one, and glibc's
     # internal one when a thread was started (warm rank 0's reporter).  SIGUSR1 stays
     # uncaught, as under torchrun.

@@ -1,6 +1,6 @@
 """The writer subprocess's main loop.
 
-Runs in a spawned child: calls the user's init function, builds the writer,
+Runs in the writer child (see ``seed.py`` for how it starts): calls the user's init function, builds the writer,
 then serves ping / write / exit requests one at a time until told to exit or
 until the parent goes away (its end of the pipe closes).
 """
@@ -81,6 +81,12 @@ def _failure(seq: int, exc: BaseException) -> Response:
     )
 
 
+def report_start_failure(conn: Connection, exc: BaseException) -> None:
+    """Answers the parent's start-up handshake with the reason the writer cannot start."""
+    conn.send(_failure(0, exc))
+    conn.close()
+
+
 def _serve_write(
     conn: Connection,
     writer: CheckpointWriter,
@@ -146,8 +152,7 @@ def writer_main(
         view = BufferView(buffer_fd)
     except BaseException as exc:
         # The parent is waiting for the handshake; answer it with the reason.
-        conn.send(_failure(seq, exc))
-        conn.close()
+        report_start_failure(conn, exc)
         return
     logger.debug("writer ready in pid %d", os.getpid())
     while True:

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing import reduction
 from typing import Any, overload
 
-from .child import CheckpointWriter, writer_main
+from . import seed
+from .child import CheckpointWriter
 from .errors import WriterDiedError, WriterError
 from .identity import RankInfo
 from .messages import Request, RequestKind, Response, ResponseKind, StagedState, WritePayload
@@ -32,22 +31,6 @@ from .staging import SharedBuffer, StagingPlan, plan
 logger = logging.getLogger(__name__)
 
 
-class _InheritedFd:
-    """Pickles as a duplicate of ``fd`` that the spawned child inherits."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # DupFd must be created while the spawn is pickling the child's args:
-        # that is when it can register the fd to be passed to the new process.
-        return (_detach_fd, (reduction.DupFd(self.fd),))
-
-
-def _detach_fd(dup: Any) -> int:
-    return int(dup.detach())
-
-
 class CheckpointProcess:
     """A writer subprocess with an asynchronous ``write`` API.
 
@@ -59,8 +42,13 @@ class CheckpointProcess:
     keywords, ``write(path=..., state_dict=..., **kwargs)``, as torch does, plus
     ``release=`` when its signature names that parameter.
 
-    The child is spawned (``spawn`` start method) in the background as soon as
-    this object is built; ``wait_ready`` blocks until it answered the ping.
+    The child starts in the background as soon as this object is built (see
+    ``seed.py``: forked from a seed a warm worker prepared, else a fresh interpreter
+    that never imports the caller's ``__main__``); ``wait_ready`` blocks until it
+    answered the ping.  An init function or writer defined in ``__main__`` can only be
+    found by re-importing it, so then the child is started with multiprocessing's
+    ``spawn``, as torch does, and the script needs its ``if __name__ == "__main__":``
+    guard; define them in an importable module to need none.
     ``write`` returns a Future at once: the caller only pays for the snapshot
     copy into shared memory.
     """
@@ -95,14 +83,14 @@ class CheckpointProcess:
         self._writer_kwargs = spec.writer_kwargs
         self._init_fn = spec.init_fn
         self._init_args = spec.init_args
-        self._ctx = mp.get_context("spawn")
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stalwart-ckpt-io")
         self._buffer = SharedBuffer(copy_threads=self.config.copy_threads)
         # Held from the moment a snapshot lands in the buffer until the child
         # says it stopped reading it: one buffer, so the next snapshot waits.
         self._buffer_free = threading.Semaphore(1)
         self._deferred_staged: threading.Event | None = None
-        self._proc: Any = None
+        self._proc: seed.ChildProcess | None = None
+        self.start_method: seed.StartMethod | None = None
         self._conn: mpc.Connection | None = None
         self._seq = itertools.count(1)
         self._closed = False
@@ -319,12 +307,10 @@ class CheckpointProcess:
             self._reserve(self.config.reserve_bytes)
 
     def _start_child(self) -> None:
-        parent_end, child_end = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=writer_main,
-            args=(
-                child_end,
-                _InheritedFd(self._buffer.fd),
+        # Never multiprocessing's spawn for our own writer: it would re-import (and so
+        # re-run) a main module without an ``if __name__ == "__main__":`` guard.
+        method, proc, parent_end = seed.start(
+            (
                 self._init_fn,
                 self._init_args,
                 self._writer_factory,
@@ -332,12 +318,9 @@ class CheckpointProcess:
                 self.config.log_level,
                 self.config.writer_nice,
             ),
-            name="stalwart-ckpt-writer",
-            daemon=True,
+            self._buffer.fd,
         )
-        proc.start()
-        # Without our copy of the child's end, its death shows up as EOF here.
-        child_end.close()
+        self.start_method = method
         self._proc, self._conn = proc, parent_end
         if self._abandoned:
             self._stop_child(graceful=False)
@@ -387,9 +370,10 @@ class CheckpointProcess:
                 pass
         proc.join(timeout=1.0)
         hint = (
-            "; a script without an `if __name__ == '__main__':` guard is re-run by the "
-            "spawned child and fails there (see the child's stderr)"
-            if init
+            "; its init function or writer is defined in __main__, which the spawned "
+            "child re-runs: a script without an `if __name__ == '__main__':` guard fails "
+            "there (see the child's stderr)"
+            if init and self.start_method is seed.StartMethod.SPAWN
             else ""
         )
         raise WriterDiedError(

@@ -51,20 +51,21 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
 
 
-_ADVISE_CHUNK = 32 << 20
+_ADVISE_CHUNK = 8 << 20
 
 
-def _advise(addr: int, length: int, advice: int) -> None:
+def _advise(addr: int, length: int, advice: int, stop: threading.Event | None = None) -> None:
     """madvise(2) in chunks, through ctypes, which lets go of the GIL during the call.
 
     ``mmap.madvise`` holds the GIL throughout: pre-faulting a 1 GiB segment "in the
     background" stopped every other thread of the worker for 0.6 s (measured). And
     one call holds the process's memory-map lock while it faults: a thread start or
     a large allocation (which maps memory) waited for all of it; between chunks they
-    get their turn.
+    get their turn.  ``stop``: checked between chunks (pre-faulting is only a head start,
+    and whoever closes the segment must not wait for all of it).
     """
     end = addr + length
-    while addr < end:
+    while addr < end and not (stop is not None and stop.is_set()):
         n = min(_ADVISE_CHUNK, end - addr)
         if _libc.madvise(addr, n, advice) != 0:
             err = ctypes.get_errno()
@@ -116,6 +117,7 @@ class RamSegment:
             self._bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self._length = length
         self._populating: threading.Thread | None = None
+        self._stop_populating = threading.Event()
         if writable and not self.records():
             # A fresh segment: nothing to restore, so fault its pages in for the
             # saves now. One holding snapshots is a restarted worker's, which reads
@@ -139,7 +141,9 @@ class RamSegment:
     def _populate(self) -> None:
         assert self._bytes is not None
         try:
-            _advise(self._bytes.data_ptr(), self._length, _MADV_POPULATE_WRITE)
+            _advise(
+                self._bytes.data_ptr(), self._length, _MADV_POPULATE_WRITE, self._stop_populating
+            )
         except OSError as exc:
             logger.debug("could not pre-fault the snapshot segment: %s", exc)
 
@@ -372,6 +376,10 @@ class RamSegment:
             self._populating.join()
 
     def close(self) -> None:
+        # A page not faulted in yet costs nobody anything once we unmap: close in about
+        # one chunk's time, not the whole segment's (seconds for a restored worker that
+        # ends soon after its restore).
+        self._stop_populating.set()
         self.wait_populated()
         self._bytes = None
         try:

@@ -17,11 +17,16 @@ metrics all say the same thing.  The categories (docs/goodput.md defines them):
   (rendezvous included);
 * ``idle``: this node's workers done, waiting for other nodes.
 
+Each fault also gets two durations beside its cost: fault -> the next attempt's first
+step, and fault -> back at full speed (``full_speed_at``): a restart that leaves work
+behind (a writer still starting, pages still faulting in) is first-stepped but slow.
+
 The categories partition the run: they add up to its wall-clock time.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,6 +62,10 @@ class Fault:
     at: float  # wall-clock time of the fault
     cost: float = 0.0  # detection + teardown + restart + next start-up + recompute
     steps_lost: int = 0
+    # Fault -> the next attempt's first step, and -> back at full speed (see
+    # full_speed_at); None when the next attempt reported no steps (or never got there).
+    first_step_s: float | None = None
+    full_speed_s: float | None = None
 
 
 @dataclass
@@ -124,6 +133,54 @@ def last_step_end(samples: list[tuple[float, int]]) -> float:
     (t0, s0), (t1, s1) = samples[0], samples[-1]
     mean = (t1 - t0) / (s1 - s0) if s1 > s0 else 0.0
     return t1 + mean
+
+
+# "Back at full speed": the step rate over a window of steps that spans at least one
+# checkpoint interval is within this fraction of the rate before the fault.
+FULL_SPEED = 0.9
+DEFAULT_WINDOW_STEPS = 10
+
+
+def window_steps(commit_steps: list[int]) -> int:
+    """The window over which a rate is judged: the usual gap between saves (so a window
+    holds one), or DEFAULT_WINDOW_STEPS when the run saved fewer than twice."""
+    steps = sorted(set(commit_steps))
+    gaps = sorted(b - a for a, b in itertools.pairwise(steps) if b > a)
+    return max(1, gaps[len(gaps) // 2]) if gaps else DEFAULT_WINDOW_STEPS
+
+
+def _rate(samples: list[tuple[float, int]], lo: int, hi: int) -> float | None:
+    t_lo, t_hi = _step_time(samples, lo), _step_time(samples, hi)
+    if t_lo is None or t_hi is None or t_hi <= t_lo or hi <= lo:
+        return None
+    return (hi - lo) / (t_hi - t_lo)
+
+
+def full_speed_at(
+    before: list[tuple[float, int]], after: list[tuple[float, int]], window: int
+) -> float | None:
+    """When the attempt sampled by *after* ((time, step) pairs, sorted) is back at full
+    speed: the start of its first span of two windows of *window* steps (two checkpoint
+    intervals, so a save that stalls after a fast first interval is caught) whose rate is
+    at least FULL_SPEED of the failed attempt's (*before*, its first window left out as
+    warm-up where it has more); an attempt shorter than the span is judged whole.  None
+    if no span gets there, or either side has too few samples.  Not "stays there for
+    good": on a shared machine a later load spike would make that measure the machine."""
+    if len(before) < 2 or len(after) < 2:
+        return None
+    first, last = before[0][1], before[-1][1]
+    ref = _rate(before, first + window, last) if last - first > 2 * window else None
+    ref = ref if ref is not None else _rate(before, first, last)
+    if ref is None:
+        return None
+    start, span = after[0][1], 2 * window
+    ends = [s_j for _t, s_j in after if s_j - span >= start] or [after[-1][1]]
+    for s_j in ends:
+        lo = max(start, s_j - span)
+        rate = _rate(after, lo, s_j)
+        if rate is not None and rate >= FULL_SPEED * ref:
+            return _step_time(after, lo)
+    return None
 
 
 def _fault(attempt: int, evs: list[dict[str, Any]], outcome_ev: dict[str, Any]) -> Fault:
@@ -285,6 +342,21 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
             add(row, "productive", e_a - min(stall, max(0.0, e_a - run_start)))
             add(row, "checkpoint_stall", e_a)
         attempts.append(row)
+
+    window = window_steps(
+        [
+            int(e["step"])
+            for e in events
+            if e.get("event") == Event.CHECKPOINT_COMMIT and isinstance(e.get("step"), int)
+        ]
+    )
+    for fault in faults:
+        later = [a for a in numbers if a > fault.attempt]
+        after = samples(later[0]) if later else []
+        if after:
+            fault.first_step_s = max(0.0, after[0][0] - fault.at)
+            back = full_speed_at(samples(fault.attempt), after, window)
+            fault.full_speed_s = None if back is None else max(0.0, back - fault.at)
 
     # The launcher's own exit is no fault's doing.
     pending_fault = None

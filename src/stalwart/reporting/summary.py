@@ -39,9 +39,13 @@ def format_block(
     for f in b.faults:
         who = f"rank {f.rank}" if f.rank is not None else "a peer node"
         lost = f", {f.steps_lost} step(s) redone" if f.steps_lost else ""
+        back = ""
+        if f.first_step_s is not None:
+            full = "not reached" if f.full_speed_s is None else _secs(f.full_speed_s)
+            back = f"; first step after {_secs(f.first_step_s)}, full speed after {full}"
         lines.append(
             f"  fault in attempt {f.attempt}: {who} {f.kind} ({f.detail}), "
-            f"cost {_secs(f.cost)}{lost}"
+            f"cost {_secs(f.cost)}{lost}{back}"
         )
     if b.steps_known or b.faults:
         costs = [
