@@ -12,7 +12,7 @@ records:
 * the fault: the end of the last step of the first attempt;
 * first resumed step: -> the end of the first step of the next attempt;
 * back at full speed: -> from when every window of one checkpoint interval runs at
-  >= 90 % of the first attempt's step rate (``stalwart.launch.goodput.full_speed_at``,
+  >= 90 % of the first attempt's step rate (``stalwart.reporting.goodput.full_speed_at``,
   the same rule as the closing block's);
 * second save stall: the restarted attempt's second save, as the loop saw it (stalwart's
   events only: the checkpointer reports each save's stall there).
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, run_job, show, spread
 
-from stalwart.launch.goodput import full_speed_at
+from stalwart.reporting.goodput import full_speed_at
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"

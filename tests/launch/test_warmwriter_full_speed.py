@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.goodput import Breakdown, Fault, full_speed_at, window_steps
-from stalwart.launch.summary import format_block
+from stalwart.reporting.goodput import Breakdown, Fault, full_speed_at, window_steps
+from stalwart.reporting.summary import format_block
 
 
 def steady(t0: float, s0: int, s1: int, dt: float) -> list[tuple[float, int]]:
