@@ -68,6 +68,7 @@ class HangWatch:
         # a worker's environment matches torchrun's (ours has its own variable).
         if os.environ.get(envvars.ENABLE_FILE_TIMER) != "1":
             env.pop(monitor_env.TORCHELASTIC_TIMER_FILE, None)
+        env[envvars.AUTO_PROGRESS] = "1" if self.config.auto_progress else "0"
         return env
 
     def begin(
@@ -147,6 +148,8 @@ def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str
         bits.append(f"iteration {hang.iteration}")
     if hang.waiting_on is not None:
         bits.append(f"most likely waiting on rank {hang.waiting_on}")
+    if hang.evidence:
+        bits.append(hang.evidence)
     if hang.dossier:
         bits.append(f"dossier {hang.dossier}")
     traceback = failure.traceback

@@ -81,6 +81,7 @@ class Rhythm:
     names: set[str] = dataclasses.field(default_factory=set)
     oos_seen: float = 0.0
     oos: deque[float] = dataclasses.field(default_factory=_bounded)
+    relearning: bool = False  # a new section sent it back to warm-up
 
     def observe(self, snap: SlotSnapshot, names: list[str], now: float, relearn: bool) -> bool:
         """Takes in one read of the slot; True when a section name appeared that had not
@@ -91,9 +92,17 @@ class Rhythm:
         learning = self.beats >= self.settle
         if snap.last_hb > 0 and snap.last_hb != self.last_hb:
             counted = 0 < snap.beats - self.last_count <= MAX_BEATS_PER_READ and self.last_count > 0
+            stepped = (
+                snap.iteration - self.last_iteration
+                if 0 <= self.last_iteration < snap.iteration
+                and snap.iteration - self.last_iteration <= MAX_BEATS_PER_READ
+                else 0
+            )
             if self.last_hb > 0 and snap.last_hb > self.last_hb:
                 gap = snap.last_hb - self.last_hb
-                between = snap.beats - self.last_count if counted else 0
+                # Beats between the reads: the slot's count, else the steps (a rank whose
+                # steps are seen without code beats once per step and counts none).
+                between = snap.beats - self.last_count if counted else stepped
                 if between == 1:
                     self.shortest = gap if self.shortest is None else min(self.shortest, gap)
                 if learning:
@@ -135,6 +144,7 @@ class Rhythm:
         self.names.update(new)
         if new and relearn:
             # The new stretch is what must be learned: nothing is skipped this time.
+            self.relearning = True
             self.beats = 0
             self.settle = 0
             self.warm_since = now
