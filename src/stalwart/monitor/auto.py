@@ -112,8 +112,8 @@ class Rhythm:
             # Several beats may fall between two reads: count steps where they are known
             # (iterations, else the slot's heartbeat count; a count that went backwards or
             # jumped absurdly, as anything in the slot can, counts as one).
-            if self.last_iteration >= 0 and snap.iteration > self.last_iteration:
-                advanced = snap.iteration - self.last_iteration
+            if stepped:
+                advanced = stepped
             elif counted:
                 advanced = snap.beats - self.last_count
             else:
