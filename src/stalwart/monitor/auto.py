@@ -33,6 +33,8 @@ from stalwart.monitor.learned import LearnedTimeouts
 
 #: Samples kept per rank and kind: enough for a high percentile, bounded memory.
 MAX_SAMPLES = 4096
+#: Gaps a beating rank must have shown before it counts as warmed up.
+MIN_GAP_SAMPLES = 3
 #: More heartbeats than this between two reads of a slot is taken for a scribble.
 MAX_BEATS_PER_READ = 100_000
 
@@ -152,8 +154,13 @@ class Rhythm:
         return False
 
     def warm(self, steps: int, seconds: float, now: float) -> bool:
+        # Short steps pass many at a time between two reads: the steps alone could be
+        # done before a single gap was learned from.
         return (
-            self.beats >= steps and self.warm_since is not None and now - self.warm_since >= seconds
+            self.beats >= steps
+            and self.warm_since is not None
+            and now - self.warm_since >= seconds
+            and (self.last_hb == 0.0 or len(self.hb_gaps) >= MIN_GAP_SAMPLES)
         )
 
 
