@@ -1,6 +1,6 @@
 # A transformers Trainer job as a user writes it for torchrun: a tiny GPT-2 from a config
 # (random weights, no download), no stalwart import, no __main__ guard. PJ_* knobs as in
-# ddp_plain.py: PJ_FAULT kind:rank:step (sleep in the program's own callback, stop,
+# bench/plain_ddp_job.py: PJ_FAULT kind:rank:step (sleep in the program's own callback, stop,
 # loader), PJ_CKPT (save_steps).
 import json
 import os

@@ -1,5 +1,5 @@
 # A Lightning 2.6 job as a user writes it for torchrun: no stalwart import, no __main__
-# guard. PJ_* knobs as in ddp_plain.py: PJ_FAULT kind:rank:step (sleep in the program's
+# guard. PJ_* knobs as in bench/plain_ddp_job.py: PJ_FAULT kind:rank:step (sleep in the program's
 # own callback before the next step's collective, stop, loader), PJ_EVAL (a validation
 # pass 10x a step long every N steps), PJ_CKPT (ModelCheckpoint every N steps).
 import json

@@ -2,9 +2,11 @@
 # guard, a checkpoint it resumes from. Test knobs come from PJ_* variables:
 #   PJ_WORK     folder for the checkpoint and rank 0's p.jsonl (one JSON line a step)
 #   PJ_STEPS    optimizer steps in all (default 60)
-#   PJ_FAULT    kind:rank:step in the first attempt: sleep (the program's own code sleeps
-#               before the step's collective), stop (SIGSTOP to itself), loader (its
-#               Dataset blocks while fetching), none
+#   PJ_FAULT    kind:rank:step[:attempt] (attempt 0 unless given): sleep (the program's
+#               own code sleeps before the step's collective), stop (SIGSTOP to itself),
+#               loader (its Dataset blocks while fetching), none
+# Rank 0's p.jsonl lines carry the wall-clock time of each step (benchmarks time by it).
+# Used by tests/reliability/test_progress_hangs.py and bench/bench_progress_hang.py.
 #   PJ_EVAL     every N steps an evaluation pass 10x a step long (0: none)
 #   PJ_CKPT     every N steps a checkpoint (default 10)
 import json
@@ -19,13 +21,13 @@ from torch.utils.data import DataLoader, Dataset
 
 work = os.environ["PJ_WORK"]
 steps = int(os.environ.get("PJ_STEPS", "60"))
-kind, frank, fstep = os.environ.get("PJ_FAULT", "none:0:0").split(":")[:3]
+kind, frank, fstep, fattempt = [*os.environ.get("PJ_FAULT", "none:0:0").split(":"), "0"][:4]
 every_eval = int(os.environ.get("PJ_EVAL", "0"))
 every_ckpt = int(os.environ.get("PJ_CKPT", "10"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-faulty = attempt == 0 and rank == int(frank) and kind != "none"
+faulty = attempt == int(fattempt) and rank == int(frank) and kind != "none"
 torch.manual_seed(0)
 
 
@@ -51,7 +53,12 @@ if os.path.exists(ckpt):
     state["step"] = saved["step"]
 if rank == 0:
     with open(os.path.join(work, "p.jsonl"), "a") as f:
-        f.write(json.dumps({"event": "start", "attempt": attempt, "step": state["step"]}) + "\n")
+        f.write(
+            json.dumps(
+                {"event": "start", "attempt": attempt, "step": state["step"], "time": time.time()}
+            )
+            + "\n"
+        )
 data = iter(DataLoader(Numbers(), batch_size=8))
 while state["step"] < steps:
     if faulty and state["step"] == int(fstep):
@@ -82,5 +89,15 @@ while state["step"] < steps:
         dist.barrier()
     if rank == 0:
         with open(os.path.join(work, "p.jsonl"), "a") as f:
-            f.write(json.dumps({"event": "step", "attempt": attempt, "step": state["step"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "event": "step",
+                        "attempt": attempt,
+                        "step": state["step"],
+                        "time": time.time(),
+                    }
+                )
+                + "\n"
+            )
 dist.destroy_process_group()
