@@ -110,6 +110,28 @@ class HangWatch:
         changed |= _blame_first(failures, self._hangs)
         return changed
 
+    def count_hung_roots(self, failures: dict[int, ProcessFailure]) -> bool:
+        """Adds to *failures* (local rank -> failure) each rank the monitor found hung as a
+        root cause (no peer it waited on) that is not among them: a framework that
+        catches the terminate signal (Lightning) may exit 0 from a rank that was stopped,
+        and the verdict made at detection, not that exit code, is the one reported.
+        True when it added one."""
+        self.collect()
+        pids = {f.pid for f in failures.values()}
+        added = False
+        for report in self._hangs.values():
+            if report.waiting_on is not None or report.pid in pids:
+                continue
+            if report.local_rank in failures:
+                continue
+            failure = ProcessFailure(
+                local_rank=report.local_rank, pid=report.pid, exitcode=0, rank=report.global_rank
+            )
+            failure.reason, failure.timestamp, failure.traceback = annotate(failure, report)
+            failures[report.local_rank] = failure
+            added = True
+        return added
+
     def control_request(self, attempt: int) -> ControlRequest | None:
         """The rank's request that ends this round, if any: a request to shut the
         workload down wins over one to exclude a node; "continue" ends nothing."""
