@@ -309,3 +309,59 @@ def test_a_slot_written_by_another_process_is_left_alone(slots) -> None:  # type
     layout.I64.pack_into(mm, layout.slot_offset(0) + layout.OFF_PID, 1)  # someone else's
     torch.optim.SGD(_model().parameters(), lr=0.1).step()
     assert layout.read_slot(mm, 0).pid == 1 and layout.read_slot(mm, 0).iteration == -1
+
+
+# -- suspicions: the evidence cycle, with scripted samples ------------------------------
+def _suspicions(states: dict[int, list[tuple[str, float]]], tmp_path: Path):  # type: ignore[no-untyped-def]
+    from stalwart.monitor.suspicions import Suspicions, Watched
+
+    calls: dict[int, int] = {}
+
+    def sampler(pid: int, now: float) -> ProcSample | None:
+        seq = states[pid]
+        i = min(calls.get(pid, 0), len(seq) - 1)
+        calls[pid] = calls.get(pid, 0) + 1
+        return ProcSample(now, *seq[i])
+
+    asked: list[int] = []
+    files = {}
+    for pid in (100, 101):
+        f = tmp_path / f"stacks{pid}.log"
+        f.write_text("old dump\n")
+        files[pid] = f
+    s = Suspicions(lambda pid: asked.append(pid) or True, sampler, wait=0.3)
+    watched = {0: Watched(100, files[100]), 1: Watched(101, files[101])}
+    return s, watched, asked, files
+
+
+def test_suspicion_needs_evidence_and_holds_victims_for_their_culprit(tmp_path: Path) -> None:
+    # Rank 0 waits in a collective, rank 1 sleeps in its own code; rank 1's deadline is
+    # found one scan later than rank 0's.
+    s, watched, asked, files = _suspicions({100: [("S", 1.0)], 101: [("S", 2.0)]}, tmp_path)
+    assert s.confirm({0: 100}, watched, 10.0) == {}
+    assert sorted(asked) == [100, 101]  # everyone's stacks, at the first suspicion
+    files[100].write_text(
+        "old dump\n" + _dump((f"{TORCH}/autograd/graph.py", "_engine_run_backward"))
+    )
+    files[101].write_text("old dump\n" + _dump(("/job/train.py", "<module>")))
+    assert s.confirm({0: 100, 1: 101}, watched, 10.1) == {}
+    # Rank 0 is hung (no CPU) but waits on peers while rank 1 is still suspected: held.
+    assert s.confirm({0: 100, 1: 101}, watched, 10.35) == {}
+    found = s.confirm({0: 100, 1: 101}, watched, 10.45)
+    assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.ELSEWHERE}
+    assert "train.py" in found[1].where and "old dump" not in found[1].where
+
+
+def test_a_busy_rank_is_never_confirmed(tmp_path: Path) -> None:
+    cpu = [("R", 1.0 + 0.3 * i) for i in range(50)]
+    s, watched, _, _ = _suspicions({100: cpu, 101: cpu}, tmp_path)
+    for k in range(40):
+        assert s.confirm({0: 100}, watched, 10.0 + 0.1 * k) == {}
+
+
+def test_a_rank_that_progresses_is_no_longer_suspected(tmp_path: Path) -> None:
+    s, watched, _, _ = _suspicions({100: [("S", 1.0)], 101: [("S", 1.0)]}, tmp_path)
+    s.confirm({0: 100}, watched, 10.0)
+    assert s.confirm({}, watched, 10.2) == {}  # stepped again
+    assert s.confirm({0: 100}, watched, 10.4) == {}  # a new suspicion starts afresh
+    assert s.confirm({0: 100}, watched, 10.8) != {}

@@ -16,9 +16,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from stalwart.monitor import evidence
-from stalwart.monitor.evidence import ProcSample, Reading
+from stalwart.monitor.evidence import ProcSample, Reading, Role
 
 log = logging.getLogger(__name__)
+
+#: Confirmation windows a rank found waiting on its peers is held while another rank is
+#: still suspected.
+HOLD_FACTOR = 4
 
 Sampler = Callable[[int, float], ProcSample | None]
 #: Asks a process for its stacks; True when the signal was sent.
@@ -54,11 +58,15 @@ class Suspicions:
         self._suspects: dict[int, _Suspect] = {}
         self._offsets: dict[int, int] = {}  # local rank -> size of its stacks file when asked
         self._asked = False
+        self._held: dict[int, Reading] = {}  # found hung, waiting for their peers' verdicts
+        self._held_since: float | None = None
 
     def reset(self) -> None:
         self._suspects = {}
         self._offsets = {}
         self._asked = False
+        self._held = {}
+        self._held_since = None
 
     def confirm(
         self, past: Mapping[int, int], ranks: Mapping[int, Watched], now: float
@@ -67,6 +75,8 @@ class Suspicions:
         Returns local rank -> stack reading for those hung on evidence."""
         for lr in [lr for lr in self._suspects if lr not in past]:
             del self._suspects[lr]  # progress again: no longer suspected
+        for lr in [lr for lr in self._held if lr not in past]:
+            del self._held[lr]
         if past and not self._asked:
             self._ask_everyone(ranks, now)
         hung: dict[int, Reading] = {}
@@ -86,9 +96,26 @@ class Suspicions:
             if evidence.is_hung(suspect.first, second):
                 stopped = second.state in ("T", "t") or suspect.first.state in ("T", "t")
                 hung[lr] = evidence.role(self._stacks_of(lr, ranks.get(lr)), stopped)
+                del self._suspects[lr]
             else:
                 suspect.first = second  # running code: look again a window later
-        return hung
+        return self._release(hung, now)
+
+    def _release(self, hung: dict[int, Reading], now: float) -> dict[int, Reading]:
+        """Holds ranks found waiting on their peers while another rank is still suspected
+        (the one they wait on, found a scan later, must be blamed, not them), for at
+        most `HOLD_FACTOR` confirmation windows."""
+        self._held.update(hung)
+        if not self._held:
+            return {}
+        if self._held_since is None:
+            self._held_since = now
+        victims_only = all(r.role is Role.WAITING for r in self._held.values())
+        pending = any(lr not in self._held for lr in self._suspects)
+        if victims_only and pending and now - self._held_since < HOLD_FACTOR * self._wait:
+            return {}
+        out, self._held, self._held_since = self._held, {}, None
+        return out
 
     def _ask_everyone(self, ranks: Mapping[int, Watched], now: float) -> None:
         self._asked = True
