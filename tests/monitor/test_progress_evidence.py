@@ -39,6 +39,14 @@ def test_is_hung_table(first: tuple[str, float], second: tuple[str, float], hung
     assert evidence.is_hung(a, b) is hung
 
 
+def test_a_busy_thread_or_child_means_not_hung() -> None:
+    # The rank waits for its checkpoint writer, which is in I/O (D) or running.
+    a = ProcSample(10.0, "S", 1.0, busy=True)
+    b = ProcSample(10.3, "S", 1.0, busy=False)
+    assert not evidence.is_hung(a, b) and not evidence.is_hung(b, a)
+    assert evidence.is_hung(ProcSample(10.0, "T", 1.0, True), b)  # stopped is stopped
+
+
 def test_is_hung_needs_time_between_the_samples() -> None:
     a = ProcSample(10.0, "S", 1.0)
     assert not evidence.is_hung(a, a)

@@ -7,8 +7,10 @@ misses it too while running code. The monitor then samples the rank's processes 
 
 * stopped (``T``: SIGSTOP, a debugger) at either sample: hung;
 * blocked: the rank's processes (it and its descendants, so data-loader workers count)
-  used less than `IDLE_SHARE` of one core between the samples and the rank itself is
-  asleep in a wait (``S``: a collective, a lock, a sleep, a socket, a queue): hung;
+  used less than `IDLE_SHARE` of one core between the samples, the rank itself is
+  asleep in a wait (``S``: a collective, a lock, a sleep, a socket, a queue), and no
+  thread of them was running or in I/O at either sample (a checkpoint writer fsyncing
+  while the rank waits for it is not a hang): hung;
 * anything else (running, in uninterruptible I/O ``D``, or busy): not hung, looked at
   again a window later.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import re
 
 import psutil
@@ -34,6 +37,8 @@ CONFIRM_WAIT = 0.3
 IDLE_SHARE = 0.1
 #: Innermost frames of the main thread's stack that `role` reads.
 INNERMOST = 4
+#: Threads of one process looked at for `ProcSample.busy`.
+MAX_THREADS = 1024
 #: Longest stack text `role` reads (a rank's dump can be anything it wrote).
 MAX_STACK_CHARS = 256 * 1024
 
@@ -67,6 +72,9 @@ class ProcSample:
     at: float  # monotonic time of the sample
     state: str  # the rank's own process state letter (R, S, D, T, t, Z, ...)
     cpu: float  # user+system seconds of the rank and its descendants
+    #: Some thread of the rank or of a descendant was running (R) or in I/O (D): a
+    #: checkpoint writer, a data-loader worker, an evaluation thread at work.
+    busy: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +90,7 @@ def is_hung(first: ProcSample, second: ProcSample) -> bool:
     if first.state in ("T", "t") or second.state in ("T", "t"):
         return True
     wall = second.at - first.at
-    if wall <= 0 or second.state != "S":
+    if wall <= 0 or second.state != "S" or first.busy or second.busy:
         return False
     return (second.cpu - first.cpu) < IDLE_SHARE * wall
 
@@ -122,22 +130,43 @@ def role(text: str, stopped: bool) -> Reading:
 
 
 def sample(pid: int, now: float) -> ProcSample | None:
-    """The rank's state and the CPU time of it and its descendants; None once gone."""
+    """The rank's state, the CPU time of it and its descendants, and whether any of
+    their threads runs or waits on I/O; None once it is gone."""
     try:
         proc = psutil.Process(pid)
         with proc.oneshot():
             state = _STATE.get(proc.status(), "?")
             times = proc.cpu_times()
         cpu = times.user + times.system
+        busy = _threads_busy(pid)
         for child in proc.children(recursive=True):
             try:
                 t = child.cpu_times()
             except psutil.Error:
                 continue
             cpu += t.user + t.system
+            busy = busy or _threads_busy(child.pid)
     except psutil.Error:
         return None
-    return ProcSample(now, state, cpu)
+    return ProcSample(now, state, cpu, busy)
+
+
+def _threads_busy(pid: int) -> bool:
+    """A thread of `pid` other than a zombie is running (R) or in I/O (D)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids[:MAX_THREADS]:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                raw = f.read(4096)
+        except OSError:
+            continue
+        after = raw.rpartition(b")")[2].split()
+        if after and after[0] in (b"R", b"D"):
+            return True
+    return False
 
 
 _STATE = {
