@@ -355,9 +355,22 @@ def test_suspicion_needs_evidence_and_holds_victims_for_their_culprit(tmp_path: 
     assert s.confirm({0: 100, 1: 101}, watched, 10.1) == {}
     # Rank 0 is hung (no CPU) but waits on peers while rank 1 is still suspected: held.
     assert s.confirm({0: 100, 1: 101}, watched, 10.35) == {}
+    assert s.confirm({0: 100, 1: 101}, watched, 10.38) == {}
     found = s.confirm({0: 100, 1: 101}, watched, 10.45)
     assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.ELSEWHERE}
     assert "train.py" in found[1].where and "old dump" not in found[1].where
+
+
+def test_a_waiter_is_never_handed_over_while_its_peer_is_busy(tmp_path: Path) -> None:
+    # Rank 1 writes a slow checkpoint (busy), rank 0 waits for it in a collective.
+    busy = [("S", 1.0 + 0.3 * i) for i in range(100)]
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: busy}, tmp_path)
+    s.confirm({0: 100, 1: 101}, watched, 10.0)
+    files[100].write_text(
+        "old dump\n" + _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"))
+    )
+    for k in range(1, 60):
+        assert s.confirm({0: 100, 1: 101}, watched, 10.0 + 0.1 * k) == {}
 
 
 def test_a_busy_rank_is_never_confirmed(tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ each scan; it answers with those that are hung on evidence, each with what its s
 says. At the first suspicion of an attempt every rank that is not stopped is asked for
 its stacks (the stacks blame is decided on, taken at detection); a stopped rank is left
 stopped, its state being the evidence. A rank that makes progress again, or shows it
-runs code, is no longer suspected.
+runs code, is no longer suspected. Ranks found waiting on their peers are never handed
+over while another rank of the node is not found hung (`_release`): killing a waiter
+whose peer is busy would be a false kill.
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from stalwart.monitor import evidence
 from stalwart.monitor.evidence import ProcSample, Reading, Role
 
 log = logging.getLogger(__name__)
-
-#: Confirmation windows a rank found waiting on its peers is held while another rank is
-#: still suspected.
-HOLD_FACTOR = 4
 
 Sampler = Callable[[int, float], ProcSample | None]
 #: Asks a process for its stacks; True when the signal was sent.
@@ -59,14 +57,12 @@ class Suspicions:
         self._offsets: dict[int, int] = {}  # local rank -> size of its stacks file when asked
         self._asked = False
         self._held: dict[int, Reading] = {}  # found hung, waiting for their peers' verdicts
-        self._held_since: float | None = None
 
     def reset(self) -> None:
         self._suspects = {}
         self._offsets = {}
         self._asked = False
         self._held = {}
-        self._held_since = None
 
     def confirm(
         self, past: Mapping[int, int], ranks: Mapping[int, Watched], now: float
@@ -99,22 +95,23 @@ class Suspicions:
                 del self._suspects[lr]
             else:
                 suspect.first = second  # running code: look again a window later
-        return self._release(hung, now)
+        return self._release(hung, ranks)
 
-    def _release(self, hung: dict[int, Reading], now: float) -> dict[int, Reading]:
-        """Holds ranks found waiting on their peers while another rank is still suspected
-        (the one they wait on, found a scan later, must be blamed, not them), for at
-        most `HOLD_FACTOR` confirmation windows."""
+    def _release(
+        self, hung: dict[int, Reading], ranks: Mapping[int, Watched]
+    ) -> dict[int, Reading]:
+        """Holds ranks found waiting on their peers as long as another rank of the node
+        is not found hung: that one is at work (a slow checkpoint, an evaluation) or not
+        yet judged, and the waiters will go on when it does. When only waiters are left
+        on the node (a deadlock between collectives, or a culprit on another node whose
+        monitor handles it) they are released together."""
         self._held.update(hung)
         if not self._held:
             return {}
-        if self._held_since is None:
-            self._held_since = now
         victims_only = all(r.role is Role.WAITING for r in self._held.values())
-        pending = any(lr not in self._held for lr in self._suspects)
-        if victims_only and pending and now - self._held_since < HOLD_FACTOR * self._wait:
+        if victims_only and any(lr not in self._held for lr in ranks):
             return {}
-        out, self._held, self._held_since = self._held, {}, None
+        out, self._held = self._held, {}
         return out
 
     def _ask_everyone(self, ranks: Mapping[int, Watched], now: float) -> None:
