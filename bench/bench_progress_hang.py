@@ -4,9 +4,11 @@ The job is ``bench/plain_ddp_job.py`` (2 ranks, DDP on gloo, Adam, a checkpoint 
 steps, no ``__main__`` guard, no stalwart import). Rank 1 hangs in the program's own code
 (``sleep``: before the step's collective; ``stop``: SIGSTOP to itself):
 
-* first attempt: at step 40 of attempt 0 (the rhythm learned in this attempt);
-* after a restart: attempt 0 crashes at step 15 (``--inject crash``, which works on the
-  unmodified program), attempt 1 hangs at step 40 (the rhythm learned before the crash);
+* first attempt: at step 60 of attempt 0 (the rhythm learned in this attempt);
+* after a restart: attempt 0 crashes at step 30 (``--inject crash``, which works on the
+  unmodified program), attempt 1 hangs at step 60 (the rhythm learned before the crash);
+
+Steps take about 25 ms (a 20 ms sleep stands for data loading).
 
 under ``stalwart run`` with nothing configured, and under torchrun with nothing
 configured (one run, capped: gloo's own timeout is 30 min). NVIDIA's ft_launcher needs
@@ -40,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "bench" / "plain_ddp_job.py"
 STALWART = [sys.executable, "-m", "stalwart.cli", "run"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-HANG_AT, STEPS = 40, 50
+HANG_AT, STEPS, CRASH_AT, STEP_SLEEP = 60, 70, 30, "0.02"
 
 
 def env_for(work: Path, fault: str) -> dict[str, str]:
@@ -49,7 +51,7 @@ def env_for(work: Path, fault: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("STALWART_", "TORCHELASTIC_", "PET_"))
     }
-    env.update(PJ_WORK=str(work), PJ_FAULT=fault, PJ_STEPS=str(STEPS))
+    env.update(PJ_WORK=str(work), PJ_FAULT=fault, PJ_STEPS=str(STEPS), PJ_SLEEP=STEP_SLEEP)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # torchrun's restarts work (FINDINGS)
     return env
 
@@ -62,7 +64,7 @@ def once(launcher: list[str], kind: str, later: bool, cap: float) -> dict[str, f
         if launcher is STALWART:
             flags += ["--log-dir", str(work / "logs")]
             if later:
-                flags += ["--inject", "crash:rank=1,step=15"]
+                flags += ["--inject", f"crash:rank=1,step={CRASH_AT}"]
         cmd = [*launcher, *flags, str(JOB)]
         proc = subprocess.Popen(
             cmd,

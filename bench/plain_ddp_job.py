@@ -9,6 +9,7 @@
 # Used by tests/reliability/test_progress_hangs.py and bench/bench_progress_hang.py.
 #   PJ_EVAL     every N steps an evaluation pass 10x a step long (0: none)
 #   PJ_CKPT     every N steps a checkpoint (default 10)
+#   PJ_SLEEP    extra seconds per step (default 0)
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ steps = int(os.environ.get("PJ_STEPS", "60"))
 kind, frank, fstep, fattempt = [*os.environ.get("PJ_FAULT", "none:0:0").split(":"), "0"][:4]
 every_eval = int(os.environ.get("PJ_EVAL", "0"))
 every_ckpt = int(os.environ.get("PJ_CKPT", "10"))
+step_sleep = float(os.environ.get("PJ_SLEEP", "0"))  # extra seconds per step (data, logging)
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -68,6 +70,8 @@ while state["step"] < steps:
         if kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
     x, y = next(data)
+    if step_sleep:
+        time.sleep(step_sleep)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()

@@ -18,6 +18,8 @@ from typing import Any
 DEFAULT_MIN_INITIAL_TIMEOUT = 60.0
 
 
+#: What a learned timeout is before warm-up where kills need evidence (monitor.evidence).
+EVIDENCE_PREWARM_TIMEOUT = 5.0
 #: Warm-up (steps) of the hang detection a job gets with no timeout configured.
 RHYTHM_WARMUP_STEPS = 20
 _DEFAULT_WARMUP_STEPS = 100
@@ -216,6 +218,9 @@ class MonitorConfig:
         """What a learned (``auto``) timeout is before the rank warmed up."""
         if self.hb_initial_timeout is not None:
             return self.hb_initial_timeout
+        if self.needs_evidence:
+            # A missed deadline only starts the evidence cycle: no need to wait long.
+            return EVIDENCE_PREWARM_TIMEOUT
         return DEFAULT_MIN_INITIAL_TIMEOUT
 
     @property
