@@ -51,7 +51,8 @@ def _monitor_config(data: dict[str, Any]) -> MonitorConfig:
     from stalwart.monitor.config import MonitorConfig
 
     try:
-        return MonitorConfig.from_mapping(data)
+        # No timeout configured: hang detection learned from the job's own steps.
+        return MonitorConfig.from_mapping(data).defaulted()
     except ValueError as err:
         raise ConfigError(f"hang detection: {err}") from None
 

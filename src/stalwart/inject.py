@@ -165,8 +165,14 @@ _injector: _Injector | None = None
 
 def step(step: int) -> None:
     """Call once per training step; performs any fault scheduled for this rank and step."""
-    global _injector
     progress.report(step)
+    at(step)
+
+
+def at(step: int) -> None:
+    """Performs any fault planned for *step* without reporting the step (the automatic
+    step signal of `stalwart.autostep` reports it its own way)."""
+    global _injector
     if _injector is None:
         _injector = _Injector()
     if _injector.faults:

@@ -28,6 +28,9 @@ SHM_ENV = "STALWART_PROGRESS_SHM"
 SLOT_ENV = "STALWART_PROGRESS_SLOT"
 
 _PAIR = struct.Struct("=qd")
+#: The latest pair alone, at offset ``_PAIR.size`` of a slot.
+LATEST = _PAIR
+LATEST_OFFSET = _PAIR.size
 SLOT_SIZE = 2 * _PAIR.size
 
 
@@ -72,8 +75,42 @@ def _open_writer() -> _Writer:
 _writer: _Writer | None = None
 
 
+class Claims:
+    """Which signals the program gives itself; the optimizer-step hook of
+    `stalwart.autostep` leaves those to it (read on its hot path: plain attributes)."""
+
+    __slots__ = ("heartbeats", "steps")
+
+    def __init__(self) -> None:
+        self.steps = False  # the program reported a step
+        self.heartbeats = False  # a monitoring client owns the heartbeat slot
+
+
+claims = Claims()
+
+
 def report(step: int) -> None:
     """Records that this rank reached training step *step* (call once per step)."""
+    claims.steps = True
+    record(step)
+
+
+def claim_heartbeats() -> None:
+    """A monitoring client owns this rank's heartbeat slot from now on."""
+    claims.heartbeats = True
+
+
+def slot() -> tuple[mmap.mmap, int] | None:
+    """This process's (mapping, offset) of its progress slot, or None outside a launcher."""
+    global _writer
+    w = _writer
+    if w is None:
+        w = _writer = _open_writer()
+    return (w.buf, w.offset) if w.buf is not None else None
+
+
+def record(step: int) -> None:
+    """`report` without taking the signal over (the automatic step signal's path)."""
     global _writer
     w = _writer
     if w is None:
@@ -87,9 +124,11 @@ def report(step: int) -> None:
 
 
 def reset() -> None:
-    """Forgets the cached slot (after a fork into another rank, and in tests)."""
+    """Forgets the cached slot and who reports steps (after a fork into another rank,
+    and in tests)."""
     global _writer
     _writer = None
+    claims.steps = claims.heartbeats = False
 
 
 class ProgressBoard:

@@ -225,8 +225,11 @@ def test_bad_learned_file_is_ignored(harness: Harness, tmp_path: Path, content: 
 
 def test_auto_config_dataclass_defaults() -> None:
     cfg = MonitorConfig(hb_auto=True)
-    assert cfg.effective_initial_timeout == 60.0 and cfg.auto_initial_timeout == 60.0
-    assert dataclasses.replace(cfg, hb_initial_timeout=5.0).auto_initial_timeout == 5.0
+    # Learned deadlines need evidence by default: before warm-up one only starts the
+    # evidence cycle, so it is short; without evidence the 60 s fallback stays.
+    assert cfg.effective_initial_timeout == 60.0 and cfg.auto_initial_timeout == 5.0
+    assert dataclasses.replace(cfg, evidence=False).auto_initial_timeout == 60.0
+    assert dataclasses.replace(cfg, hb_initial_timeout=7.0).auto_initial_timeout == 7.0
 
 
 def test_first_half_of_warm_up_is_not_learned_from() -> None:

@@ -45,6 +45,8 @@ RUN_TOKEN = "STALWART_RUN_TOKEN"
 CGROUP = "STALWART_CGROUP"
 #: Fault-injection plan (``--inject``).
 INJECT = "STALWART_INJECT"
+#: "0": workers do not count optimizer steps as training steps (``--no-auto-progress``).
+AUTO_PROGRESS = "STALWART_AUTO_PROGRESS"
 
 # -- other programs' knobs ----------------------------------------------------------------
 #: setproctitle: leave the environment block alone when setting the title.

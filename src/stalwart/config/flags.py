@@ -211,4 +211,12 @@ HANG_FLAGS: tuple[Flag, ...] = (
         const=True,
         help="restart the job without a straggler's node (elastic --nnodes MIN:MAX)",
     ),
+    hang_flag(
+        "--no-auto-progress",
+        target="auto_progress",
+        env=False,  # YAML's monitor.auto_progress; a STALWART_NO_... variable would read backwards
+        action="store_const",
+        const=False,
+        help="do not count optimizer steps as training steps (program reports its own)",
+    ),
 )

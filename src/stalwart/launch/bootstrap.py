@@ -6,6 +6,8 @@ It makes the worker observable, then runs the user's script or module exactly as
 exception's traceback starting at the user's code):
 
 * the parent-death signal, so a worker never outlives a SIGKILLed launcher;
+* torch's optimizer-step hook (``stalwart.autostep``), so each optimizer step is a step
+  for the launcher with no change to the program;
 * ``faulthandler`` on a real-time signal (``stacks.STACK_SIGNAL``), so the hang monitor can ask for every thread's stack;
 * an uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's format)
   even when the script has no ``@record``.
@@ -27,6 +29,7 @@ import types
 import zipimport
 from importlib.machinery import SourceFileLoader
 
+from stalwart import autostep
 from stalwart.base import envvars
 from stalwart.monitor import stacks
 
@@ -36,6 +39,8 @@ def observe() -> None:
     # To the rank's stacks.log when the launcher names one, so that several hung ranks'
     # dumps never interleave on the console.
     stacks.install()
+    # Every optimizer step counts as a training step (off with --no-auto-progress).
+    autostep.install()
 
 
 def set_title(argv: list[str]) -> None:

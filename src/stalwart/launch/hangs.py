@@ -68,6 +68,7 @@ class HangWatch:
         # a worker's environment matches torchrun's (ours has its own variable).
         if os.environ.get(envvars.ENABLE_FILE_TIMER) != "1":
             env.pop(monitor_env.TORCHELASTIC_TIMER_FILE, None)
+        env[envvars.AUTO_PROGRESS] = "1" if self.config.auto_progress else "0"
         return env
 
     def begin(
@@ -109,6 +110,28 @@ class HangWatch:
         changed |= _blame_first(failures, self._hangs)
         return changed
 
+    def count_hung_roots(self, failures: dict[int, ProcessFailure]) -> bool:
+        """Adds to *failures* (local rank -> failure) each rank the monitor found hung as a
+        root cause (no peer it waited on) that is not among them: a framework that
+        catches the terminate signal (Lightning) may exit 0 from a rank that was stopped,
+        and the verdict made at detection, not that exit code, is the one reported.
+        True when it added one."""
+        self.collect()
+        pids = {f.pid for f in failures.values()}
+        added = False
+        for report in self._hangs.values():
+            if report.waiting_on is not None or report.pid in pids:
+                continue
+            if report.local_rank in failures:
+                continue
+            failure = ProcessFailure(
+                local_rank=report.local_rank, pid=report.pid, exitcode=0, rank=report.global_rank
+            )
+            failure.reason, failure.timestamp, failure.traceback = annotate(failure, report)
+            failures[report.local_rank] = failure
+            added = True
+        return added
+
     def control_request(self, attempt: int) -> ControlRequest | None:
         """The rank's request that ends this round, if any: a request to shut the
         workload down wins over one to exclude a node; "continue" ends nothing."""
@@ -147,6 +170,8 @@ def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str
         bits.append(f"iteration {hang.iteration}")
     if hang.waiting_on is not None:
         bits.append(f"most likely waiting on rank {hang.waiting_on}")
+    if hang.evidence:
+        bits.append(hang.evidence)
     if hang.dossier:
         bits.append(f"dossier {hang.dossier}")
     traceback = failure.traceback

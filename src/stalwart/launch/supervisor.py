@@ -278,6 +278,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                     for f in result.failures.values():
                         f.node_rank = info.group_rank
                     if self._hangs is not None:
+                        self._hangs.count_hung_roots(result.failures)
                         self._hangs.explain(list(result.failures.values()))
                     cause = root_cause(list(result.failures.values()))
                     rdzv.report_failure(info.round, cause.to_record())
@@ -306,8 +307,9 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         it) still names the hang in this node's failure record, hence in the summary."""
         if self._hangs is None:
             return
+        added = self._hangs.count_hung_roots(result.failures)
         failures = list(result.failures.values())
-        if failures and self._hangs.explain(failures):
+        if failures and (self._hangs.explain(failures) or added):
             rdzv.report_failure(round_, root_cause(failures).to_record())
 
     def _on_request(

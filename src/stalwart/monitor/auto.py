@@ -33,6 +33,8 @@ from stalwart.monitor.learned import LearnedTimeouts
 
 #: Samples kept per rank and kind: enough for a high percentile, bounded memory.
 MAX_SAMPLES = 4096
+#: Gaps a beating rank must have shown before it counts as warmed up.
+MIN_GAP_SAMPLES = 3
 #: More heartbeats than this between two reads of a slot is taken for a scribble.
 MAX_BEATS_PER_READ = 100_000
 
@@ -81,6 +83,7 @@ class Rhythm:
     names: set[str] = dataclasses.field(default_factory=set)
     oos_seen: float = 0.0
     oos: deque[float] = dataclasses.field(default_factory=_bounded)
+    relearning: bool = False  # a new section sent it back to warm-up
 
     def observe(self, snap: SlotSnapshot, names: list[str], now: float, relearn: bool) -> bool:
         """Takes in one read of the slot; True when a section name appeared that had not
@@ -91,9 +94,17 @@ class Rhythm:
         learning = self.beats >= self.settle
         if snap.last_hb > 0 and snap.last_hb != self.last_hb:
             counted = 0 < snap.beats - self.last_count <= MAX_BEATS_PER_READ and self.last_count > 0
+            stepped = (
+                snap.iteration - self.last_iteration
+                if 0 <= self.last_iteration < snap.iteration
+                and snap.iteration - self.last_iteration <= MAX_BEATS_PER_READ
+                else 0
+            )
             if self.last_hb > 0 and snap.last_hb > self.last_hb:
                 gap = snap.last_hb - self.last_hb
-                between = snap.beats - self.last_count if counted else 0
+                # Beats between the reads: the slot's count, else the steps (a rank whose
+                # steps are seen without code beats once per step and counts none).
+                between = snap.beats - self.last_count if counted else stepped
                 if between == 1:
                     self.shortest = gap if self.shortest is None else min(self.shortest, gap)
                 if learning:
@@ -103,8 +114,8 @@ class Rhythm:
             # Several beats may fall between two reads: count steps where they are known
             # (iterations, else the slot's heartbeat count; a count that went backwards or
             # jumped absurdly, as anything in the slot can, counts as one).
-            if self.last_iteration >= 0 and snap.iteration > self.last_iteration:
-                advanced = snap.iteration - self.last_iteration
+            if stepped:
+                advanced = stepped
             elif counted:
                 advanced = snap.beats - self.last_count
             else:
@@ -135,6 +146,7 @@ class Rhythm:
         self.names.update(new)
         if new and relearn:
             # The new stretch is what must be learned: nothing is skipped this time.
+            self.relearning = True
             self.beats = 0
             self.settle = 0
             self.warm_since = now
@@ -142,8 +154,13 @@ class Rhythm:
         return False
 
     def warm(self, steps: int, seconds: float, now: float) -> bool:
+        # Short steps pass many at a time between two reads: the steps alone could be
+        # done before a single gap was learned from.
         return (
-            self.beats >= steps and self.warm_since is not None and now - self.warm_since >= seconds
+            self.beats >= steps
+            and self.warm_since is not None
+            and now - self.warm_since >= seconds
+            and (self.last_hb == 0.0 or len(self.hb_gaps) >= MIN_GAP_SAMPLES)
         )
 
 

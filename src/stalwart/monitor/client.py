@@ -132,6 +132,8 @@ class RankMonitorClient:
         else:
             self._buf, index = found
             self.active = True
+            # The slot is ours now: the automatic step signal stops beating it.
+            progress.claim_heartbeats()
         self._slot = index
         self._base = base = layout.slot_offset(index)
         self._off_hb = base + layout.OFF_LAST_HB

@@ -18,6 +18,13 @@ from typing import Any
 DEFAULT_MIN_INITIAL_TIMEOUT = 60.0
 
 
+#: What a learned timeout is before warm-up where kills need evidence (monitor.evidence).
+EVIDENCE_PREWARM_TIMEOUT = 5.0
+#: Warm-up (steps) of the hang detection a job gets with no timeout configured.
+RHYTHM_WARMUP_STEPS = 20
+_DEFAULT_WARMUP_STEPS = 100
+
+
 def _positive(name: str, value: float | None) -> None:
     if value is None:
         return
@@ -111,6 +118,12 @@ class MonitorConfig:
     straggler_window: seconds of progress each straggler verdict looks at.
     straggler_restart: a straggler's node leaves the job and the others restart without
         it (elastic membership only); otherwise stragglers are information only.
+    auto_progress: workers count each optimizer step as a training step
+        (`stalwart.autostep`); False leaves steps to the program's own reports.
+    evidence: a missed deadline is only a suspicion until the rank's processes show it
+        hung (stopped, or asleep in a wait without using the CPU; see monitor.evidence).
+        None: only where no timeout is a number (learned deadlines need evidence, the
+        user's numbers act as given).
     """
 
     hb_timeout: float | None = None
@@ -125,13 +138,15 @@ class MonitorConfig:
     hb_auto: bool = False
     section_auto: bool = False
     oos_auto: bool = False
-    auto_warmup_steps: int = 100
+    auto_warmup_steps: int = _DEFAULT_WARMUP_STEPS
     auto_warmup_seconds: float = 0.0
     auto_percentile: float = 100.0
     auto_floor: float = 0.5
     straggler_factor: float = 2.0
     straggler_window: float = 30.0
     straggler_restart: bool = False
+    auto_progress: bool = True
+    evidence: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.auto_warmup_steps, bool) or not isinstance(self.auto_warmup_steps, int):
@@ -149,6 +164,8 @@ class MonitorConfig:
         _positive_number("auto_percentile", self.auto_percentile)
         if self.auto_percentile > 100:
             raise ValueError(f"auto_percentile must be in (0, 100], got {self.auto_percentile!r}")
+        if self.evidence is not None and not isinstance(self.evidence, bool):
+            raise ValueError(f"evidence must be true or false, got {self.evidence!r}")
         _positive("auto_floor", self.auto_floor)
         _positive("straggler_window", self.straggler_window)
         _positive_number("straggler_factor", self.straggler_factor)
@@ -201,7 +218,35 @@ class MonitorConfig:
         """What a learned (``auto``) timeout is before the rank warmed up."""
         if self.hb_initial_timeout is not None:
             return self.hb_initial_timeout
+        if self.needs_evidence:
+            # A missed deadline only starts the evidence cycle: no need to wait long.
+            return EVIDENCE_PREWARM_TIMEOUT
         return DEFAULT_MIN_INITIAL_TIMEOUT
+
+    @property
+    def any_number(self) -> bool:
+        """A timeout given as a number of seconds."""
+        return (
+            self.hb_timeout is not None
+            or self.hb_initial_timeout is not None
+            or self.out_of_section_timeout is not None
+            or bool(self.section_timeouts)
+        )
+
+    @property
+    def needs_evidence(self) -> bool:
+        return self.evidence if self.evidence is not None else not self.any_number
+
+    def defaulted(self) -> MonitorConfig:
+        """What the launcher runs when the user configured no timeout at all: the heartbeat
+        timeout learned from the steps stalwart sees (`stalwart.autostep`), warm after
+        `RHYTHM_WARMUP_STEPS` (unless the user set a warm-up), kills on evidence only."""
+        if self.any_number or self.any_auto or not self.auto_progress:
+            return self
+        steps = self.auto_warmup_steps
+        if steps == _DEFAULT_WARMUP_STEPS:
+            steps = RHYTHM_WARMUP_STEPS
+        return dataclasses.replace(self, hb_auto=True, auto_warmup_steps=steps)
 
     @property
     def any_auto(self) -> bool:
@@ -239,7 +284,14 @@ class MonitorConfig:
                 kwargs[key], auto = _parse_sections(raw)
                 if auto:
                     kwargs["section_auto"] = True
-            elif key in ("hb_auto", "section_auto", "oos_auto", "straggler_restart"):
+            elif key in (
+                "hb_auto",
+                "section_auto",
+                "oos_auto",
+                "straggler_restart",
+                "auto_progress",
+                "evidence",
+            ):
                 kwargs[key] = _parse_bool(key, raw)
             elif key == "auto_warmup_steps":
                 try:

@@ -59,6 +59,10 @@ class Stalled:
     stalled_since: float | None
     last_active: float | None = None  # see Verdict.last_active
     stopped: bool = False  # its process was stopped (SIGSTOP) when it was found hung
+    #: What its stack showed when it was found hung (monitor.evidence): True inside a
+    #: collective or a wait on peers, False elsewhere, None without a stack to read.
+    waiting: bool | None = None
+    why: str | None = None  # that evidence in words, for the report
 
 
 def _oldest(
@@ -89,6 +93,8 @@ def blame(stalled: Sequence[Stalled], resolution: float = BLAME_RESOLUTION) -> l
     later; which slot a scan reads first says nothing. The rank behind is the cause,
     found by narrowing the candidates, each rule applied to those the previous one left:
 
+    0. where stacks were read (`Stalled.waiting`) and some ranks wait on their peers
+       while others do not, only those that do not;
     1. the lowest iteration, when every rank reports iterations (all ranks report at the
        same point of a step, so a rank one step behind is the one the others wait for);
     2. the oldest last progress (heartbeat, else attach); times within `resolution` of
@@ -104,7 +110,11 @@ def blame(stalled: Sequence[Stalled], resolution: float = BLAME_RESOLUTION) -> l
     A rank whose time is not known never wins a rule over one whose time is. The root
     cause comes first; the others follow in order of iteration and last progress.
     """
-    by_iteration = all(s.iteration is not None for s in stalled)
+    # 0. Evidence first: where stacks tell victims from the rest, the root cause is
+    #    among the ranks that are not waiting on the others.
+    culprits = [s for s in stalled if s.waiting is False]
+    pool = culprits if culprits and len(culprits) < len(stalled) else list(stalled)
+    by_iteration = all(s.iteration is not None for s in pool)
 
     def key(s: Stalled) -> tuple[int, int, float, int]:
         it = s.iteration if by_iteration and s.iteration is not None else 0
@@ -114,7 +124,8 @@ def blame(stalled: Sequence[Stalled], resolution: float = BLAME_RESOLUTION) -> l
     order = sorted(stalled, key=key)
     if not order:
         return order
-    behind = [s for s in order if key(s)[0] == key(order[0])[0]]
+    candidates = sorted(pool, key=key)
+    behind = [s for s in candidates if key(s)[0] == key(candidates[0])[0]]
     tied = _oldest(behind, lambda s: s.stalled_since, resolution)
     tied = [s for s in tied if s.stopped] or tied
     tied = [s for s in tied if _idle(s)] or tied

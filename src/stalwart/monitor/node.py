@@ -28,6 +28,7 @@ from typing import Any
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.monitor import auto, envvars, layout
+from stalwart.monitor.evidence import Reading, Role
 from stalwart.monitor.jobsync import JobPeers
 from stalwart.monitor.judge import (
     BLAME_RESOLUTION,
@@ -42,6 +43,7 @@ from stalwart.monitor.node_requests import NodeRequests
 from stalwart.monitor.node_state import SHM_NAME, _ensure_private_dir, _Rank
 from stalwart.monitor.node_sync import NodeSync
 from stalwart.monitor.reports import ControlRequest, HangReport
+from stalwart.monitor.suspicions import Watched
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,12 @@ log = logging.getLogger(__name__)
 DEADLINE_SLACK = 0.002 + BLAME_RESOLUTION
 DEADLINE_MIN_WAIT = 0.005
 #: A rank is named a straggler on the console at most this often (seconds).
+
+
+def _waiting(reading: Reading | None) -> bool | None:
+    if reading is None or reading.role is Role.UNKNOWN:
+        return None
+    return reading.role is Role.WAITING
 
 
 class NodeMonitor(NodeRequests, NodeSync):
@@ -157,6 +165,7 @@ class NodeMonitor(NodeRequests, NodeSync):
             self._stalled = []
             self._roots = {}
             self._rhythms = {}
+            self._suspicions.reset()
             self._dossier = None
             self._attempt = attempt
             self._ranks = {
@@ -185,6 +194,7 @@ class NodeMonitor(NodeRequests, NodeSync):
             for rank in self._ranks.values():
                 self._timers.forget_pid(rank.pid)
             self._ranks = {}
+            self._suspicions.reset()
             self._attempt = None
             self._stalled = []
             self._roots = {}  # pending hangs below are terminated now, in no order
@@ -285,6 +295,14 @@ class NodeMonitor(NodeRequests, NodeSync):
         if self.config.any_auto:
             self._update_learned()
         self._check_stragglers(ranks)
+        readings: dict[int, Reading] = {}
+        if self.config.needs_evidence:
+            # A missed deadline is a suspicion; only evidence makes it a hang.
+            with self._lock:
+                watched = {lr: Watched(r.pid, r.stderr) for lr, r in self._ranks.items()}
+            past = {lr: writer for lr, (_, writer, _) in found.items()}
+            readings = self._suspicions.confirm(past, watched, time.monotonic())
+            found = {lr: found[lr] for lr in readings}
         if not found:
             return
         # Handled root cause first, and every other one named as waiting on it; ranks
@@ -298,6 +316,8 @@ class NodeMonitor(NodeRequests, NodeSync):
                 v.last_active,
                 # Read before any hang is handled (that continues a stopped process).
                 stopped=procs.is_stopped(writer),
+                waiting=_waiting(readings.get(r.local_rank)),
+                why=readings[r.local_rank].where if r.local_rank in readings else None,
             )
             for r, writer, v in found.values()
         ]

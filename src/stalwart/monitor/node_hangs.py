@@ -56,19 +56,21 @@ class NodeHangs(NodeState):
         hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
         hang.attempt = self._attempt
         hang.waiting_on = waiting_on
+        hang.evidence = stalled.why if stalled is not None else None
         with self._lock:
             self._roots.setdefault(rank.global_rank, hang)
         log.warning(
-            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s",
+            "rank %d (pid %d) hung: %s timeout %.3f s (section %s)%s%s",
             rank.local_rank,
             target,
             verdict.kind.value,
             verdict.timeout,
             verdict.section,
             "" if waiting_on is None else f"; most likely waiting on rank {waiting_on}",
+            "" if hang.evidence is None else f" ({hang.evidence})",
         )
         step, wait = "terminate", 0.0
-        self._open_dossier(rank, target, verdict, waiting_on)
+        self._open_dossier(rank, target, verdict, waiting_on, hang.evidence)
         if self.config.stack_dump_wait > 0 and procs.catches_signal(target, stacks.STACK_SIGNAL):
             if rank.stderr is not None:
                 try:
@@ -201,19 +203,27 @@ class NodeHangs(NodeState):
             detected_at=hang.detected_at,
             waiting_on=hang.waiting_on,
             dossier=str(hang.dossier) if hang.dossier is not None else None,
+            evidence=hang.evidence,
         )
 
     # -- hang dossier ----------------------------------------------------------------
     def _open_dossier(
-        self, hung: _Rank, target: int, verdict: Verdict, waiting_on: int | None
+        self,
+        hung: _Rank,
+        target: int,
+        verdict: Verdict,
+        waiting_on: int | None,
+        evidence: str | None = None,
     ) -> None:
         """At the attempt's first hang: notes every rank's state and stderr size, then
         asks the others for their stacks and every rank's flight recorder for a dump.
         Later hangs only add their verdict."""
         if self._state_dir is None:
             return
-        text = f"{verdict.kind.value} timeout {verdict.timeout:g}s" + (
-            f", most likely waiting on rank {waiting_on}" if waiting_on is not None else ""
+        text = (
+            f"{verdict.kind.value} timeout {verdict.timeout:g}s"
+            + (f", most likely waiting on rank {waiting_on}" if waiting_on is not None else "")
+            + (f"; {evidence}" if evidence else "")
         )
         with self._lock:
             entries = self._dossier

@@ -33,9 +33,13 @@ class NodeLearning(NodeState):
         """The config a rank is judged by: learned values once it warmed up, the initial
         timeout before; numbers the user gave stay as they are."""
         c, a = self.config, self._auto
-        warm = rhythm.warm(a.warmup_steps, a.warmup_seconds, now)
-        pre = c.auto_initial_timeout
         learned = self._learned
+        # A rhythm already learned (an earlier attempt, or an earlier run in this run
+        # folder) judges a rank from its first step on; only a first one warms up.
+        warm = rhythm.warm(a.warmup_steps, a.warmup_seconds, now) or (
+            learned.hb is not None and rhythm.beats >= 1 and not rhythm.relearning
+        )
+        pre = c.auto_initial_timeout
         hb = c.hb_timeout
         if a.hb:
             hb = learned.hb if warm and learned.hb is not None else pre

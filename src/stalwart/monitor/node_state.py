@@ -22,7 +22,7 @@ from typing import Any
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.base.files import untrusted
-from stalwart.monitor import auto, dossier, jobsync
+from stalwart.monitor import auto, dossier, jobsync, stacks
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
 from stalwart.monitor.judge import (
@@ -31,6 +31,7 @@ from stalwart.monitor.judge import (
 )
 from stalwart.monitor.learned import LearnedTimeouts
 from stalwart.monitor.reports import ControlRequest, HangReport
+from stalwart.monitor.suspicions import Suspicions
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from stalwart.monitor.wire import ControlMessage
 
@@ -90,6 +91,14 @@ class _Hang:
     waiting_on: int | None = None
     dossier: Path | None = None
     deferred_since: float | None = None  # monotonic: waiting for the rank it waited on
+    evidence: str | None = None  # what its processes and stack showed (evidence mode)
+
+
+def _ask_stacks(pid: int) -> bool:
+    """Asks a rank for its stacks, only where it has the handler (else the signal kills)."""
+    return procs.catches_signal(pid, stacks.STACK_SIGNAL) and procs.signal_pid(
+        pid, stacks.STACK_SIGNAL
+    )
 
 
 def _ensure_private_dir(path: Path) -> None:
@@ -170,6 +179,8 @@ class NodeState(abc.ABC):
         self._sync_warned: set[str] = set()
         self._exclusion_asked = False  # --straggler-restart: once per attempt
         self._rhythms: dict[int, auto.Rhythm] = {}
+        # Ranks past a learned deadline, until evidence says they are hung (or not).
+        self._suspicions = Suspicions(_ask_stacks)
         self._auto = auto.AutoSettings(
             hb=config.hb_auto,
             sections=config.section_auto,

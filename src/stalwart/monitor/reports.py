@@ -53,6 +53,7 @@ class HangReport:
     detected_at: float
     waiting_on: int | None = None
     dossier: str | None = None
+    evidence: str | None = None  # what made it a hang and its part in it (monitor.evidence)
 
     def to_event(self) -> dict[str, Any]:
         """JSON-safe form for events.jsonl (stacks left out: they go to the log)."""
@@ -68,6 +69,7 @@ class HangReport:
             "detected_at": self.detected_at,
             "waiting_on": self.waiting_on,
             "dossier": self.dossier,
+            "evidence": self.evidence,
         }
 
 

@@ -1,0 +1,181 @@
+"""Evidence that a rank past its deadline is hung, and whether it waits on its peers.
+
+A missed deadline that was *learned* (no timeout configured) is only a suspicion: an
+evaluation pass, a slow checkpoint, a first-step compilation or a data loader warming up
+misses it too while running code. The monitor then samples the rank's processes twice,
+`CONFIRM_WAIT` apart, and `is_hung` (pure) decides from the two samples:
+
+* stopped (``T``: SIGSTOP, a debugger) at either sample: hung;
+* blocked: the rank's processes (it and its descendants, so data-loader workers count)
+  used less than `IDLE_SHARE` of one core between the samples, the rank itself is
+  asleep in a wait (``S``: a collective, a lock, a sleep, a socket, a queue), and no
+  thread of them was running or in I/O at either sample (a checkpoint writer fsyncing
+  while the rank waits for it is not a hang): hung;
+* anything else (running, in uninterruptible I/O ``D``, or busy): not hung, looked at
+  again a window later.
+
+Who is to blame among hung ranks comes from their stacks, taken when the suspicion
+began: `role` (pure) reads the innermost frames of the stack faulthandler wrote; a rank
+inside a collective or a wait on its peers (a ``torch.distributed`` call, DDP's reducer
+in ``backward``, a device synchronise) is WAITING, a rank anywhere else (its own code,
+a sleep, a data loader, I/O) is ELSEWHERE, and a stopped rank is ELSEWHERE whatever its
+stack. `judge.blame` puts the ranks that are not waiting first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+
+import psutil
+
+#: Seconds between the two samples of a suspected rank.
+CONFIRM_WAIT = 0.3
+#: Below this share of one core between the samples, the rank's processes ran no code.
+IDLE_SHARE = 0.1
+#: Innermost frames of the main thread's stack that `role` reads.
+INNERMOST = 4
+#: Threads of one process looked at for `ProcSample.busy`.
+MAX_THREADS = 1024
+#: Longest stack text `role` reads (a rank's dump can be anything it wrote).
+MAX_STACK_CHARS = 256 * 1024
+
+# (file path fragment, function or None for any): frames that wait on the other ranks.
+_WAITS: tuple[tuple[str, str | None], ...] = (
+    ("torch/distributed/distributed_c10d.py", None),
+    ("torch/distributed/_functional_collectives", None),
+    ("torch/distributed/c10d_logger.py", None),
+    ("torch/distributed/", "wait"),
+    ("torch/distributed/", "barrier"),
+    ("torch/nn/parallel/distributed.py", None),  # DDP's buffer broadcast, bucket rebuild
+    ("torch/autograd/graph.py", "_engine_run_backward"),  # DDP's reducer all-reduces here
+    ("torch/autograd/__init__.py", "backward"),
+    ("torch/cuda/", "synchronize"),
+    ("torch/futures/", "wait"),
+)
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line \d+ in (?P<func>\S+)')
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+
+
+class Role(enum.Enum):
+    WAITING = "waiting"  # blocked on the other ranks: a victim
+    ELSEWHERE = "elsewhere"  # not waiting on the others: the root cause
+    UNKNOWN = "unknown"  # no stack to read
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcSample:
+    """One look at a rank's processes."""
+
+    at: float  # monotonic time of the sample
+    state: str  # the rank's own process state letter (R, S, D, T, t, Z, ...)
+    cpu: float  # user+system seconds of the rank and its descendants
+    #: Some thread of the rank or of a descendant was running (R) or in I/O (D): a
+    #: checkpoint writer, a data-loader worker, an evaluation thread at work.
+    busy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What a rank's stack says."""
+
+    role: Role
+    where: str  # the innermost frame, "file:line in func", or why there is none
+
+
+def is_hung(first: ProcSample, second: ProcSample) -> bool:
+    """Whether two samples show a rank that runs no code (see the module's rules)."""
+    if first.state in ("T", "t") or second.state in ("T", "t"):
+        return True
+    wall = second.at - first.at
+    if wall <= 0 or second.state != "S" or first.busy or second.busy:
+        return False
+    return (second.cpu - first.cpu) < IDLE_SHARE * wall
+
+
+def main_stack(text: str) -> list[tuple[str, str, str]]:
+    """The frames (file, line text, function) of the dump's main thread, innermost
+    first: the "Current thread" (the signal lands on the main thread), else the first."""
+    threads: list[tuple[bool, list[tuple[str, str, str]]]] = []
+    for line in text[:MAX_STACK_CHARS].splitlines():
+        head = _THREAD.match(line)
+        if head is not None:
+            threads.append((head.group(1) == "Current thread", []))
+            continue
+        frame = _FRAME.match(line)
+        if frame is not None and threads:
+            threads[-1][1].append((frame.group("file"), line.strip(), frame.group("func")))
+    for current, frames in threads:
+        if current and frames:
+            return frames
+    return next((frames for _, frames in threads if frames), [])
+
+
+def role(text: str, stopped: bool) -> Reading:
+    """Whether a rank whose main thread shows `text` waits on its peers (pure)."""
+    frames = main_stack(text)
+    where = frames[0][1] if frames else "no stack"
+    if stopped:
+        return Reading(Role.ELSEWHERE, f"stopped (state T) at {where}")
+    if not frames:
+        return Reading(Role.UNKNOWN, where)
+    for file, line, func in frames[:INNERMOST]:
+        path = file.replace("\\", "/")
+        for fragment, name in _WAITS:
+            if fragment in path and (name is None or func == name):
+                return Reading(Role.WAITING, f"waiting on peers: {line}")
+    return Reading(Role.ELSEWHERE, f"not waiting on peers: {where}")
+
+
+def sample(pid: int, now: float) -> ProcSample | None:
+    """The rank's state, the CPU time of it and its descendants, and whether any of
+    their threads runs or waits on I/O; None once it is gone."""
+    try:
+        proc = psutil.Process(pid)
+        with proc.oneshot():
+            state = _STATE.get(proc.status(), "?")
+            times = proc.cpu_times()
+        cpu = times.user + times.system
+        busy = _threads_busy(pid)
+        for child in proc.children(recursive=True):
+            try:
+                t = child.cpu_times()
+            except psutil.Error:
+                continue
+            cpu += t.user + t.system
+            busy = busy or _threads_busy(child.pid)
+    except psutil.Error:
+        return None
+    return ProcSample(now, state, cpu, busy)
+
+
+def _threads_busy(pid: int) -> bool:
+    """A thread of `pid` other than a zombie is running (R) or in I/O (D)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids[:MAX_THREADS]:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                raw = f.read(4096)
+        except OSError:
+            continue
+        after = raw.rpartition(b")")[2].split()
+        if after and after[0] in (b"R", b"D"):
+            return True
+    return False
+
+
+_STATE = {
+    psutil.STATUS_RUNNING: "R",
+    psutil.STATUS_SLEEPING: "S",
+    psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_STOPPED: "T",
+    psutil.STATUS_TRACING_STOP: "t",
+    psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_DEAD: "X",
+    psutil.STATUS_IDLE: "I",
+}

@@ -1,0 +1,388 @@
+"""The pure rules of progress without code (issue 22): evidence of a hang, a rank's part
+in it read from its stack, blame on that evidence, the default configuration, and the
+optimizer-step hook's counting, each as a table or on real torch optimizers."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from stalwart import autostep, progress
+from stalwart.monitor import envvars, evidence, layout
+from stalwart.monitor.auto import Rhythm
+from stalwart.monitor.config import RHYTHM_WARMUP_STEPS, MonitorConfig
+from stalwart.monitor.evidence import ProcSample, Role
+from stalwart.monitor.judge import Stalled, blame
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "hung"),
+    [
+        (("S", 1.0), ("S", 1.0), True),  # asleep in a wait, no CPU
+        (("S", 1.0), ("S", 1.01), True),  # a few ms of CPU: still no code running
+        (("T", 1.0), ("T", 1.0), True),  # stopped
+        (("R", 1.0), ("T", 1.3), True),  # stopped by the second look
+        (("S", 1.0), ("S", 1.2), False),  # data-loader workers or a thread ran code
+        (("R", 1.0), ("R", 1.3), False),  # busy: evaluation, compilation
+        (("D", 1.0), ("D", 1.0), False),  # uninterruptible I/O: a slow checkpoint
+        (("S", 1.0), ("R", 1.0), False),  # running at the second look
+    ],
+)
+def test_is_hung_table(first: tuple[str, float], second: tuple[str, float], hung: bool) -> None:
+    a = ProcSample(10.0, *first)
+    b = ProcSample(10.3, *second)
+    assert evidence.is_hung(a, b) is hung
+
+
+def test_a_busy_thread_or_child_means_not_hung() -> None:
+    # The rank waits for its checkpoint writer, which is in I/O (D) or running.
+    a = ProcSample(10.0, "S", 1.0, busy=True)
+    b = ProcSample(10.3, "S", 1.0, busy=False)
+    assert not evidence.is_hung(a, b) and not evidence.is_hung(b, a)
+    assert evidence.is_hung(ProcSample(10.0, "T", 1.0, True), b)  # stopped is stopped
+
+
+def test_is_hung_needs_time_between_the_samples() -> None:
+    a = ProcSample(10.0, "S", 1.0)
+    assert not evidence.is_hung(a, a)
+
+
+def _dump(*frames: tuple[str, str], other: tuple[str, str] | None = None) -> str:
+    lines = []
+    if other is not None:
+        lines += ["Thread 0x00007f0000000002 (most recent call first):"]
+        lines += [f'  File "{other[0]}", line 7 in {other[1]}', ""]
+    lines += ["Current thread 0x00007f0000000001 (most recent call first):"]
+    lines += [f'  File "{f}", line 12 in {fn}' for f, fn in frames]
+    return "\n".join(lines) + "\n"
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+
+
+@pytest.mark.parametrize(
+    ("text", "stopped", "role"),
+    [
+        # DDP's reducer all-reduces inside backward: a victim.
+        (
+            _dump(
+                (f"{TORCH}/autograd/graph.py", "_engine_run_backward"),
+                (f"{TORCH}/autograd/__init__.py", "backward"),
+                (f"{TORCH}/_tensor.py", "backward"),
+                ("/job/train.py", "<module>"),
+            ),
+            False,
+            Role.WAITING,
+        ),
+        (
+            _dump(
+                (f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"),
+                (f"{TORCH}/distributed/c10d_logger.py", "wrapper"),
+                ("/job/train.py", "main"),
+            ),
+            False,
+            Role.WAITING,
+        ),
+        (_dump((f"{TORCH}/cuda/__init__.py", "synchronize"), ("/j.py", "f")), False, Role.WAITING),
+        # The program's own code (time.sleep has no Python frame), a data loader, I/O.
+        (_dump(("/job/train.py", "<module>")), False, Role.ELSEWHERE),
+        (
+            _dump(("/job/data.py", "__getitem__"), (f"{TORCH}/utils/data/_utils/fetch.py", "f")),
+            False,
+            Role.ELSEWHERE,
+        ),
+        (
+            _dump(("/usr/lib/python3.11/multiprocessing/queues.py", "get"), ("/j.py", "<module>")),
+            False,
+            Role.ELSEWHERE,
+        ),
+        # Stopped: not waiting on anyone, whatever the stack says.
+        (_dump((f"{TORCH}/distributed/distributed_c10d.py", "barrier")), True, Role.ELSEWHERE),
+        ("", True, Role.ELSEWHERE),
+        ("", False, Role.UNKNOWN),
+        # Only the main thread's stack counts, not a background thread in a collective.
+        (
+            _dump(
+                ("/job/train.py", "<module>"),
+                other=(f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"),
+            ),
+            False,
+            Role.ELSEWHERE,
+        ),
+    ],
+)
+def test_role_table(text: str, stopped: bool, role: Role) -> None:
+    assert evidence.role(text, stopped).role is role
+
+
+def test_role_reads_hostile_and_oversized_stack_text_in_bounded_time() -> None:
+    junk = "\x00\xff" * 4_000_000 + 'Current thread 0xZZ\n  File "' + "a" * 100_000
+    started = time.monotonic()
+    reading = evidence.role(junk, False)
+    assert time.monotonic() - started < 5
+    assert reading.role is Role.UNKNOWN
+    # A frame line past the bound is never read.
+    far = "x\n" * (evidence.MAX_STACK_CHARS // 2) + _dump((f"{TORCH}/autograd/graph.py", "x"))
+    assert evidence.role(far, False).role is Role.UNKNOWN
+
+
+def _stalled(rank: int, waiting: bool | None, since: float = 5.0, stopped: bool = False) -> Stalled:
+    return Stalled(rank, rank, 40, since, since, stopped=stopped, waiting=waiting)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "root"),
+    [
+        # The tie the issue saw (same iteration, same time): the stack decides.
+        ([_stalled(0, True), _stalled(1, False)], 1),
+        ([_stalled(0, False), _stalled(1, True)], 0),
+        # Evidence wins over an older heartbeat of a waiting rank.
+        ([_stalled(0, True, since=4.0), _stalled(1, False, since=5.0)], 1),
+        # Without evidence that tells them apart: the old rules (oldest, lowest rank).
+        ([_stalled(0, None), _stalled(1, None)], 0),
+        ([_stalled(0, True), _stalled(1, True, since=4.0)], 1),
+        ([_stalled(0, False), _stalled(1, False)], 0),
+        ([_stalled(0, True), _stalled(1, None), _stalled(2, False)], 2),
+    ],
+)
+def test_blame_on_evidence_table(ranks: list[Stalled], root: int) -> None:
+    assert blame(ranks)[0].global_rank == root
+
+
+@pytest.mark.parametrize(
+    ("given", "hb_auto", "warmup", "needs_evidence"),
+    [
+        ({}, True, RHYTHM_WARMUP_STEPS, True),
+        ({"auto_warmup_steps": "50"}, True, 50, True),
+        ({"hb_timeout": "2"}, False, 100, False),  # numbers: exactly as configured
+        ({"section_timeouts": ["ckpt=30"]}, False, 100, False),
+        ({"hb_timeout": "auto"}, True, 100, True),
+        ({"auto_progress": "false"}, False, 100, True),  # nothing seen, nothing judged
+        ({"hb_timeout": "2", "evidence": "true"}, False, 100, True),
+    ],
+)
+def test_defaulted_config_table(
+    given: dict[str, object], hb_auto: bool, warmup: int, needs_evidence: bool
+) -> None:
+    cfg = MonitorConfig.from_mapping(given).defaulted()
+    assert (cfg.hb_auto, cfg.auto_warmup_steps, cfg.needs_evidence) == (
+        hb_auto,
+        warmup,
+        needs_evidence,
+    )
+
+
+def test_bad_evidence_value_is_one_clear_error() -> None:
+    with pytest.raises(ValueError, match="evidence must be true or false, got 'maybe'"):
+        MonitorConfig.from_mapping({"evidence": "maybe"})
+
+
+def test_rhythm_counts_steps_by_iteration_when_no_heartbeat_count_is_kept() -> None:
+    r = Rhythm()
+    base = dict(
+        pid=1, state=1, attach_time=1.0, oos_start=1.0, hb_initial_override=0.0,
+        hb_override=0.0, oos_override=0.0, last_section=-1, name_count=0,
+        open_times=(), limits=(),
+    )  # fmt: skip
+    r.observe(layout.SlotSnapshot(beats=0, last_hb=2.0, iteration=10, **base), [], 2.0, False)
+    r.observe(layout.SlotSnapshot(beats=0, last_hb=2.1, iteration=11, **base), [], 2.1, False)
+    r.observe(layout.SlotSnapshot(beats=0, last_hb=3.0, iteration=21, **base), [], 3.0, False)
+    assert r.beats == 12
+    # Ten steps in 0.9 s with the shortest seen 0.1 s: the longest one was 0.1 s, not 0.9.
+    assert max(r.hb_gaps) == pytest.approx(0.1)
+    # A scribbled iteration far ahead counts as one step and is not split into gaps.
+    r.observe(layout.SlotSnapshot(beats=0, last_hb=4.0, iteration=10**12, **base), [], 4.0, False)
+    assert r.beats == 13 and r.hb_gaps[-1] == pytest.approx(1.0)
+
+
+# -- the hook, on real optimizers, writing into a real segment -------------------------
+@pytest.fixture
+def slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    mm = layout.create_segment(tmp_path / "monitor.shm", 1)
+    board = progress.ProgressBoard(tmp_path, 1)
+    for k, v in board.worker_env(0).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(envvars.SHM_FILE, str(tmp_path / "monitor.shm"))
+    monkeypatch.setenv(envvars.SLOT, "0")
+    monkeypatch.delenv("STALWART_INJECT", raising=False)
+    progress.reset()
+    autostep.uninstall()
+    autostep.install()
+    yield mm, board
+    autostep.uninstall()
+    progress.reset()
+    board.close()
+
+
+def _model():  # type: ignore[no-untyped-def]
+    import torch
+
+    m = torch.nn.Linear(3, 1)
+    m(torch.ones(2, 3)).sum().backward()
+    return m
+
+
+def test_each_optimizer_step_beats_the_slot_and_reports_progress(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    mm, board = slots
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    assert layout.read_slot(mm, 0).pid == 0  # nothing attached before the first step
+    for _ in range(3):
+        opt.step()
+    snap = layout.read_slot(mm, 0)
+    assert (snap.pid, snap.iteration, snap.state) == (os.getpid(), 3, layout.SlotState.ATTACHED)
+    assert snap.last_hb > 0
+    assert board.read()[0].first_step == 1 and board.read()[0].step == 3
+
+
+def test_several_optimizers_count_one_step_per_pacemaker_step(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    mm, _ = slots
+    m = _model()
+    gen, disc = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(4):
+        gen.step()
+        disc.step()
+    assert layout.read_slot(mm, 0).iteration == 4
+    # A new optimizer (an in-process restart rebuilt the model) takes over at its second
+    # step while the old one no longer steps; the count goes on.
+    fresh = torch.optim.SGD(m.parameters(), lr=0.1)
+    fresh.step()
+    assert layout.read_slot(mm, 0).iteration == 4
+    fresh.step()
+    assert layout.read_slot(mm, 0).iteration == 5
+
+
+def test_count_resumes_from_the_optimizers_own_step(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    mm, board = slots
+    m = _model()
+    opt = torch.optim.Adam(m.parameters())
+    saved = torch.optim.Adam(m.parameters())
+    autostep.uninstall()  # the steps of an earlier attempt, not seen by this one
+    for _ in range(7):
+        saved.step()
+    opt.load_state_dict(saved.state_dict())
+    autostep.install()
+    opt.step()
+    assert layout.read_slot(mm, 0).iteration == 8
+    assert board.read()[0].first_step == 8
+
+
+def test_program_signals_take_precedence(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from stalwart.monitor import RankMonitorClient
+
+    mm, board = slots
+    opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+    opt.step()
+    progress.report(1000)  # the program reports its own steps (inject.step, a callback)
+    opt.step()
+    assert board.read()[0].step == 1000
+    client = RankMonitorClient(install_stack_dump=False)
+    client.init_workload_monitoring()
+    client.report_iteration(77)
+    opt.step()
+    assert layout.read_slot(mm, 0).iteration == 77  # the client's slot, not the hook's
+    client.shutdown_workload_monitoring()
+
+
+def test_no_optimizer_attaches_nothing_and_off_switch_installs_nothing(
+    slots, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    mm, board = slots
+    assert layout.read_slot(mm, 0).pid == 0 and board.read() == {}
+    autostep.uninstall()
+    monkeypatch.setenv("STALWART_AUTO_PROGRESS", "0")
+    autostep.install()
+    import torch
+
+    torch.optim.SGD(_model().parameters(), lr=0.1).step()
+    assert layout.read_slot(mm, 0).pid == 0 and board.read() == {}
+
+
+def test_a_slot_written_by_another_process_is_left_alone(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    mm, _ = slots
+    layout.I64.pack_into(mm, layout.slot_offset(0) + layout.OFF_PID, 1)  # someone else's
+    torch.optim.SGD(_model().parameters(), lr=0.1).step()
+    assert layout.read_slot(mm, 0).pid == 1 and layout.read_slot(mm, 0).iteration == -1
+
+
+# -- suspicions: the evidence cycle, with scripted samples ------------------------------
+def _suspicions(states: dict[int, list[tuple[str, float]]], tmp_path: Path):  # type: ignore[no-untyped-def]
+    from stalwart.monitor.suspicions import Suspicions, Watched
+
+    calls: dict[int, int] = {}
+
+    def sampler(pid: int, now: float) -> ProcSample | None:
+        seq = states[pid]
+        i = min(calls.get(pid, 0), len(seq) - 1)
+        calls[pid] = calls.get(pid, 0) + 1
+        return ProcSample(now, *seq[i])
+
+    asked: list[int] = []
+    files = {}
+    for pid in (100, 101):
+        f = tmp_path / f"stacks{pid}.log"
+        f.write_text("old dump\n")
+        files[pid] = f
+    s = Suspicions(lambda pid: asked.append(pid) or True, sampler, wait=0.3)
+    watched = {0: Watched(100, files[100]), 1: Watched(101, files[101])}
+    return s, watched, asked, files
+
+
+def test_suspicion_needs_evidence_and_holds_victims_for_their_culprit(tmp_path: Path) -> None:
+    # Rank 0 waits in a collective, rank 1 sleeps in its own code; rank 1's deadline is
+    # found one scan later than rank 0's.
+    s, watched, asked, files = _suspicions({100: [("S", 1.0)], 101: [("S", 2.0)]}, tmp_path)
+    assert s.confirm({0: 100}, watched, 10.0) == {}
+    assert sorted(asked) == [100, 101]  # everyone's stacks, at the first suspicion
+    files[100].write_text(
+        "old dump\n" + _dump((f"{TORCH}/autograd/graph.py", "_engine_run_backward"))
+    )
+    files[101].write_text("old dump\n" + _dump(("/job/train.py", "<module>")))
+    assert s.confirm({0: 100, 1: 101}, watched, 10.1) == {}
+    # Rank 0 is hung (no CPU) but waits on peers while rank 1 is still suspected: held.
+    assert s.confirm({0: 100, 1: 101}, watched, 10.35) == {}
+    assert s.confirm({0: 100, 1: 101}, watched, 10.38) == {}
+    found = s.confirm({0: 100, 1: 101}, watched, 10.45)
+    assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.ELSEWHERE}
+    assert "train.py" in found[1].where and "old dump" not in found[1].where
+
+
+def test_a_waiter_is_never_handed_over_while_its_peer_is_busy(tmp_path: Path) -> None:
+    # Rank 1 writes a slow checkpoint (busy), rank 0 waits for it in a collective.
+    busy = [("S", 1.0 + 0.3 * i) for i in range(100)]
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: busy}, tmp_path)
+    s.confirm({0: 100, 1: 101}, watched, 10.0)
+    files[100].write_text(
+        "old dump\n" + _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"))
+    )
+    for k in range(1, 60):
+        assert s.confirm({0: 100, 1: 101}, watched, 10.0 + 0.1 * k) == {}
+
+
+def test_a_busy_rank_is_never_confirmed(tmp_path: Path) -> None:
+    cpu = [("R", 1.0 + 0.3 * i) for i in range(50)]
+    s, watched, _, _ = _suspicions({100: cpu, 101: cpu}, tmp_path)
+    for k in range(40):
+        assert s.confirm({0: 100}, watched, 10.0 + 0.1 * k) == {}
+
+
+def test_a_rank_that_progresses_is_no_longer_suspected(tmp_path: Path) -> None:
+    s, watched, _, _ = _suspicions({100: [("S", 1.0)], 101: [("S", 1.0)]}, tmp_path)
+    s.confirm({0: 100}, watched, 10.0)
+    assert s.confirm({}, watched, 10.2) == {}  # stepped again
+    assert s.confirm({0: 100}, watched, 10.4) == {}  # a new suspicion starts afresh
+    assert s.confirm({0: 100}, watched, 10.8) != {}
