@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass
 from enum import Enum
 
+from stalwart.launch.restart_policy import Verdict
 from stalwart.monitor import ControlAction, ControlRequest
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -49,6 +50,7 @@ class Ending(Enum):
 
     SUCCEEDED = "succeeded"  # every node's workers finished
     GAVE_UP = "gave_up"  # a failure with no restart left
+    CRASH_LOOP = "crash_loop"  # a failure no restart can help (``restart_policy``)
     SHUT_DOWN = "shut_down"  # a rank asked to stop the job
     EXCLUDED = "excluded"  # a rank asked to take this node out; the job goes on
     INTERRUPTED = "interrupted"  # a termination signal reached the launcher
@@ -61,6 +63,7 @@ class JobOver:
 
     succeeded: bool
     reason: str
+    exit_code: int | None = None  # every node exits with it (None: 0 or 1)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class RoundView:
     records: tuple[FailureRecord, ...] = ()
     # Why this node's rank asked to stop the job or leave it ("" when none did).
     request: str = ""
+    # The crash-loop verdict on the job's failed attempts so far, this one included.
+    loop: Verdict | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,19 @@ def decide(view: RoundView) -> Move:
         )
     workers = tuple(r for r in view.records if isinstance(r, WorkerFailed))
     departed = tuple(r for r in view.records if isinstance(r, NodeLost | NodeExcluded))
+    if view.loop is not None:
+        # Before the budget: even the last attempt's end says "do not requeue".
+        line = view.loop.line()
+        return Stop(
+            ending=Ending.CRASH_LOOP,
+            state=State.FAILED,
+            exit_code=view.loop.exit_code,
+            attempts=attempt + 1,
+            reason=line,
+            tell=JobOver(False, line, view.loop.exit_code),
+            workers=workers,
+            departed=departed,
+        )
     if attempt >= view.max_restarts:
         return Stop(
             ending=Ending.GAVE_UP,
@@ -177,12 +195,14 @@ def interrupted(sig: int, attempt: int) -> Stop:
     )
 
 
-def not_needed(succeeded: bool, reason: str) -> Stop:
-    """A spare the job ended without: it exits as the job did."""
+def not_needed(succeeded: bool, reason: str, exit_code: int | None = None) -> Stop:
+    """A node the job ended without (a spare, or a peer of a node that stopped a crash
+    loop): it exits as the job did."""
+    code = exit_code if exit_code is not None else 0 if succeeded else 1
     return Stop(
         ending=Ending.NOT_NEEDED,
         state=State.SUCCEEDED if succeeded else State.FAILED,
-        exit_code=0 if succeeded else 1,
+        exit_code=code,
         attempts=0,
         reason=reason,
     )

@@ -41,6 +41,7 @@ from stalwart.launch.decide import (
     not_needed,
 )
 from stalwart.launch.errors import root_cause
+from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
 from stalwart.launch.supervisor_attempt import SupervisorAttempt
 from stalwart.launch.supervisor_ending import SupervisorEnding
 from stalwart.launch.supervisor_resources import SupervisorResources
@@ -48,6 +49,7 @@ from stalwart.launch.supervisor_state import JobResult, SignalReceived
 from stalwart.launch.workers import RunResult
 from stalwart.monitor import ControlRequest
 from stalwart.rendezvous import (
+    FailureRecord,
     JobEnded,
     NodeExcluded,
     Rendezvous,
@@ -189,7 +191,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             try:
                 info = self._join(rdzv, attempt)
             except JobEnded as ended:
-                return self._stop(not_needed(ended.succeeded, ended.reason))
+                return self._stop(not_needed(ended.succeeded, ended.reason, ended.exit_code))
             if self._replicas is not None:
                 self._replicas.begin_round(
                     info.round,
@@ -200,14 +202,31 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                 )
             outcome, result = self._run_round(rdzv, info)
             records = rdzv.failures(info.round) if outcome is not RoundOutcome.SUCCEEDED else []
+            loop = None
+            if outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE):
+                loop = self._judge_loop(info.round, records)
             view = RoundView(
-                outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason
+                outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason, loop
             )
             move = decide(view)
             if isinstance(move, Stop):
                 return self._stop(move, result)
             self._restart(move, result)
             attempt = move.next_attempt
+
+    def _judge_loop(self, round_: int, records: list[FailureRecord]) -> Verdict | None:
+        """Adds the failed attempt to the job's and asks the crash-loop policy whether a
+        restart can still help."""
+        checkpoint: int | None = None
+        for ev in self._commits.read():
+            step = ev.get("step")
+            if ev.get("event") == Event.CHECKPOINT_COMMIT and type(step) is int and step >= 0:
+                checkpoint = step if checkpoint is None else max(checkpoint, step)
+        end = AttemptEnd(round_, cause_of(records), self._furthest_step, checkpoint)
+        self._failed_attempts.append(end)
+        cfg = self.cfg
+        policy = LoopPolicy(cfg.max_no_progress_attempts, cfg.stop_on, cfg.no_requeue_exit_code)
+        return verdict(self._failed_attempts, policy)
 
     def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
         info = rdzv.join(attempt, self.cfg.nproc_per_node)
@@ -247,6 +266,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         cfg = self.cfg
         self._exits_seen = set()
         self._steps_sent = {}
+        self._furthest_step = None
         if self._progress is not None:
             self._progress.clear()
         self._ctx = ctx = self._start(info)

@@ -86,14 +86,19 @@ class SupervisorEnding(SupervisorState):
         cfg = self.cfg
         attempt = move.attempts - 1
         self._emit_departed(move.departed, attempt)
-        failures = self._failures(move.workers, result) if move.ending is Ending.GAVE_UP else []
+        gave_up = move.ending in (Ending.GAVE_UP, Ending.CRASH_LOOP)
+        failures = self._failures(move.workers, result) if gave_up else []
         match move.ending:
             case Ending.SUCCEEDED:
                 self.events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
-            case Ending.GAVE_UP:
+            case Ending.GAVE_UP | Ending.CRASH_LOOP:
                 cause = root_cause(failures) if failures else None
+                verdict = {"verdict": move.reason} if move.ending is Ending.CRASH_LOOP else {}
                 self.events.emit(
-                    Event.JOB_FAILED, attempt=attempt, root_cause=cause.to_dict() if cause else None
+                    Event.JOB_FAILED,
+                    attempt=attempt,
+                    root_cause=cause.to_dict() if cause else None,
+                    **verdict,
                 )
             case Ending.SHUT_DOWN | Ending.INTERRUPTED:
                 self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
@@ -102,16 +107,20 @@ class SupervisorEnding(SupervisorState):
             case Ending.NOT_NEEDED:
                 self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
         if move.tell is not None and self._rdzv is not None:
-            self._rdzv.finish(move.tell.succeeded, move.tell.reason)
+            self._rdzv.finish(move.tell.succeeded, move.tell.reason, move.tell.exit_code)
         line = ""
         match move.ending:
-            case Ending.GAVE_UP if failures:
+            case Ending.GAVE_UP | Ending.CRASH_LOOP if failures:
                 line = format_summary(
                     failures,
                     run_id=cfg.run_id,
                     attempts=move.attempts,
                     log_dir=str(self.run_dir) if self.run_dir else None,
                 )
+                if move.ending is Ending.CRASH_LOOP:
+                    line += f"\nstalwart: {move.reason}"
+            case Ending.CRASH_LOOP:
+                line = f"stalwart: job {cfg.run_id} {move.reason}"
             case Ending.SHUT_DOWN:
                 line = (
                     f"stalwart: job {cfg.run_id} stopped in attempt {attempt}: {move.reason}; "
@@ -122,6 +131,9 @@ class SupervisorEnding(SupervisorState):
                     f"stalwart: this node left job {cfg.run_id} in attempt {attempt}: "
                     f"{move.reason}; the job goes on with the other nodes"
                 )
+            case Ending.NOT_NEEDED if move.exit_code not in (0, 1):
+                # A peer stopped a crash loop while this node was joining the next round.
+                line = f"stalwart: job {cfg.run_id} stopped by another node: {move.reason}"
             case Ending.NOT_NEEDED:
                 line = f"stalwart: job {cfg.run_id} ended without needing this node ({move.reason})"
         if line:

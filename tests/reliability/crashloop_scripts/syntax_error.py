@@ -1,0 +1,2 @@
+# A script that cannot even be compiled: the same in every attempt.
+x = (
