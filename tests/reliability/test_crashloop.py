@@ -152,6 +152,8 @@ def test_a_bad_stop_on_is_one_line(value: str) -> None:
 
 
 def test_a_syntax_error_of_stop_on_stops_at_once(tmp_path: Path) -> None:
+    script = tmp_path / "syntax_error.py"
+    script.write_text("# cannot even be compiled, in every attempt\nx = (\n")
     proc = stalwart(
         "--nproc-per-node",
         "2",
@@ -161,7 +163,7 @@ def test_a_syntax_error_of_stop_on_stops_at_once(tmp_path: Path) -> None:
         "SyntaxError",
         "--log-dir",
         tmp_path / "l",
-        SCRIPTS / "syntax_error.py",
+        script,
         timeout=150,
     )
     assert proc.returncode == 93, proc.stderr

@@ -5,19 +5,18 @@ typed view of the round: how it ended, which attempt it was, the restart budget 
 what every node reported.  The answer is a ``Restart`` or a ``Stop``; the supervisor
 acts on it (events, console, rendezvous).  A signal (``interrupted``) and a spare the
 job never needed (``not_needed``) end as a ``Stop`` too, so a ``JobResult`` is made from
-a ``Stop`` in one place.  Everything here is pure: ``tests/launch/test_decide.py`` reads
-it as tables.
+a ``Stop`` in one place.  Everything here is pure, over plain records (no host name,
+clock or file; the monitor's requests arrive as ``ControlAsk``): ``tests/launch/test_decide.py``
+reads it as tables.
 """
 
 from __future__ import annotations
 
 import signal
-import socket
 from dataclasses import dataclass
 from enum import Enum
 
 from stalwart.launch.restart_policy import Verdict
-from stalwart.monitor import ControlAction, ControlRequest
 from stalwart.rendezvous.api import (
     FailureRecord,
     NodeExcluded,
@@ -208,26 +207,45 @@ def not_needed(succeeded: bool, reason: str, exit_code: int | None = None) -> St
     )
 
 
-def control_outcome(action: ControlAction, elastic: bool) -> RoundOutcome | None:
+class Asked(Enum):
+    """What a rank's control request asks of the round (the values are the monitor's
+    ``ControlAction``'s, which the supervisor translates at its edge)."""
+
+    CONTINUE = "continue"
+    EXCLUDE_NODE = "exclude_node"
+    SHUTDOWN_WORKLOAD = "shutdown_workload"
+
+
+@dataclass(frozen=True)
+class ControlAsk:
+    """A rank's control request as the decisions read it."""
+
+    action: Asked
+    rank: int | None  # the asking rank's global rank, when known
+    reason: str = ""  # set when the monitor asked on the rank's behalf
+
+
+def control_outcome(action: Asked, elastic: bool) -> RoundOutcome | None:
     """What a rank's control request does to the round.  Excluding a node needs a
     membership that can lose one (elastic ``MIN:MAX``); with fixed membership the job
     cannot go on without the node, so the request ends the job as a shutdown does."""
-    if action is ControlAction.SHUTDOWN_WORKLOAD:
+    if action is Asked.SHUTDOWN_WORKLOAD:
         return RoundOutcome.SHUTDOWN_REQUESTED
-    if action is ControlAction.EXCLUDE_NODE:
+    if action is Asked.EXCLUDE_NODE:
         return RoundOutcome.NODE_EXCLUDED if elastic else RoundOutcome.SHUTDOWN_REQUESTED
     return None
 
 
-def control_reason(req: ControlRequest, outcome: RoundOutcome, node_rank: int) -> str:
-    """The one line a control request ends up as (events, the console, the peers)."""
-    who = f"rank {req.global_rank if req.global_rank is not None else '?'}"
-    if req.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
-        return f"{req.reason}: excluding node {node_rank} ({socket.gethostname()})"
-    if req.action is ControlAction.SHUTDOWN_WORKLOAD:
+def control_reason(ask: ControlAsk, outcome: RoundOutcome, node_rank: int, host: str) -> str:
+    """The one line a control request ends up as (events, the console, the peers);
+    *host* is this node's name."""
+    who = f"rank {ask.rank if ask.rank is not None else '?'}"
+    if ask.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
+        return f"{ask.reason}: excluding node {node_rank} ({host})"
+    if ask.action is Asked.SHUTDOWN_WORKLOAD:
         return f"{who} asked to shut the workload down"
     if outcome is RoundOutcome.NODE_EXCLUDED:
-        return f"{who} asked to exclude node {node_rank} ({socket.gethostname()})"
+        return f"{who} asked to exclude node {node_rank} ({host})"
     return (
         f"{who} asked to exclude node {node_rank}, and a job of fixed membership cannot go "
         "on without it (exclusion needs elastic --nnodes MIN:MAX)"

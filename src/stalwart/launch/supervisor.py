@@ -27,10 +27,14 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+import msgspec
+
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.launch import signals
 from stalwart.launch.decide import (
+    Asked,
+    ControlAsk,
     RoundOutcome,
     RoundView,
     Stop,
@@ -40,7 +44,7 @@ from stalwart.launch.decide import (
     interrupted,
     not_needed,
 )
-from stalwart.launch.errors import root_cause
+from stalwart.launch.failures import root_cause
 from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
 from stalwart.launch.supervisor_attempt import SupervisorAttempt
 from stalwart.launch.supervisor_ending import SupervisorEnding
@@ -295,12 +299,13 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                     outcome = self._await_peers(rdzv, info.round)
                 elif result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
-                    for f in result.failures.values():
-                        f.node_rank = info.group_rank
+                    result.failures = {
+                        lr: msgspec.structs.replace(f, node_rank=info.group_rank)
+                        for lr, f in result.failures.items()
+                    }
                     if self._hangs is not None:
-                        self._hangs.explain(list(result.failures.values()))
-                    cause = root_cause(list(result.failures.values()))
-                    rdzv.report_failure(info.round, cause.to_record())
+                        self._hangs.explain(result.failures)
+                    rdzv.report_failure(info.round, root_cause(list(result.failures.values())))
                 else:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
@@ -326,17 +331,17 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         it) still names the hang in this node's failure record, hence in the summary."""
         if self._hangs is None:
             return
-        failures = list(result.failures.values())
-        if failures and self._hangs.explain(failures):
-            rdzv.report_failure(round_, root_cause(failures).to_record())
+        if result.failures and self._hangs.explain(result.failures):
+            rdzv.report_failure(round_, root_cause(list(result.failures.values())))
 
     def _on_request(
         self, rdzv: Rendezvous, info: RendezvousInfo, req: ControlRequest
     ) -> RoundOutcome | None:
-        outcome = control_outcome(req.action, rdzv.elastic)
+        ask = ControlAsk(Asked(req.action.value), req.global_rank, req.reason)
+        outcome = control_outcome(ask.action, rdzv.elastic)
         if outcome is None:
             return None
-        self._reason = reason = control_reason(req, outcome, info.group_rank)
+        self._reason = reason = control_reason(ask, outcome, info.group_rank, socket.gethostname())
         logger.error(
             "%s: %s",
             reason,

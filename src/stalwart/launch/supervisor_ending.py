@@ -19,8 +19,8 @@ from stalwart.launch.decide import (
     Restart,
     Stop,
 )
-from stalwart.launch.errors import ProcessFailure, format_summary, root_cause
 from stalwart.launch.events import read_events
+from stalwart.launch.failures import describe_exit, failure_fields, format_summary, root_cause
 from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.supervisor_state import JobResult, SupervisorState
 from stalwart.launch.workers import RunResult
@@ -39,12 +39,11 @@ class SupervisorEnding(SupervisorState):
     # -- acting on a move --------------------------------------------------------------
     def _failures(
         self, workers: tuple[WorkerFailed, ...], result: RunResult | None
-    ) -> list[ProcessFailure]:
+    ) -> list[WorkerFailed]:
         """The failed workers every node reported, else this node's own."""
-        failures = [ProcessFailure.from_record(w) for w in workers]
-        if not failures and result is not None:
-            failures = list(result.failures.values())
-        return failures
+        if workers or result is None:
+            return list(workers)
+        return list(result.failures.values())
 
     def _emit_departed(self, departed: tuple[NodeLost | NodeExcluded, ...], attempt: int) -> None:
         for gone in departed:
@@ -66,7 +65,7 @@ class SupervisorEnding(SupervisorState):
             attempt=move.attempt,
             next_attempt=move.next_attempt,
             reason=move.reason,
-            root_cause=cause.to_dict() if cause else None,
+            root_cause=failure_fields(cause) if cause else None,
             restarts_left=move.restarts_left,
         )
         if cause is not None:
@@ -74,7 +73,7 @@ class SupervisorEnding(SupervisorState):
                 "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
                 move.attempt,
                 cause.rank,
-                cause.describe_exit(),
+                describe_exit(cause),
                 f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
                 move.next_attempt,
                 self.cfg.max_restarts,
@@ -97,7 +96,7 @@ class SupervisorEnding(SupervisorState):
                 self.events.emit(
                     Event.JOB_FAILED,
                     attempt=attempt,
-                    root_cause=cause.to_dict() if cause else None,
+                    root_cause=failure_fields(cause) if cause else None,
                     **verdict,
                 )
             case Ending.SHUT_DOWN | Ending.INTERRUPTED:

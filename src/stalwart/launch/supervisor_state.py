@@ -19,7 +19,6 @@ from typing import Any
 from stalwart.config import LaunchConfig
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
-from stalwart.launch.errors import ProcessFailure
 from stalwart.launch.events import EventLog, EventTail
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
@@ -32,7 +31,7 @@ from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext
 from stalwart.progress import ProgressBoard, Sample
-from stalwart.rendezvous import Rendezvous
+from stalwart.rendezvous import Rendezvous, WorkerFailed
 
 
 class SignalReceived(BaseException):
@@ -57,7 +56,7 @@ class JobResult:
     exit_code: int
     state: State
     attempts: int
-    failures: list[ProcessFailure]
+    failures: list[WorkerFailed]
     return_values: dict[int, Any]
     run_dir: Path | None
 

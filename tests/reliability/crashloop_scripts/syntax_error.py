@@ -1,2 +1,0 @@
-# A script that cannot even be compiled: the same in every attempt.
-x = (
