@@ -27,8 +27,8 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from stalwart.launch.events import read_events  # noqa: E402
-from stalwart.launch.goodput import account  # noqa: E402
+from stalwart.reporting.goodput import account  # noqa: E402
+from stalwart.reporting.read import read_events  # noqa: E402
 
 
 def independent(out: Path) -> float:

@@ -231,8 +231,13 @@ def fetch_only(state_mb: int, repeats: int) -> list[float]:
         seg = RamSegment.open(src.folder / rl.segment_name(0))
         seg.write(plan({"blob": torch.randn(state_mb << 18)}), 5, 1, 2)
         seg.close()
+        key = rp.job_key(b"bench-replicas-secret-0123456789", "bench")
         srv = rp.ReplicaServer(
-            rp.ReplicaHolder(src.folder, src.slot_bytes, quiet), "127.0.0.1", int
+            rp.ReplicaHolder(src.folder, src.slot_bytes, quiet),
+            "127.0.0.1",
+            lambda: 0,
+            key,
+            lambda _round, _node: None,
         )
         try:
             for _ in range(repeats):
@@ -241,7 +246,8 @@ def fetch_only(state_mb: int, repeats: int) -> list[float]:
                 holder = rp.ReplicaHolder(dst.folder, dst.slot_bytes, quiet, reserve=1)
                 time.sleep(0.5)  # as at a launcher's start: the reserved pages are faulted in
                 t0 = time.perf_counter()
-                (got,) = rp.fetch_missing(holder, [1], 2, {0: srv.address}, quiet)
+                peers = {0: srv.address(0, 0, 0, 1, 2)}
+                (got,) = rp.fetch_missing(holder, [1], 2, peers, quiet, key, 1)
                 took.append(time.perf_counter() - t0)
                 assert got.step == 5, got
                 holder.close()

@@ -14,6 +14,7 @@ and processes left inside a namespace are killed first.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +28,8 @@ from typing import IO
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 TRAIN = HERE / "elastic_train.py"
+#: The secret the simulated hosts' launchers share (as a scheduler would hand it out).
+JOB_SECRET = secrets.token_hex(32)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -56,8 +59,14 @@ class Host:
     def cmd(self, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *argv]
 
-    def stalwart(self, *args: str | Path, log: Path) -> subprocess.Popen[str]:
-        return self.spawn(sys.executable, "-m", "stalwart.cli", "run", *args, log=log)
+    def stalwart(
+        self, *args: str | Path, log: Path, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        # Multi-node RAM replicas need the job's secret on every node (one per network).
+        env = {"STALWART_JOB_SECRET": JOB_SECRET, **(extra_env or {})}
+        return self.spawn(
+            sys.executable, "-m", "stalwart.cli", "run", *args, log=log, extra_env=env
+        )
 
     def spawn(
         self, *argv: str | Path, log: Path, extra_env: dict[str, str] | None = None

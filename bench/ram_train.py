@@ -73,6 +73,7 @@ def train(
             process_start=t_start,
             restore_s=time.time() - t_restore,
             restored_at=time.time(),
+            pid=os.getpid(),  # for a test that kills this rank's process
         )
         for step in range(start, steps):
             train_step(ddp, opt, step, rank, world)

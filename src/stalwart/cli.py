@@ -165,7 +165,7 @@ def cmd_run(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from stalwart.launch.report import report_main
+    from stalwart.reporting.report import report_main
 
     code: int = report_main(argv)
     return code

@@ -18,6 +18,7 @@ from typing import Any
 
 from stalwart.base import envvars
 from stalwart.base.events import Event
+from stalwart.base.records import bounded
 
 #: Path of the run's events.jsonl, set by the launcher in every worker's environment.
 EVENTS_FILE_ENV = "STALWART_EVENTS_FILE"
@@ -60,7 +61,7 @@ def emit(event: Event, **fields: Any) -> bool:
         "pid": os.getpid(),
         "source": "worker",
         **_context(),
-        **fields,
+        **{k: bounded(v) for k, v in fields.items()},
     }
     line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
     try:

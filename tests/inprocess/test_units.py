@@ -14,6 +14,8 @@ from stalwart.inprocess import (
     ConfigError,
     FillGaps,
     Mode,
+    RankAssignment,
+    RankDiscarded,
     RankShouldRestart,
     ShiftRanks,
     State,
@@ -78,7 +80,6 @@ def _state(rank: int, world: int) -> State:
         (2, 4, {1}, (Mode.ACTIVE, 1, 3)),
         (3, 4, {0, 2}, (Mode.ACTIVE, 1, 2)),
         (0, 4, set(), (Mode.ACTIVE, 0, 4)),
-        (1, 4, {1}, (Mode.TERMINATED, 1, 4)),
     ],
 )
 def test_shift_ranks_renumbers_survivors(
@@ -92,14 +93,13 @@ def test_shift_ranks_renumbers_survivors(
 @pytest.mark.parametrize(
     ("initial", "world", "terminated", "expected"),
     [
-        # Survivors below the new size keep their rank; the highest fill the lowest gaps.
+        # Survivors below the new size keep their rank; the others fill the gaps in order.
         (2, 4, {1}, (Mode.ACTIVE, 2, 3)),
         (3, 4, {1}, (Mode.ACTIVE, 1, 3)),
         (0, 4, {1}, (Mode.ACTIVE, 0, 3)),
-        (4, 5, {0, 2}, (Mode.ACTIVE, 0, 3)),
-        (3, 5, {0, 2}, (Mode.ACTIVE, 2, 3)),
+        (4, 5, {0, 2}, (Mode.ACTIVE, 2, 3)),
+        (3, 5, {0, 2}, (Mode.ACTIVE, 0, 3)),
         (1, 5, {0, 2}, (Mode.ACTIVE, 1, 3)),
-        (2, 5, {0, 2}, (Mode.TERMINATED, 2, 5)),
     ],
 )
 def test_fill_gaps_moves_fewest_ranks(
@@ -108,6 +108,12 @@ def test_fill_gaps_moves_fewest_ranks(
     placed, unplaced = FillGaps()(_state(initial, world), frozenset(terminated))
     assert (placed.mode, placed.rank, placed.world_size) == expected
     assert not unplaced
+
+
+@pytest.mark.parametrize("assignment", [ShiftRanks(), FillGaps()])
+def test_a_terminated_rank_is_discarded(assignment: RankAssignment) -> None:
+    with pytest.raises(RankDiscarded, match="rank 1 of 4"):
+        assignment(_state(1, 4), frozenset({1, 3}))
 
 
 @pytest.mark.parametrize(

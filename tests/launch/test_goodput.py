@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from stalwart.launch.goodput import CATEGORIES, account
-from stalwart.launch.report import summarise
-from stalwart.launch.summary import format_block, never_fired
+from stalwart.reporting.goodput import CATEGORIES, account
+from stalwart.reporting.report import summarise
+from stalwart.reporting.summary import format_block, never_fired
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -80,7 +80,7 @@ def test_unwritable_target_is_one_line(crashed_run: Path, tmp_path: Path) -> Non
 
 
 def test_hang_is_drawn_with_its_stacks() -> None:
-    from stalwart.launch import timeline
+    from stalwart.reporting import timeline
 
     def ev(event: str, t: float, **f: object) -> dict[str, object]:
         return {"event": event, "time": t, **f}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.goodput import CATEGORIES
+from stalwart.reporting.goodput import CATEGORIES
 from tests.helpers import (
     ROOT,
     STALWART,

@@ -10,12 +10,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
 from stalwart.launch import replicas as rp
+from stalwart.launch.replica_auth import address_mac
 from stalwart.launch.snapshots import SnapshotMemory
 
 SLOT = 1 << 20
@@ -74,9 +76,54 @@ def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
         time.sleep(0.02)
 
 
-def server(mem: SnapshotMemory, events: Events, node: int) -> rp.ReplicaServer:
+KEY = rp.job_key(b"replica-tests-secret-0123456789", "job")
+
+
+def anyone(world: int) -> Callable[[int, int], rp.PeerAddress]:
+    """Published addresses of nodes that each run every rank of ``world`` (tests of the
+    stream; the ownership rule has its own)."""
+    return lambda round_, node: rp.PeerAddress("", 0, node, 0, world, world)
+
+
+def server(
+    mem: SnapshotMemory,
+    events: Events,
+    node: int,
+    peer_of: Callable[[int, int], rp.PeerAddress | None] | None = None,
+    *,
+    world: int = WORLD,
+) -> rp.ReplicaServer:
     holder = rp.ReplicaHolder(mem.folder, mem.slot_bytes, events)
-    return rp.ReplicaServer(holder, "127.0.0.1", lambda: node)
+    owners = anyone(world) if peer_of is None else peer_of
+    return rp.ReplicaServer(holder, "127.0.0.1", lambda: node, KEY, owners, events)
+
+
+def publish_owner(kv: rp.KVLike, round_: int, node: int, first: int, n: int, world: int) -> None:
+    """Node ``node``'s address in the store as its launcher would publish it (MACed)."""
+    plain = rp.PeerAddress("127.0.0.1", 1, node, first, n, world)
+    rp.publish(
+        kv, round_, msgspec.structs.replace(plain, mac=address_mac(KEY, *plain.fields(round_)))
+    )
+
+
+def addr(srv: rp.ReplicaServer, node: int = 0, round_: int = 0) -> rp.PeerAddress:
+    return srv.address(round_, node, 0, 1, WORLD)
+
+
+def push(
+    peer: rp.PeerAddress, seg: rp.SegmentFile, slot: int, rec: rl.CommitRecord, me: int
+) -> str:
+    return rp.push(peer, seg, slot, rec, rp.Ring(0, me, 2, 1), KEY)
+
+
+def fetch_missing(
+    holder: rp.ReplicaHolder,
+    ranks: list[int],
+    world: int,
+    peers: dict[int, rp.PeerAddress],
+    events: Events,
+) -> list[rp.Fetched]:
+    return rp.fetch_missing(holder, ranks, world, peers, events, KEY, 99)
 
 
 @contextmanager
@@ -91,8 +138,8 @@ def replicating(
     """``sender``'s replicator on ``ring``, the receivers' servers published for it;
     the replicator and the servers are closed after."""
     for node, srv in receivers.items():
-        rp.publish(kv, ring.round, node, srv.address)
-    rep = rp.Replicator(sender.folder, nproc, kv, events, poll_s=0.02)
+        rp.publish(kv, ring.round, srv.address(ring.round, node, 0, 1, WORLD))
+    rep = rp.Replicator(sender.folder, nproc, kv, events, KEY, poll_s=0.02)
     try:
         rep.set_ring(ring)
         yield rep

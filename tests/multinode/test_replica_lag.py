@@ -32,7 +32,18 @@ from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 from tests.helpers import ROOT
 
-from .replica_helpers import Events, replica_steps, server, snapshot, state
+from .replica_helpers import (
+    KEY,
+    Events,
+    addr,
+    fetch_missing,
+    publish_owner,
+    push,
+    replica_steps,
+    server,
+    snapshot,
+    state,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -169,8 +180,11 @@ def test_a_replica_two_snapshots_behind_still_resumes_every_rank_from_ram(
     _persist(root, 2, monkeypatch)
     ev = Events()
     # Node a (rank 0) holds node b's (rank 1) replicas; the spare will take rank 1.
-    node_a = rp.NodeReplicas(a.folder, a.slot_bytes, 1, 1, kv, "127.0.0.1", ev, max_nodes=3)
+    node_a = rp.NodeReplicas(
+        a.folder, a.slot_bytes, 1, 1, kv, "127.0.0.1", ev, max_nodes=3, key=KEY
+    )
     spare_holder = rp.ReplicaHolder(spare.folder, spare.slot_bytes, ev, reserve=1)
+    publish_owner(kv, 0, 1, 1, 1, WORLD)  # node b runs rank 1
     try:
         for step in (4, 6, 8):
             snapshot(a, 0, rank=0, step=step, world=WORLD)
@@ -179,12 +193,12 @@ def test_a_replica_two_snapshots_behind_still_resumes_every_rank_from_ram(
                 # b's stream is slow: only its step 4 reaches a before b is lost.
                 src = rp.SegmentFile(b.folder / rl.segment_name(0), writable=False)
                 (slot, rec), *_ = src.records()
-                assert rp.push(node_a.server.address, src, slot, rec, 1) == ""
+                assert push(addr(node_a.server), src, slot, rec, 1) == ""
                 src.close()
         # Node a's own segment moved on to steps 8 and 6; the replica says 4.
         assert [s.step for s in find_snapshots(a.folder, 1, WORLD)] == [4]
         # Node b is lost; the spare takes rank 1 and copies its replica from node a.
-        (got,) = rp.fetch_missing(spare_holder, [1], WORLD, {0: node_a.server.address}, ev)
+        (got,) = fetch_missing(spare_holder, [1], WORLD, {0: addr(node_a.server)}, ev)
         assert (got.step, got.from_node) == (4, 0), got
     finally:
         spare_holder.close()
@@ -206,14 +220,14 @@ def test_a_node_holding_an_old_replica_of_a_rank_it_takes_over_fetches_a_newer_o
         for step, srv in ((2, srv_spare), (6, srv_a)):
             snapshot(gone, 0, rank=1, step=step)
             (slot, rec), *_ = src.records()
-            assert rp.push(srv.address, src, slot, rec, 1) == ""
+            assert push(addr(srv), src, slot, rec, 1) == ""
         src.close()
         assert replica_steps(spare.folder, 1) == [2]
-        (got,) = rp.fetch_missing(spare_holder, [1], 4, {0: srv_a.address}, ev)
+        (got,) = fetch_missing(spare_holder, [1], 4, {0: addr(srv_a)}, ev)
         assert (got.rank, got.step, got.from_node) == (1, 6, 0), got
         assert replica_steps(spare.folder, 1)[0] == 6
         # As new as any peer's now: nothing more to copy.
-        assert rp.fetch_missing(spare_holder, [1], 4, {0: srv_a.address}, ev) == []
+        assert fetch_missing(spare_holder, [1], 4, {0: addr(srv_a)}, ev) == []
     finally:
         spare_holder.close()
         srv_a.close()
@@ -227,17 +241,19 @@ def test_a_spare_starts_its_workers_while_it_fetches_and_their_restore_waits_for
     while the copy runs); a worker's restore waits until the copy is in."""
     a, b, spare = make_node("a"), make_node("b"), make_node("spare")
     ev = Events()
-    srv_a = server(a, Events(), 0)
-    node_s = rp.NodeReplicas(spare.folder, spare.slot_bytes, 1, 1, kv, "127.0.0.1", ev, max_nodes=3)
+    srv_a = server(a, Events(), 0, world=WORLD)
+    node_s = rp.NodeReplicas(
+        spare.folder, spare.slot_bytes, 1, 1, kv, "127.0.0.1", ev, max_nodes=3, key=KEY
+    )
     marker = spare.folder / rl.FETCHING_MARKER
     try:
         snapshot(a, 0, rank=0, step=4, world=WORLD)
         snapshot(b, 0, rank=1, step=4, world=WORLD)
         src = rp.SegmentFile(b.folder / rl.segment_name(0), writable=False)
         (slot, rec), *_ = src.records()
-        assert rp.push(srv_a.address, src, slot, rec, 1) == ""
+        assert push(addr(srv_a), src, slot, rec, 1) == ""
         src.close()
-        rp.publish(kv, 1, 0, srv_a.address)
+        rp.publish(kv, 1, srv_a.address(1, 0, 0, 1, WORLD))
         # Node a's server is slow to answer for rank 1: the fetch cannot finish.
         slow = srv_a.holder.lock(1)
         slow.acquire()

@@ -22,13 +22,18 @@ from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.launch import replicas as rp
 from stalwart.launch import replicawire as wire
+from stalwart.launch.replica_auth import record_mac
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 
 from .replica_helpers import (
+    KEY,
     SLOT,
     WORLD,
     Events,
+    addr,
+    fetch_missing,
+    push,
     replica_steps,
     replicating,
     server,
@@ -95,8 +100,8 @@ def _manual_push(
     srv: rp.ReplicaServer, seg: rp.SegmentFile, slot: int, rec: rl.CommitRecord, cut: str
 ) -> wire.Reply | None:
     """Speak the push protocol by hand, spoiling it as ``cut`` says."""
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-        wire.send_frame(sock, wire.Push(srv.token, wire.Manifest(rec, 0)))
+    with rp.connect(addr(srv), KEY, 0) as sock:
+        wire.send_frame(sock, wire.Push(0, wire.Manifest(rec, 0, record_mac(KEY, rec))))
         ready = wire.expect(sock, wire.Reply)
         assert isinstance(ready, wire.Reply) and ready.ok
         skel = bytes(seg.region(slot, 0, rec.skeleton_bytes))
@@ -139,20 +144,22 @@ def test_a_torn_or_altered_replica_is_never_committed(
         srv.close()
 
 
-def test_a_wrong_token_or_a_garbage_frame_is_refused(
+def test_a_wrong_key_or_a_garbage_frame_is_refused(
     make_node: Callable[..., SnapshotMemory],
 ) -> None:
     b = make_node("b")
     srv = server(b, Events(), 1)
     try:
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-            wire.send_frame(sock, wire.Fetch("not-the-token", 0, WORLD, send=True))
-            reply = wire.expect(sock, wire.Reply)
-            assert isinstance(reply, wire.Reply) and reply.error == "wrong token"
+        with pytest.raises(rp.AuthError):
+            rp.connect(addr(srv), rp.job_key(b"not the secret of this job!", "job"), 0)
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
             sock.sendall(b"\xff\xff\xff\x7fjunk")  # a frame length far over MAX_FRAME
-            assert sock.recv(1) == b""  # dropped, the server goes on
-        assert rp.offer(srv.address, 0, WORLD) is None
+            try:
+                got = sock.recv(1)
+            except ConnectionResetError:  # closed with the junk unread
+                got = b""
+            assert got == b""  # dropped, the server goes on
+        assert rp.offer(addr(srv), 0, WORLD, KEY, 9) is None
     finally:
         srv.close()
 
@@ -244,10 +251,10 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
         snapshot(seg_src, 0, rank=1, step=5)
         src = rp.SegmentFile(seg_src.folder / rl.segment_name(0), writable=False)
         for (slot, rec), srv in zip(src.records(), (srv_a, srv_b), strict=True):
-            assert rp.push(srv.address, src, slot, rec, 9) == ""
+            assert push(addr(srv), src, slot, rec, 9) == ""
         src.close()
-        peers = {0: srv_a.address, 1: srv_b.address}
-        got = rp.fetch_missing(holder, [1, 0], WORLD, peers, ev)
+        peers = {0: addr(srv_a), 1: addr(srv_b)}
+        got = fetch_missing(holder, [1, 0], WORLD, peers, ev)
         # Rank 1: the newer of the two replicas; rank 0: a's own local snapshot.
         assert [(f.rank, f.step, f.from_node) for f in got] == [(1, 5, 0), (0, 5, 0)]
         assert ev.wait(rp.REPLICA_FETCHED)["rank"] == 1
@@ -255,9 +262,9 @@ def test_a_node_taking_over_a_rank_fetches_the_newest_replica(
         assert snap.step == 5 and torch.equal(load_snapshot(snap)["w"], state(5, 1)["w"])
         assert not free.exists() and rp.replica_ranks(spare.folder) == [0, 1]
         # Held now: asking again fetches nothing.
-        assert rp.fetch_missing(holder, [1], WORLD, peers, ev) == []
+        assert fetch_missing(holder, [1], WORLD, peers, ev) == []
         # A rank nobody holds: one event naming it, and the node restores from disk.
-        (none,) = rp.fetch_missing(holder, [3], WORLD, peers, ev)
+        (none,) = fetch_missing(holder, [3], WORLD, peers, ev)
         assert none.step is None and "no peer holds" in none.error
         assert ev.wait(rp.REPLICA_FETCH_FAILED)["rank"] == 3
     finally:
@@ -343,7 +350,7 @@ def test_a_manifest_that_does_not_fit_is_refused_before_any_byte(
         seg = rp.SegmentFile(a.folder / rl.segment_name(0), writable=False)
         (slot, rec), *_ = seg.records()
         bad = msgspec.structs.replace(rec, **change)
-        why = rp.push(srv.address, seg, slot, bad, 0)
+        why = push(addr(srv), seg, slot, bad, 0)
         assert error in why, why
         assert rp.replica_ranks(b.folder) == []  # nothing reserved for it
         seg.close()

@@ -20,6 +20,12 @@ class Event(enum.StrEnum):
     RENDEZVOUS_DONE = "rendezvous_done"
     RENDEZVOUS_ERROR = "rendezvous_error"
     CKPT_RAM_RESERVED = "ckpt_ram_reserved"
+    #: A local rank's snapshot segment was damaged (cut short, replaced) and made anew;
+    #: its snapshots are lost, so that rank resumes from disk or another copy.
+    CKPT_RAM_REPAIRED = "ckpt_ram_repaired"
+    #: A replica server refused a connection or a request (not of the job, over a
+    #: limit, malformed); rate-limited, one line per kind.
+    REPLICA_CONN_REFUSED = "replica_conn_refused"
     # -- snapshot replicas on peer nodes (launch/replicas.py) ---------------------------
     #: A peer to replicate to stopped answering; replication moved on to the next node.
     REPLICA_PEER_LOST = "replica_peer_lost"

@@ -88,16 +88,25 @@ class RamSegment:
     def __init__(self, path: Path, fd: int, writable: bool) -> None:
         self.path = path
         self._fd = fd
-        size = os.fstat(fd).st_size
-        self.slot_bytes = rl.slot_capacity(size)
-        if self.slot_bytes < rl.PAGE:
+        try:
+            size = os.fstat(fd).st_size
+            self.slot_bytes = rl.slot_capacity(size)
+            # A segment cut short (or grown) is damaged, not a smaller one: its second
+            # slot's header would lie inside the first slot's data, or past the end.
+            problem = rl.segment_problem(size)
+            if problem:
+                raise CheckpointCorruptError(f"{path}: {problem}")
+            length = rl.GENERATIONS * rl.slot_stride(self.slot_bytes)
+            if writable:
+                self._map = mmap.mmap(fd, length, access=mmap.ACCESS_WRITE)
+            else:
+                self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as exc:
             os.close(fd)
-            raise CheckpointError(f"{path}: {size} bytes is too small for a snapshot segment")
-        length = rl.GENERATIONS * rl.slot_stride(self.slot_bytes)
-        if writable:
-            self._map = mmap.mmap(fd, length, access=mmap.ACCESS_WRITE)
-        else:
-            self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            raise CheckpointCorruptError(f"{path}: cannot map the segment: {exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._writable = writable
         # A uint8 view of the whole segment: tensors are copied to and from slices of
         # it, and its address is what madvise needs.
@@ -439,7 +448,9 @@ def find_snapshots(folder: Path, rank: int, world_size: int) -> list[RamSnapshot
     for path in names:
         try:
             seg = RamSegment.open(path, writable=False)
-        except (OSError, CheckpointError) as exc:
+        except (OSError, ValueError, CheckpointError) as exc:
+            # Treated like a corrupt checkpoint: this rank offers the steps it can
+            # load, and the ranks agree on one of those (disk or an older snapshot).
             logger.warning("skipping snapshot segment %s: %s", path, exc)
             continue
         try:

@@ -76,6 +76,19 @@ def slot_capacity(segment_size: int) -> int:
     return max(0, segment_size // GENERATIONS - SLOT_HEADER)
 
 
+def segment_problem(size: int) -> str:
+    """Why a segment file of ``size`` bytes is not one ``segment_bytes`` made, or ''."""
+    slot = slot_capacity(size)
+    if slot < PAGE:
+        return f"{size} bytes is too small for a snapshot segment"
+    if segment_bytes(slot) != size:
+        return (
+            f"{size} bytes is not a whole segment (truncated or extended: "
+            f"{segment_bytes(slot)} expected for slots of {slot} bytes)"
+        )
+    return ""
+
+
 def header_offset(slot: int, slot_bytes: int) -> int:
     return slot * slot_stride(slot_bytes)
 

@@ -12,6 +12,7 @@ which the command line builds and hands in (this layer imports nothing of the mo
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from dataclasses import MISSING, dataclass, field, fields
@@ -42,6 +43,7 @@ from stalwart.config.output import (
     parse_std,
 )
 from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
+from stalwart.config.secret import launcher_secret
 from stalwart.config.values import (
     ConfigError,
     is_false,
@@ -377,6 +379,16 @@ class LaunchConfig:
             check=checked(lambda n: n is None or n >= 0, "expected a count >= 0"),
         ),
     )
+    # The secret itself may come as STALWART_JOB_SECRET instead (config/secret.py).
+    job_secret_file: Path | None = setting(
+        None,
+        flag(
+            "--job-secret-file",
+            parse=lambda v, _n: Path(str(v)),
+            help="file holding the secret every node of the job shares (RAM replicas "
+            "between nodes need it; or set STALWART_JOB_SECRET)",
+        ),
+    )
     # YAML or the flag only (no variable was ever read for it).
     preload: list[str] = setting(
         factory=list,
@@ -475,6 +487,8 @@ class LaunchConfig:
                 f"--ckpt-replicas {self.ckpt_replicas}: replicas copy RAM snapshots, "
                 "so it needs --ckpt-ram SIZE"
             )
+        if self.ckpt_ram and self.max_nodes >= 2 and self.ckpt_replicas != 0:
+            launcher_secret(self.job_secret_file, os.environ, multi_node=True)
         if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
             raise ConfigError(
                 f"--straggler-restart with --nnodes {self.max_nodes}: expected an elastic "

@@ -19,6 +19,7 @@ from . import (
     monitor_thread,
     rank_assignment,
     rank_filter,
+    wrap,
 )
 from .abort import Abort, AbortTorchDistributed, abort_nccl_communicators, destroy_process_groups
 from .assignment import ActiveWorldSize, FillGaps, RankAssignment, RankFilter, ShiftRanks
@@ -30,6 +31,7 @@ from .errors import (
     HookError,
     InProcessError,
     InternalError,
+    RankDiscarded,
     RankShouldRestart,
     RankTerminated,
     RestartAbort,
@@ -59,6 +61,7 @@ __all__ = [
     "InterruptionRecord",
     "Mode",
     "RankAssignment",
+    "RankDiscarded",
     "RankFilter",
     "RankShouldRestart",
     "RankTerminated",
@@ -79,4 +82,5 @@ __all__ = [
     "rank_assignment",
     "rank_filter",
     "tcp_store",
+    "wrap",
 ]

@@ -50,8 +50,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hard-timeout", type=float, required=True)
     parser.add_argument("--grace", type=float, required=True)
     parser.add_argument("--logfile", default=None)
+    parser.add_argument("--ready-fd", type=int, default=None)
     args = parser.parse_args(argv)
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    # The rank's stderr hears only of trouble; the log file, when asked for, of everything.
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setLevel(logging.WARNING)
+    handlers: list[logging.Handler] = [stderr]
     if args.logfile:
         handlers.append(logging.FileHandler(args.logfile))
     logging.basicConfig(
@@ -64,7 +68,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(args.clock, "r+b") as f:
         clock = mmap.mmap(f.fileno(), LAYOUT.size)
-    log.debug("watching pid %d, hard timeout %.2fs", args.parent, args.hard_timeout)
+    log.info(
+        "monitor_process %d watches training_pid=%d (hard timeout %.2fs)",
+        os.getpid(),
+        args.parent,
+        args.hard_timeout,
+    )
+    if args.ready_fd is not None:
+        # The rank waits for this before ending us, so the start line is never lost.
+        with contextlib.suppress(OSError):
+            os.write(args.ready_fd, b"1")
+            os.close(args.ready_fd)
     try:
         while True:
             time.sleep(args.interval)

@@ -8,20 +8,23 @@ so every rank computes the same answer without talking to the others.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Set
+from collections.abc import Mapping, Set
 from typing import Protocol
 
-from .errors import RestartError
+from .errors import RankDiscarded, RestartError
 from .state import Mode, State
 
 
 class RankAssignment(Protocol):
-    """Places this rank for the next iteration given the terminated initial ranks.
+    """Places this rank for the next iteration given the ranks terminated since the last one.
 
-    Returns ``(state, terminated)`` as NVIDIA's ``inprocess`` does: the second
-    item is the terminated ranks this assignment did not account for, which
-    must be empty (the wrapper raises ``RestartError`` otherwise); composed
-    assignments pass it along.
+    NVIDIA ``inprocess``'s contract: ``state.rank``/``state.world_size`` are the numbers
+    the last assignment gave (before any rank filter), ``terminated`` names ranks in that
+    same numbering, and a terminated rank's own call raises ``RankDiscarded``.  Returns
+    ``(state, terminated)``: the second item is the terminated ranks this assignment did
+    not account for, which must be empty (the wrapper raises ``RestartError`` otherwise);
+    composed assignments pass it along.  With ``Wrapper(rank_numbering="initial")`` the
+    numbers given are the initial ones and ``terminated`` every rank gone so far.
     """
 
     def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]: ...
@@ -33,59 +36,86 @@ class RankFilter(Protocol):
     def __call__(self, state: State) -> State: ...
 
 
+def assignment_input(
+    numbering: str,
+    state: State,
+    last: tuple[int, int],
+    terminated: frozenset[int],
+    accounted: frozenset[int],
+    last_numbers: Mapping[int, int],
+) -> tuple[State, set[int]]:
+    """What the rank assignment is given: ``state`` carrying the numbers to place from,
+    and the terminated ranks in those numbers.
+
+    ``last`` is (rank, world size) as the previous assignment gave them; ``terminated``
+    the initial ranks gone so far, ``accounted`` those the previous assignment was told
+    of, ``last_numbers`` the previous numbers of the newly terminated ones.  Under
+    "initial", every rank places itself from its initial numbers and everyone gone.
+    """
+    if numbering == "initial":
+        start = dataclasses.replace(
+            state, rank=state.initial_rank, world_size=state.initial_world_size
+        )
+        return start, set(terminated)
+    fresh = terminated - accounted
+    unknown = sorted(fresh - last_numbers.keys())
+    if unknown:
+        # Placing the others without their numbers could give two ranks one number.
+        raise RestartError(
+            f"initial ranks {unknown} left before their last rank was recorded: "
+            "the survivors cannot renumber consistently"
+        )
+    start = dataclasses.replace(state, rank=last[0], world_size=last[1])
+    return start, {last_numbers[r] for r in fresh}
+
+
+def _discard_if_terminated(state: State, terminated: Set[int]) -> None:
+    if state.rank in terminated:
+        raise RankDiscarded(
+            f"rank {state.rank} of {state.world_size} is among the terminated ranks "
+            f"{sorted(terminated)}"
+        )
+
+
+def _renumbered(state: State, rank: int, world_size: int) -> tuple[State, Set[int]]:
+    placed = dataclasses.replace(
+        state, rank=rank, world_size=world_size, active_world_size=world_size
+    )
+    return placed, set()
+
+
 class ShiftRanks:
-    """Survivors keep their order and are renumbered 0..n-1; world size shrinks."""
+    """Survivors keep their order and close the gaps: each rank moves down by the number
+    of terminated ranks below it; the world size shrinks by the number terminated."""
 
     def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
-        gone = frozenset(terminated)
-        alive = [r for r in range(state.initial_world_size) if r not in gone]
-        if not alive:
-            raise RestartError("no ranks left")
-        if state.initial_rank not in alive:
-            return dataclasses.replace(state, mode=Mode.TERMINATED, terminated=gone), set()
-        placed = dataclasses.replace(
-            state,
-            rank=alive.index(state.initial_rank),
-            world_size=len(alive),
-            active_world_size=len(alive),
-            mode=Mode.ACTIVE,
-            terminated=gone,
-        )
-        return placed, set()
+        _discard_if_terminated(state, terminated)
+        below = sum(1 for r in terminated if r < state.rank)
+        return _renumbered(state, state.rank - below, state.world_size - len(terminated))
 
     def __repr__(self) -> str:
         return "ShiftRanks()"
 
 
 class FillGaps:
-    """Survivors keep their rank where they can; the highest ones move into the gaps.
+    """Survivors below the new world size keep their rank; the ones at or above it take
+    the terminated ranks below it, in order (the lowest mover the lowest gap).
 
-    With ``n`` survivors, a survivor whose initial rank is below ``n`` keeps it,
-    and the survivors at ``n`` or above take the terminated ranks below ``n``,
-    the highest survivor the lowest gap.  Fewer ranks change number than with
-    ``ShiftRanks`` (whose order-keeping renumbers everyone after a gap).
+    Fewer ranks change number than with ``ShiftRanks``.  NVIDIA's hands the movers the
+    terminated ranks in order whether or not they are below the new world size, so two
+    terminated ranks at the top give a mover a rank the new world does not have
+    (docs/migrating.md); here a mover only ever takes a gap.
     """
 
     def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
-        gone = frozenset(terminated)
-        alive = [r for r in range(state.initial_world_size) if r not in gone]
-        if not alive:
-            raise RestartError("no ranks left")
-        if state.initial_rank not in alive:
-            return dataclasses.replace(state, mode=Mode.TERMINATED, terminated=gone), set()
-        size = len(alive)
-        gaps = [r for r in range(size) if r in gone]
-        movers = sorted((r for r in alive if r >= size), reverse=True)
-        new_rank = dict(zip(movers, gaps, strict=True))
-        placed = dataclasses.replace(
-            state,
-            rank=new_rank.get(state.initial_rank, state.initial_rank),
-            world_size=size,
-            active_world_size=size,
-            mode=Mode.ACTIVE,
-            terminated=gone,
-        )
-        return placed, set()
+        _discard_if_terminated(state, terminated)
+        size = state.world_size - len(terminated)
+        rank = state.rank
+        if rank >= size:
+            gaps = sorted(r for r in terminated if r < size)
+            movers = [r for r in range(size, state.world_size) if r not in terminated]
+            rank = gaps[movers.index(rank)]
+        return _renumbered(state, rank, size)
 
     def __repr__(self) -> str:
         return "FillGaps()"

@@ -70,6 +70,14 @@ class BarrierTimeout(RestartError):
     """A store barrier did not complete in time."""
 
 
+class RankDiscarded(RestartError):
+    """A rank assignment found this rank among the terminated ones: it leaves the job.
+
+    NVIDIA ``inprocess``'s name (``inprocess.rank_assignment.RankDiscarded``); raised to
+    the caller of the wrapped function on that rank, as NVIDIA's is.
+    """
+
+
 class RankTerminated(InProcessError):
     """This rank was declared terminated by the job and must not re-enter."""
 

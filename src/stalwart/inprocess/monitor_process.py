@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -45,15 +46,40 @@ class MonitorProcess:
             "--grace",
             repr(grace),
         ]
+        # With a log file asked for, stop() lets the child write its start line first.
+        self._ready: int | None = None
+        pass_fds: tuple[int, ...] = ()
         if logfile:
-            cmd += ["--logfile", logfile.format(rank=rank)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, close_fds=True)
+            self._ready, ready_w = os.pipe()
+            pass_fds = (ready_w,)
+            cmd += ["--logfile", logfile.format(rank=rank), "--ready-fd", str(ready_w)]
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, close_fds=True, pass_fds=pass_fds
+            )
+        except BaseException:
+            self._wait_ready(0)
+            raise
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
         self.clock = clock
+
+    def _wait_ready(self, timeout: float) -> None:
+        if self._ready is None:
+            return
+        ready, self._ready = self._ready, None
+        try:
+            select.select([ready], [], [], timeout)
+        finally:
+            os.close(ready)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close the clock and end the child now rather than at its next poll."""
         if self.proc.returncode is not None:
+            self._wait_ready(0)
             return
+        self._wait_ready(timeout)
         self.clock.close()
         with contextlib.suppress(ProcessLookupError):
             self.proc.terminate()

@@ -16,13 +16,22 @@ import threading
 import time
 from collections.abc import Callable
 
-from .asyncexc import raise_in_thread, wake
+from .asyncexc import async_raise, raise_in_thread, reraise_if_unraisable, wake
 from .errors import RankShouldRestart
 from .progress import ProgressClock
 from .state import Interruption, InterruptionRecord, State
 from .store import CoordStore
 
 log = logging.getLogger(__name__)
+
+# NVIDIA's names under its module path (``inprocess.monitor_thread.async_raise``).
+__all__ = [
+    "AtomicGate",
+    "MonitorThread",
+    "RankShouldRestart",
+    "async_raise",
+    "reraise_if_unraisable",
+]
 
 _FLAG_POLL = 0.005
 _RELEASE_GRACE = 0.1

@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 from torch._C._distributed_c10d import Store
 
@@ -30,6 +30,8 @@ Initialize = Callable[[State], State | None]
 AbortHook = Callable[[State], State | None]
 Finalize = Callable[[State, BaseException | None], object]
 HealthCheck = Callable[[State, BaseException | None], object]
+
+RANK_NUMBERINGS = ("current", "initial")
 
 # (smaller, larger): the first must be strictly below the second.
 _ORDER = (
@@ -94,6 +96,10 @@ class Options:
     # None (which NVIDIA's Wrapper also accepts) means ShiftRanks().
     rank_assignment: RankAssignment = dataclasses.field(default_factory=ShiftRanks)
     rank_filter: RankFilter | None = None
+    # What ``rank_assignment`` is given (docs/migrating.md): "current", NVIDIA's contract
+    # (the numbers the last assignment gave and the ranks terminated since, in that
+    # numbering); "initial", every rank's initial numbers and every rank gone so far.
+    rank_numbering: Literal["current", "initial"] = "current"
     monitor_thread_interval: Duration = Duration(0.5)
     monitor_process_interval: Duration = Duration(0.5)
     progress_watchdog_interval: Duration = Duration(0.5)
@@ -115,6 +121,11 @@ class Options:
             raise ConfigError(f"store_kwargs must be a dict or None, got {self.store_kwargs!r}")
         if self.rank_assignment is None:
             self.rank_assignment = ShiftRanks()
+        if self.rank_numbering not in RANK_NUMBERINGS:
+            raise ConfigError(
+                f"rank_numbering must be one of {', '.join(map(repr, RANK_NUMBERINGS))}, "
+                f"got {self.rank_numbering!r}"
+            )
         for name in (
             "initialize",
             "abort",

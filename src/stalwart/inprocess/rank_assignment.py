@@ -9,12 +9,14 @@ from .assignment import (
     RankFilter,
     ShiftRanks,
 )
+from .errors import RankDiscarded
 
 __all__ = [
     "ActiveWorldSize",
     "FillGaps",
     "MaxActiveWorldSize",
     "RankAssignment",
+    "RankDiscarded",
     "RankFilter",
     "ShiftRanks",
 ]

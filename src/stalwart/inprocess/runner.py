@@ -36,7 +36,8 @@ import torch.distributed as dist
 from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 
-from .asyncexc import clear_pending, install_wake_handler
+from .assignment import assignment_input
+from .asyncexc import clear_pending, install_wake_handler, reraise_if_unraisable
 from .call import Call, inject_call
 from .errors import (
     ConfigError,
@@ -106,6 +107,11 @@ class Runner(RunnerFaults, RunnerEnding):
         rank = _env_int(envvars.RANK)
         world = _env_int(envvars.WORLD_SIZE)
         self.state = State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
+        # What the last rank assignment gave (before any rank filter), and the
+        # terminated initial ranks it was told of: NVIDIA's assignments renumber from
+        # there (Options.rank_numbering).
+        self._placed = (rank, world)
+        self._accounted: frozenset[int] = frozenset()
         self.main_tid = threading.get_ident()
         # The wrapper rewrites these per iteration; put the launcher's back at the end.
         self._saved_env = {k: os.environ.get(k) for k in _EXPORTED_ENV}
@@ -229,7 +235,7 @@ class Runner(RunnerFaults, RunnerEnding):
         if opts.max_iterations is not None and iteration >= opts.max_iterations:
             raise RestartLimitReached(f"max_iterations={opts.max_iterations} reached")
         state = dataclasses.replace(state, iteration=iteration)
-        state = self._place(state, terminated)
+        state = self._place(state, iteration, terminated)
         if state.mode is Mode.TERMINATED:
             raise RankTerminated(
                 f"initial rank {state.initial_rank} has no rank in the new assignment"
@@ -251,20 +257,37 @@ class Runner(RunnerFaults, RunnerEnding):
             protected_fds=open_socket_fds(),
             protected_ports=self.protected_ports,
         )
-        if iteration > 0:
-            log.info(
-                "initial rank %d enters iteration %d as rank %d/%d (%s)",
-                state.initial_rank,
-                iteration,
-                state.rank,
-                state.world_size,
-                state.mode.value,
-            )
+        log.log(
+            logging.INFO if iteration > 0 else logging.DEBUG,
+            "initial rank %d enters iteration %d as rank %d/%d (%s)",
+            state.initial_rank,
+            iteration,
+            state.rank,
+            state.world_size,
+            state.mode.value,
+        )
         return state
 
-    def _place(self, state: State, terminated: frozenset[int]) -> State:
+    def _place(self, state: State, iteration: int, terminated: frozenset[int]) -> State:
         """Run the rank assignment in NVIDIA's shape: ``(state, terminated) -> (state, rest)``."""
-        result = self.opts.rank_assignment(state, set(terminated))
+        last_rank, last_world = self._placed
+        fresh = terminated - self._accounted
+        if self.opts.rank_numbering == "current" and iteration > 0:
+            numbers = self.coord.placed_ranks(iteration - 1, fresh, last_world)
+        else:  # nobody was renumbered yet: the initial numbers are the current ones
+            numbers = {r: r for r in fresh}
+        given, gone = assignment_input(
+            self.opts.rank_numbering, state, self._placed, terminated, self._accounted, numbers
+        )
+        log.debug(
+            "rank assignment given rank %d/%d (last %d/%d), terminated %s",
+            given.rank,
+            given.world_size,
+            last_rank,
+            last_world,
+            sorted(gone),
+        )
+        result = self.opts.rank_assignment(given, gone)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State)):
             raise InternalError(
                 f"rank_assignment must return (state, terminated), got {type(result).__name__}"
@@ -274,6 +297,10 @@ class Runner(RunnerFaults, RunnerEnding):
             raise RestartError(
                 f"rank_assignment left terminated ranks {sorted(unplaced)} unaccounted for"
             )
+        self._placed = (placed.rank, placed.world_size)
+        self._accounted = terminated
+        # Peers translate this rank into the next iteration's numbering if it goes.
+        self.coord.publish_placed_rank(iteration, placed.rank)
         # The wrapper's own record of who left, whatever the assignment wrote.
         return dataclasses.replace(placed, terminated=terminated)
 
@@ -402,7 +429,8 @@ class Runner(RunnerFaults, RunnerEnding):
         self._health_check(state, None)
         value = None
         if state.mode is Mode.ACTIVE:
-            with self.clock.on_main_thread():
+            # A restart landing in a destructor would be swallowed: raise it again.
+            with self.clock.on_main_thread(), reraise_if_unraisable(RankShouldRestart):
                 value = fn(*args, **kwargs)
             self.clock.disarm()
             coord.record_completed(state.iteration)

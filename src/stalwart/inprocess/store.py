@@ -172,6 +172,27 @@ class CoordStore:
     def has_left(self, rank: int) -> bool:
         return bool(self.store.check([f"left/{rank}"]))
 
+    # -- rank numbers the assignment gave, for NVIDIA's renumbering -------------------
+    def publish_placed_rank(self, iteration: int, rank: int) -> None:
+        self.store.set(f"it{iteration}/placed/{self.me}", str(rank))
+
+    def placed_ranks(self, iteration: int, ranks: Iterable[int], world_size: int) -> dict[int, int]:
+        """The rank each of ``ranks`` (initial ranks) was given in ``iteration``; a rank
+        with no record, or one that is not a rank below ``world_size``, is left out."""
+        out: dict[int, int] = {}
+        for r in ranks:
+            key = f"it{iteration}/placed/{r}"
+            if not self.store.check([key]):
+                continue
+            raw = self.store.get(key)
+            # Anyone who reaches the store can write here: a bounded decimal or nothing.
+            if len(raw) > 10 or not raw.isdigit():
+                continue
+            number = int(raw)
+            if number < world_size:
+                out[r] = number
+        return out
+
     # -- per-iteration port for env:// users -------------------------------------------
     def publish_port(self, iteration: int, port: int) -> None:
         self.store.set(f"it{iteration}/port", str(port))

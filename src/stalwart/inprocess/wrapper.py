@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import logging
+import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -31,6 +33,15 @@ class Wrapper(Options):
 
         @functools.wraps(fn)
         def wrapped(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            if options.enabled and not logging.getLogger(__package__).hasHandlers():
+                # Python's last-resort handler shows warnings only: the restarts
+                # (logged at INFO) would leave no trace.  As NVIDIA's wrapper warns.
+                warnings.warn(
+                    "logging is not configured (no handler on the root logger): the "
+                    "in-process restarts will not be logged; call logging.basicConfig()",
+                    UserWarning,
+                    stacklevel=2,
+                )
             if not options.enabled:
                 result: R = run_plain(fn, args, dict(kwargs))
                 return result

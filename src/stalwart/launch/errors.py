@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from stalwart.base import envvars
+from stalwart.base.files import replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,7 @@ def write_error_file(exc: BaseException, path: str | None = None) -> Path | None
         return p
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(error_payload(exc)))
-        os.replace(tmp, p)
+        replace_file(p, json.dumps(error_payload(exc)).encode())
     except OSError as err:
         logger.warning("could not write error file %s: %s", p, err)
         return None

@@ -1,4 +1,5 @@
-"""The run's event log: one JSON object per line in ``<log_dir>/<run_id>/events.jsonl``.
+"""The run's event log: one JSON object per line in ``<log_dir>/<run_id>/events.jsonl``
+(its readers are ``stalwart.reporting.read``).
 
 Every state change of a launcher is appended here with a wall-clock and a monotonic
 timestamp.  It is the single record that ``stalwart report``, the benchmarks and the
@@ -12,11 +13,11 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from stalwart.base.events import Event
+from stalwart.base.records import bounded
 from stalwart.launch.runfiles import open_append
 
 
@@ -30,10 +31,14 @@ class EventLog:
             self._base["node_rank"] = node_rank
         self._lock = threading.Lock()
         self._fd: int | None = None
+        #: Where this launcher's run starts in the file: a reused run folder (same run
+        #: id) holds earlier runs before it, which this run's accounting leaves out.
+        self.start_offset = 0
         if path is not None:
             # O_APPEND keeps each line whole even if several launchers share the file;
             # a link planted at the path is refused (the folder is ``make_run_dir``'s).
             self._fd = open_append(path)
+            self.start_offset = os.fstat(self._fd).st_size
 
     def set_node_rank(self, node_rank: int) -> None:
         self._base["node_rank"] = node_rank
@@ -45,7 +50,8 @@ class EventLog:
             "mono": time.monotonic(),
             "pid": os.getpid(),
             **self._base,
-            **fields,
+            # What a worker said (a message, a traceback, stacks) is cut to size here.
+            **{k: bounded(v) for k, v in fields.items()},
         }
         if self._fd is not None:
             line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
@@ -60,21 +66,6 @@ class EventLog:
                 self._fd = None
 
 
-def read_events(path: Path) -> Iterator[dict[str, Any]]:
-    """Yields the events of a file in order, skipping a torn last line."""
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(obj, dict):
-                yield obj
-
-
 # A line longer than this is not one of ours (the longest, a hang dossier's summary, is a
 # few KiB): it is skipped, not held in memory.
 _MAX_LINE = 1 << 20
@@ -84,9 +75,9 @@ class EventTail:
     """Reads the events appended to a file since the last read, a whole line at a time:
     a torn last line waits for the next read, an over-long or malformed one is skipped."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, start: int = 0) -> None:
         self.path = path
-        self._offset = 0
+        self._offset = start
         self._partial = b""
         self._skipping = False  # inside an over-long line, until its newline
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.records import MESSAGE_LIMIT, TRACEBACK_LIMIT, clip, printable
 from stalwart.launch.errors import signal_name
 from stalwart.rendezvous.api import WorkerFailed
 
@@ -57,8 +58,9 @@ def _error_file(path: str) -> tuple[str, str, float | None]:
         logger.warning("unreadable error file %s: nested too deep", path)
         return "", "", None
     msg = data.get("message") if isinstance(data, dict) else None
+    # A worker's words are cut to the documented sizes as they enter the launcher.
     if isinstance(msg, str):
-        return msg, "", None
+        return clip(msg, MESSAGE_LIMIT), "", None
     if not isinstance(msg, dict):
         return "", "", None
     extra = msg.get("extraInfo")
@@ -72,7 +74,8 @@ def _error_file(path: str) -> tuple[str, str, float | None]:
                 break
             except (ValueError, OverflowError):
                 continue
-    return str(msg.get("message", "")), str(extra.get("py_callstack", "")), stamp
+    message = clip(str(msg.get("message", "")), MESSAGE_LIMIT)
+    return message, clip(str(extra.get("py_callstack", "")), TRACEBACK_LIMIT), stamp
 
 
 def read_failure(
@@ -119,10 +122,10 @@ def failure_fields(failure: WorkerFailed) -> dict[str, Any]:
         "exitcode": failure.exitcode,
         "signal": failure.signal,
         "timestamp": failure.timestamp,
-        "message": failure.message,
-        "traceback": failure.traceback,
+        "message": clip(failure.message, MESSAGE_LIMIT),
+        "traceback": clip(failure.traceback, TRACEBACK_LIMIT),
         "error_file": failure.error_file,
-        "reason": failure.reason,
+        "reason": clip(failure.reason, MESSAGE_LIMIT),
     }
 
 
@@ -151,13 +154,14 @@ def format_summary(
         f"root cause: rank {rank} (node {cause.node_rank}, local rank {cause.local_rank}, "
         f"pid {cause.pid}) {describe_exit(cause)}",
     ]
+    # A worker's words reach the terminal with their control characters made visible.
     if cause.reason:
-        lines.append(f"reason: {cause.reason}")
+        lines.append(f"reason: {printable(cause.reason)}")
     if cause.message:
-        lines.append(f"exception: {cause.message}")
+        lines.append(f"exception: {printable(cause.message)}")
     if cause.traceback:
         lines.append("traceback (last lines):")
-        lines.extend("  " + ln for ln in traceback_head(cause.traceback).splitlines())
+        lines.extend("  " + printable(ln) for ln in traceback_head(cause.traceback).splitlines())
     if cause.error_file:
         folder = Path(cause.error_file).parent
         # Only files the worker really left: without -r/-t there are no logs.
@@ -173,8 +177,8 @@ def format_summary(
             lines.append(
                 f"  rank {f.rank} (node {f.node_rank}, local rank {f.local_rank}, pid {f.pid}) "
                 f"{describe_exit(f)} at +{f.timestamp - cause.timestamp:.3f}s"
-                + (f": {f.message}" if f.message else "")
-                + (f" [{f.reason}]" if f.reason else "")
+                + (f": {printable(f.message)}" if f.message else "")
+                + (f" [{printable(f.reason)}]" if f.reason else "")
             )
     if log_dir:
         lines.append(f"run folder: {log_dir}")

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
+from stalwart.launch import replica_auth as auth
 from stalwart.launch import replicawire as wire
 from stalwart.launch.replica_ring import fetch_order
 from stalwart.launch.replica_segments import Emit, ReplicaHolder
-from stalwart.launch.replica_server import PeerAddress, connect
+from stalwart.launch.replica_server import PeerAddress, connect, transfer_deadline
 
 logger = logging.getLogger(__name__)
 
@@ -23,24 +24,44 @@ REPLICA_FETCHED = Event.REPLICA_FETCHED
 REPLICA_FETCH_FAILED = Event.REPLICA_FETCH_FAILED
 
 
-def offer(peer: PeerAddress, rank: int, world_size: int) -> wire.Manifest | None:
-    with connect(peer) as sock:
-        wire.send_frame(sock, wire.Fetch(peer.token, rank, world_size, send=False))
+def offer(
+    peer: PeerAddress, rank: int, world_size: int, key: bytes, me: int
+) -> wire.Manifest | None:
+    with connect(peer, key, me) as sock:
+        wire.send_frame(sock, wire.Fetch(rank, world_size, send=False))
         got = wire.recv_frame(sock)
-        return got.manifest if isinstance(got, wire.Offer) else None
+        return _checked(got, rank, world_size, key) if isinstance(got, wire.Offer) else None
 
 
-def fetch(peer: PeerAddress, holder: ReplicaHolder, rank: int, world_size: int) -> wire.Manifest:
+def fetch(
+    peer: PeerAddress, holder: ReplicaHolder, rank: int, world_size: int, key: bytes, me: int
+) -> wire.Manifest:
     """Copy a peer's newest snapshot of ``rank`` into this node's replica of it."""
-    with connect(peer) as sock:
-        wire.send_frame(sock, wire.Fetch(peer.token, rank, world_size, send=True))
+    with connect(peer, key, me) as sock:
+        wire.send_frame(sock, wire.Fetch(rank, world_size, send=True))
         got = wire.recv_frame(sock)
-        if not isinstance(got, wire.Offer) or got.manifest is None:
+        man = _checked(got, rank, world_size, key) if isinstance(got, wire.Offer) else None
+        if man is None:
             raise wire.WireError(f"the peer holds no snapshot of rank {rank} any more")
-        reply = holder.receive(sock, got.manifest, announce=False)
+        rec = man.record
+        until = transfer_deadline(rec.skeleton_bytes + rec.tensor_bytes)
+        reply = holder.receive(sock, man, announce=False, deadline=until)
         if not reply.ok:
             raise wire.WireError(reply.error)
-        return got.manifest
+        return man
+
+
+def _checked(got: wire.Offer, rank: int, world_size: int, key: bytes) -> wire.Manifest | None:
+    """The offered manifest, if it is of the rank asked for and MACed by the job's key."""
+    man = got.manifest
+    if man is None:
+        return None
+    rec = man.record
+    if (rec.rank, rec.world_size) != (rank, world_size):
+        raise wire.WireError(f"offered rank {rec.rank} of {rec.world_size} for {rank}")
+    if not auth.record_ok(key, rec, man.mac):
+        raise auth.AuthError(f"rank {rank} step {rec.step}: the record's MAC differs")
+    return man
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,8 @@ def fetch_missing(
     world_size: int,
     peers: dict[int, PeerAddress],
     emit: Emit,
+    key: bytes,
+    me: int,
 ) -> list[Fetched]:
     """For each of ``ranks``, copy the newest snapshot a peer has, unless this folder
     holds that step already (or the rank ran here: its own segment is the newest)."""
@@ -76,7 +99,7 @@ def fetch_missing(
         errors: list[str] = []
         for node, peer in sorted(peers.items()):
             try:
-                man = offer(peer, rank, world_size)
+                man = offer(peer, rank, world_size, key, me)
             except (OSError, wire.WireError) as exc:
                 errors.append(f"node {node}: {exc}")
                 continue
@@ -88,7 +111,7 @@ def fetch_missing(
         got: Fetched | None = None
         for node in order:
             try:
-                man = fetch(peers[node], holder, rank, world_size)
+                man = fetch(peers[node], holder, rank, world_size, key, me)
             except (OSError, wire.WireError) as exc:
                 errors.append(f"node {node}: {exc}")
                 continue

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
+from stalwart.launch import replica_auth as auth
 from stalwart.launch import replicawire as wire
 from stalwart.launch.replica_ring import ring_targets
 from stalwart.launch.replica_segments import Emit, SegmentFile, send_slot
 from stalwart.launch.replica_server import (
     KVLike,
+    OneLine,
     PeerAddress,
     connect,
     lookup,
@@ -38,14 +40,24 @@ class SourceChanged(Exception):
     """The worker overwrote the slot while it was sent (a newer snapshot is there)."""
 
 
-def push(peer: PeerAddress, seg: SegmentFile, slot: int, rec: rl.CommitRecord, me: int) -> str:
-    """Push one snapshot to a peer; '' when it committed it, else why it refused.
+def push(
+    peer: PeerAddress,
+    seg: SegmentFile,
+    slot: int,
+    rec: rl.CommitRecord,
+    ring: Ring,
+    key: bytes,
+) -> str:
+    """Push one snapshot of this node's to a peer; '' when it committed it, else why it
+    refused.
 
-    Raises ``PeerGone`` when the peer cannot be reached or the stream breaks, and
-    ``SourceChanged`` when the slot was overwritten while it was read."""
+    Raises ``PeerGone`` when the peer cannot be reached, does not prove it is of the job,
+    or the stream breaks, and ``SourceChanged`` when the slot was overwritten while it
+    was read."""
     try:
-        with connect(peer) as sock:
-            wire.send_frame(sock, wire.Push(peer.token, wire.Manifest(rec, me)))
+        with connect(peer, key, ring.me) as sock:
+            manifest = wire.Manifest(rec, ring.me, auth.record_mac(key, rec))
+            wire.send_frame(sock, wire.Push(ring.round, manifest))
             ready = wire.expect(sock, wire.Reply)
             assert isinstance(ready, wire.Reply)
             if not ready.ok:
@@ -78,12 +90,16 @@ class Replicator:
         nproc: int,
         kv: KVLike,
         emit: Emit,
+        key: bytes,
         *,
         poll_s: float = 0.05,
         after_pass: Callable[[], None] | None = None,
     ) -> None:
-        """``after_pass``: called on this thread after each look at the segments."""
+        """``key``: the job's (``replica_auth.job_key``); ``after_pass``: called on this
+        thread after each look at the segments."""
         self._folder = folder
+        self._key = key
+        self._trouble = OneLine(None)
         self._after_pass = after_pass
         self._nproc = nproc
         self._kv = kv
@@ -156,6 +172,8 @@ class Replicator:
 
     def _pass(self, ring: Ring, segs: dict[int, SegmentFile]) -> None:
         for lr in range(self._nproc):
+            if lr in segs and not segs[lr].unchanged():
+                segs.pop(lr).close()  # replaced or damaged: map it again, if it is whole
             if lr not in segs:
                 try:
                     segs[lr] = SegmentFile(self._folder / rl.segment_name(lr), writable=False)
@@ -175,7 +193,7 @@ class Replicator:
                 if peer is None:
                     continue  # not published yet: the next pass looks again
                 try:
-                    why = push(peer, segs[lr], slot, rec, ring.me)
+                    why = push(peer, segs[lr], slot, rec, ring, self._key)
                 except PeerGone as exc:
                     self._peer_lost(ring, node, str(exc))
                     return  # the next pass sends to the node that replaces it
@@ -197,7 +215,7 @@ class Replicator:
     def _peer(self, ring: Ring, node: int) -> PeerAddress | None:
         if node not in self._peers:
             try:
-                self._peers.update(lookup(self._kv, ring.round, [node]))
+                self._peers.update(lookup(self._kv, ring.round, [node], self._key, self._trouble))
             except Exception as exc:  # the store's own errors reach the supervisor
                 logger.debug("cannot look up node %d's replica server: %s", node, exc)
         return self._peers.get(node)

@@ -25,3 +25,17 @@ def fetch_order(have_step: int | None, offers: list[tuple[int, int, int]]) -> li
     segment; between nodes the lower node rank)."""
     newer = [o for o in offers if have_step is None or o[0] > have_step]
     return [node for _, _, node in sorted(newer, key=lambda o: (-o[0], -o[1], o[2]))]
+
+
+def owner_problem(owned: tuple[int, int, int] | None, node: int, rank: int, world: int) -> str:
+    """Why node ``node`` may not push a snapshot of ``rank`` in a world of ``world`` ranks
+    ('' when it may), given ``(first rank, ranks, world size)`` of the node's verified
+    address in the push's round (None: it published none)."""
+    if owned is None:
+        return f"node {node} published no verified address for that round"
+    first, count, world_size = owned
+    if world != world_size:
+        return f"world size {world} is not the round's ({world_size})"
+    if not first <= rank < first + count:
+        return f"rank {rank} is not node {node}'s (it runs {first} to {first + count - 1})"
+    return ""

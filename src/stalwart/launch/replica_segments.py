@@ -29,6 +29,8 @@ REPLICA_NO_ROOM = Event.REPLICA_NO_ROOM
 REPLICA_PREFIX = "replica_r"
 # Reserved segments not yet holding a rank: no SEGMENT_SUFFIX, so workers never map them.
 FREE_PREFIX = "free_replica_"
+# A push of a rank whose replica is being written already is refused after this long.
+_BUSY_WAIT_S = 2.0
 # Linux >= 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -45,8 +47,10 @@ class SegmentFile:
         try:
             size = os.fstat(fd).st_size
             self.slot_bytes = rl.slot_capacity(size)
-            if self.slot_bytes < rl.PAGE:
-                raise ValueError(f"{path}: {size} bytes is too small for a snapshot segment")
+            problem = rl.segment_problem(size)
+            if problem:
+                raise ValueError(f"{path}: {problem}")
+            self.size = size
             length = rl.GENERATIONS * rl.slot_stride(self.slot_bytes)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
             self._map = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=prot)
@@ -59,6 +63,14 @@ class SegmentFile:
     def records(self) -> list[tuple[int, rl.CommitRecord]]:
         """Committed slots, newest (highest seq) first."""
         return rl.committed_slots(self._map, self.slot_bytes)
+
+    def unchanged(self) -> bool:
+        """Whether the file still has the size it was mapped at: reading a mapping past
+        a file's end is a SIGBUS, which would end the launcher."""
+        try:
+            return os.stat(self.path, follow_symlinks=False).st_size == self.size
+        except OSError:
+            return False
 
     def newest_of(self, rank: int, world_size: int) -> tuple[int, rl.CommitRecord] | None:
         mine = [(s, r) for s, r in self.records() if r.rank == rank and r.world_size == world_size]
@@ -214,6 +226,13 @@ class ReplicaHolder:
     def _segment(self, rank: int) -> SegmentFile:
         """The rank's replica segment, mapped once and kept (under the rank's lock)."""
         seg = self._open.get(rank)
+        if seg is not None and not seg.unchanged():
+            # Cut short or replaced under us: writing past its end would be a SIGBUS.
+            logger.warning("replica segment %s changed size; making it anew", seg.path)
+            del self._open[rank]
+            seg.close()
+            seg.path.unlink(missing_ok=True)
+            seg = None
         if seg is None:
             path = self.path_of(rank)
             with self._guard:
@@ -243,12 +262,19 @@ class ReplicaHolder:
         allocate_segment(path, self.segment_bytes)
 
     def receive(
-        self, sock: socket.socket, manifest: wire.Manifest, *, announce: bool
+        self,
+        sock: socket.socket,
+        manifest: wire.Manifest,
+        *,
+        announce: bool,
+        deadline: float | None = None,
     ) -> wire.Reply:
         """Take a snapshot off the stream into the slot that is not the newest.
 
         ``announce``: a push, whose sender waits for a go-ahead (or a refusal) before it
-        sends the bytes and for the verdict after; a fetch has neither."""
+        sends the bytes and for the verdict after; a fetch has neither. ``deadline``
+        (``time.monotonic()``): when all of it must have arrived. Another copy of the
+        same rank under way is a refusal after ``_BUSY_WAIT_S``, not a wait for it."""
         rec = manifest.record
 
         def answer(reply: wire.Reply) -> wire.Reply:
@@ -260,7 +286,10 @@ class ReplicaHolder:
             skel, tensors = wire.payload_sizes(rec, self.slot_bytes)
         except wire.WireError as exc:
             return answer(wire.Reply(False, str(exc)))
-        with self.lock(rec.rank):
+        lock = self.lock(rec.rank)
+        if not lock.acquire(timeout=_BUSY_WAIT_S):
+            return answer(wire.Reply(False, f"busy: another copy of rank {rec.rank} under way"))
+        try:
             try:
                 seg = self._segment(rec.rank)
             except NoRoom as exc:
@@ -271,21 +300,29 @@ class ReplicaHolder:
                     self._emit(REPLICA_NO_ROOM, rank=rec.rank, error=error)
                 return answer(wire.Reply(False, error))
             answer(wire.Reply(True))  # go ahead
-            return answer(self._fill(sock, seg, rec, skel, tensors))
+            return answer(self._fill(sock, seg, rec, skel, tensors, deadline))
+        finally:
+            lock.release()
 
     def _fill(
-        self, sock: socket.socket, seg: SegmentFile, rec: rl.CommitRecord, skel: int, tensors: int
+        self,
+        sock: socket.socket,
+        seg: SegmentFile,
+        rec: rl.CommitRecord,
+        skel: int,
+        tensors: int,
+        deadline: float | None,
     ) -> wire.Reply:
         held = seg.records()
         slot = 0 if not held else 1 - held[0][0]
         seg.invalidate(slot)
         with seg.region(slot, 0, skel) as view:
-            wire.recv_exact(sock, view)
+            wire.recv_exact(sock, view, deadline)
             skeleton_hash = xxhash.xxh3_64_intdigest(view)
         with seg.region(slot, rec.tensor_offset, tensors) as view:
-            wire.recv_exact(sock, view)
+            wire.recv_exact(sock, view, deadline)
             tensor_hash = xxhash.xxh3_64_intdigest(view)
-        end = wire.expect(sock, wire.End)
+        end = wire.expect(sock, wire.End, deadline)
         assert isinstance(end, wire.End)
         if not end.ok:
             return wire.Reply(False, "the source snapshot changed while it was sent")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from stalwart.checkpoint import ramlayout as rl
+from stalwart.launch.replica_auth import AuthError, job_key
 from stalwart.launch.replica_fetch import (
     LOCAL_PREFIX,
     REPLICA_FETCH_FAILED,
@@ -59,16 +60,23 @@ from stalwart.launch.replica_segments import (
     send_slot,
 )
 from stalwart.launch.replica_server import (
+    MAX_CONNECTIONS,
+    MAX_PER_HOST,
+    REPLICA_CONN_REFUSED,
     STORE_KEY,
     KVLike,
     PeerAddress,
     ReplicaServer,
+    connect,
     lookup,
     publish,
 )
 
 __all__ = [
     "FREE_PREFIX",
+    "MAX_CONNECTIONS",
+    "MAX_PER_HOST",
+    "REPLICA_CONN_REFUSED",
     "REPLICA_FETCHED",
     "REPLICA_FETCH_FAILED",
     "REPLICA_NO_ROOM",
@@ -76,6 +84,7 @@ __all__ = [
     "REPLICA_PREFIX",
     "REPLICA_REFUSED",
     "STORE_KEY",
+    "AuthError",
     "Fetched",
     "KVLike",
     "NoRoom",
@@ -89,9 +98,11 @@ __all__ = [
     "SegmentFile",
     "SourceChanged",
     "advertised_address",
+    "connect",
     "effective_replicas",
     "fetch",
     "fetch_missing",
+    "job_key",
     "lookup",
     "offer",
     "publish",
@@ -138,8 +149,13 @@ class NodeReplicas:
         emit: Emit,
         *,
         max_nodes: int,
+        key: bytes,
     ) -> None:
+        """``key``: the job's (``replica_auth.job_key``): only nodes that hold it are
+        served, pushed to or fetched from."""
         self.k = k
+        self._key = key
+        self._round = -1
         self._kv = kv
         self._nproc = nproc
         self._emit = emit
@@ -165,10 +181,15 @@ class NodeReplicas:
             reserve=reserve,
             on_commit=None if pins is None else lambda rec: pins.follow(rec.step, rec.world_size),
         )
-        self.server = ReplicaServer(self.holder, addr, lambda: self._node)
+        self.server = ReplicaServer(self.holder, addr, lambda: self._node, key, self._peer_of, emit)
         try:
             self.replicator = Replicator(
-                folder, nproc, kv, emit, after_pass=None if pins is None else pins.drop_stale
+                folder,
+                nproc,
+                kv,
+                emit,
+                key,
+                after_pass=None if pins is None else pins.drop_stale,
             )
         except BaseException:
             self.server.close()
@@ -188,8 +209,13 @@ class NodeReplicas:
         a worker's restore waits for that."""
         self.wait_fetched()
         self._node = node
+        self._round = round_
         self.replicator.set_ring(None)
-        publish(self._kv, round_, node, self.server.address)
+        publish(
+            self._kv,
+            round_,
+            self.server.address(round_, node, base_rank, self._nproc, world_size),
+        )
         self.replicator.set_ring(Ring(round_, node, nodes, min(self.k, nodes - 1)))
         if round_ == 0 or nodes < 2:
             return  # a new job: nobody holds anything yet
@@ -220,16 +246,31 @@ class NodeReplicas:
         try:
             others = [n for n in range(nodes) if n != node]
             deadline = time.monotonic() + _PEERS_WAIT_S
-            peers = lookup(self._kv, round_, others)
+            peers = self._lookup(round_, others)
             # Every node publishes right after it joins; a few ms apart.
             while len(peers) < len(others) and time.monotonic() < deadline:
                 time.sleep(0.02)
-                peers = lookup(self._kv, round_, others)
-            self.fetched = fetch_missing(self.holder, ranks, world_size, peers, self._emit)
+                peers = self._lookup(round_, others)
+            self.fetched = fetch_missing(
+                self.holder, ranks, world_size, peers, self._emit, self._key, node
+            )
         except Exception:
             logger.exception("fetching snapshots from peers failed; workers restore without")
         finally:
             marker.unlink(missing_ok=True)
+
+    def _lookup(self, round_: int, nodes: list[int]) -> dict[int, PeerAddress]:
+        return lookup(self._kv, round_, nodes, self._key, self.server.trouble)
+
+    def _peer_of(self, round_: int, node: int) -> PeerAddress | None:
+        """A node's verified address in a round (for the server's ownership check)."""
+        if round_ > self._round + 1:
+            return None  # a round that cannot have begun
+        try:
+            return self._lookup(round_, [node]).get(node)
+        except Exception as exc:  # the store's own errors reach the supervisor
+            logger.debug("cannot look up node %d's replica address: %s", node, exc)
+            return None
 
     def wait_fetched(self, timeout: float | None = None) -> list[Fetched]:
         """What the last round's fetch brought in, once it is done."""

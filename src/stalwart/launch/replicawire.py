@@ -2,30 +2,42 @@
 
 One TCP connection per exchange; the client speaks first. Control messages are frames
 (``[u32 length][msgspec JSON]``, at most ``MAX_FRAME`` bytes, tagged by ``kind``); a
-snapshot's bytes follow its manifest raw, exactly as many as the manifest names::
+snapshot's bytes follow its manifest raw, exactly as many as the manifest names.
 
-    push   (a node hands its newest snapshot of a rank to a peer)
-      1. client: Push(token, manifest)
-      2. server: Reply(ok, error)  go ahead, or why not (no room, a slot too small)
+Every connection starts with a mutual challenge-response over the job's key
+(``replica_auth``; the secret never passes through the store)::
+
+      a. client: Hello(node, nonce)
+      b. server: Challenge(nonce, proof)   the server knows the key
+      c. client: Proof(proof)              the client knows the key (else: closed)
+
+then one exchange::
+
+    push   (a node hands its newest snapshot of one of its own ranks to a peer)
+      1. client: Push(round, manifest) the manifest's record MACed by the owning node
+      2. server: Reply(ok, error)      go ahead, or why not (not the sender's rank, no
+                                       room, a slot too small, busy)
       3. client: the skeleton bytes, then the tensor bytes
-      4. client: End(ok)           ok: the source slot was unchanged after it was read
-      5. server: Reply(ok, error)  ok: checksums match and the replica is committed
+      4. client: End(ok)               ok: the source slot was unchanged after it was read
+      5. server: Reply(ok, error)      ok: checksums match and the replica is committed
     fetch  (a node that takes over a rank asks a peer for its snapshot)
-      1. client: Fetch(token, rank, world_size, send)
+      1. client: Fetch(rank, world_size, send)
       2. server: Offer(manifest | None)
       3. if send and a manifest: server sends the bytes, then End(ok)
 
-A wrong token is answered with Reply(False, "wrong token") in place of step 2.
-The receiver of bytes always checks them against the manifest's checksums before it
-commits them, so a torn or altered stream is dropped, never used. No pickle crosses the
-wire: the manifest is JSON, and the snapshot bytes are what the worker wrote (its
-skeleton is unpickled by the worker with the same restricted unpickler as a local one).
+The receiver of bytes checks the manifest's MAC, then the bytes against the record's
+checksums before it commits them, so a torn, altered or forged stream is dropped, never
+used. No pickle crosses the wire: the manifest is JSON, and the snapshot bytes are what
+the worker wrote (its skeleton is unpickled by the worker with the same restricted
+unpickler as a local one).
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
+from typing import Annotated
 
 import msgspec
 
@@ -34,28 +46,51 @@ from stalwart.checkpoint import ramlayout as rl
 #: Largest control frame accepted: a manifest is a few hundred bytes.
 MAX_FRAME = 64 << 10
 _LEN = struct.Struct("<I")
+#: Longest wait for any one read or write of a peer's.
+IO_TIMEOUT_S = 30.0
 
 
 class WireError(Exception):
     """The peer broke the protocol or the connection; the message says how."""
 
 
+#: Hex text of a nonce or an HMAC-SHA256 (the fields a handshake carries).
+Hex = Annotated[str, msgspec.Meta(min_length=32, max_length=64, pattern="^[0-9a-f]+$")]
+#: A rank, node or size read off the wire: never negative, never huge.
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
+
+
 class Manifest(msgspec.Struct, frozen=True):
-    """What a snapshot on the wire is: its commit record and the node it came from."""
+    """What a snapshot on the wire is: its commit record, the node it came from, and the
+    MAC of the record by a node of the job (``replica_auth.record_mac``)."""
 
     record: rl.CommitRecord
-    from_node: int
+    from_node: Annotated[int, msgspec.Meta(ge=-1, le=1 << 48)]  # -1: before its first round
+    mac: str = ""
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello", tag_field="kind"):
+    node: Count
+    nonce: Hex
+
+
+class Challenge(msgspec.Struct, frozen=True, tag="challenge", tag_field="kind"):
+    nonce: Hex
+    proof: Hex
+
+
+class Proof(msgspec.Struct, frozen=True, tag="proof", tag_field="kind"):
+    proof: Hex
 
 
 class Push(msgspec.Struct, frozen=True, tag="push", tag_field="kind"):
-    token: str
+    round: Count  # the round whose published addresses say which ranks the sender runs
     manifest: Manifest
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch", tag_field="kind"):
-    token: str
-    rank: int
-    world_size: int
+    rank: Count
+    world_size: Count
     send: bool  # False: only say what is held (the manifest)
 
 
@@ -72,7 +107,7 @@ class Reply(msgspec.Struct, frozen=True, tag="reply", tag_field="kind"):
     error: str = ""
 
 
-Message = Push | Fetch | Offer | End | Reply
+Message = Hello | Challenge | Proof | Push | Fetch | Offer | End | Reply
 _decoder = msgspec.json.Decoder(Message)
 
 
@@ -81,33 +116,39 @@ def send_frame(sock: socket.socket, msg: Message) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the stream; a peer that closes early is a ``WireError``."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from the stream; a peer that closes early, or has not sent it all
+    by ``deadline`` (``time.monotonic()``), is a ``WireError``."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError(f"too slow: {got} of {len(view)} bytes before the deadline")
+            sock.settimeout(min(left, IO_TIMEOUT_S))
         n = sock.recv_into(view[got:])
         if n == 0:
             raise WireError(f"connection closed after {got} of {len(view)} bytes")
         got += n
 
 
-def recv_frame(sock: socket.socket) -> Message:
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> Message:
     head = bytearray(_LEN.size)
-    recv_exact(sock, memoryview(head))
+    recv_exact(sock, memoryview(head), deadline)
     (length,) = _LEN.unpack(head)
     if length > MAX_FRAME:
         raise WireError(f"frame of {length} bytes (at most {MAX_FRAME} expected)")
     body = bytearray(length)
-    recv_exact(sock, memoryview(body))
+    recv_exact(sock, memoryview(body), deadline)
     try:
         msg: Message = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise WireError(f"bad frame: {exc}") from None
+    except msgspec.DecodeError as exc:  # not JSON, or not one of the frames
+        raise WireError(f"bad frame: {str(exc)[:200]}") from None
     return msg
 
 
-def expect(sock: socket.socket, kind: type[Message]) -> Message:
-    msg = recv_frame(sock)
+def expect(sock: socket.socket, kind: type[Message], deadline: float | None = None) -> Message:
+    msg = recv_frame(sock, deadline)
     if not isinstance(msg, kind):
         raise WireError(f"expected a {kind.__name__} frame, got {type(msg).__name__}")
     return msg

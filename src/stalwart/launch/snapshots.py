@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -114,6 +115,7 @@ class SnapshotMemory:
         base = Path(base) if base is not None else default_base()
         sweep_stale(base)
         self.slot_bytes = slot_bytes
+        self._nproc = nproc
         self.segment_bytes = rl.segment_bytes(slot_bytes)
         wanted = nproc * self.segment_bytes
         what = f"--ckpt-ram {_size(slot_bytes)}"
@@ -156,6 +158,44 @@ class SnapshotMemory:
                 f"{what}: cannot reserve {_size(self.segment_bytes)} in {path.parent} "
                 f"({no_room}); lower --ckpt-ram or free memory"
             )
+
+    def repair(self) -> list[tuple[str, str]]:
+        """Make anew each local segment that is no longer what ``_create`` made (cut
+        short, extended, replaced by something else): a worker could not map it, and
+        reading one past its end is a SIGBUS. Returns (name, what was wrong) for each.
+        Called between rounds, while no worker of this node runs."""
+        fixed: list[tuple[str, str]] = []
+        for lr in range(self._nproc):
+            path = self.folder / rl.segment_name(lr)
+            try:
+                st = path.lstat()
+                problem = (
+                    "not a regular file"
+                    if not stat.S_ISREG(st.st_mode)
+                    else f"{st.st_size} bytes, {self.segment_bytes} expected"
+                    if st.st_size != self.segment_bytes
+                    else ""
+                )
+            except FileNotFoundError:
+                problem = "missing"
+            if not problem:
+                continue
+            logger.warning(
+                "snapshot segment %s is damaged (%s): its snapshots are lost; making it anew",
+                path,
+                problem,
+            )
+            tmp = path.with_name(f".{path.name}.new")
+            tmp.unlink(missing_ok=True)
+            try:
+                self._create(tmp, f"--ckpt-ram {_size(self.slot_bytes)}")
+            except (OSError, SnapshotMemoryError) as exc:
+                tmp.unlink(missing_ok=True)
+                logger.warning("cannot make %s anew: %s", path, exc)
+                continue
+            os.replace(tmp, path)
+            fixed.append((path.name, problem))
+        return fixed
 
     def worker_env(self) -> dict[str, str]:
         return {rl.RAM_DIR_ENV: str(self.folder)}

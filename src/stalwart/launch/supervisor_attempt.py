@@ -39,6 +39,10 @@ class SupervisorAttempt(SupervisorState):
         stacks = {lr: adir / str(lr) / "stacks.log" for lr in range(n)} if adir else {}
         self._stacks = list(stacks.values())
         program, argv = program_argv(cfg)
+        if self._snapshots is not None:
+            # No worker of this node runs now: a damaged segment can be replaced.
+            for name, problem in self._snapshots.repair():
+                self.events.emit(Event.CKPT_RAM_REPAIRED, segment=name, error=problem)
         specs = []
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])

@@ -14,14 +14,13 @@ import time
 from typing import Any
 
 from stalwart.base.events import Event
+from stalwart.base.records import clip, printable
 from stalwart.launch.decide import (
     Ending,
     Restart,
     Stop,
 )
-from stalwart.launch.events import read_events
 from stalwart.launch.failures import describe_exit, failure_fields, format_summary, root_cause
-from stalwart.launch.summary import end_block, never_fired
 from stalwart.launch.supervisor_state import JobResult, SupervisorState
 from stalwart.launch.workers import RunResult
 from stalwart.rendezvous import (
@@ -29,6 +28,8 @@ from stalwart.rendezvous import (
     NodeLost,
     WorkerFailed,
 )
+from stalwart.reporting.read import read_events
+from stalwart.reporting.summary import end_block, never_fired
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ class SupervisorEnding(SupervisorState):
                 move.attempt,
                 cause.rank,
                 describe_exit(cause),
-                f" ({cause.reason or cause.message})" if cause.reason or cause.message else "",
+                f" ({printable(clip(cause.reason or cause.message, 200))})"
+                if cause.reason or cause.message
+                else "",
                 move.next_attempt,
                 self.cfg.max_restarts,
             )
@@ -165,7 +168,8 @@ class SupervisorEnding(SupervisorState):
             return {}
         fields: dict[str, Any] = {}
         try:
-            events = list(read_events(path))
+            # This run only: a reused run folder keeps earlier runs' events before it.
+            events = list(read_events(path, start=self.events.start_offset))
             unfired = never_fired(self.cfg.inject, events, self._ranks_run)
             if unfired:
                 fields["inject_not_fired"] = unfired

@@ -15,11 +15,13 @@ import sys
 
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
+from stalwart.config.secret import launcher_secret
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.membership import rendezvous_for
+from stalwart.launch.replica_auth import job_key
 from stalwart.launch.replicas import NodeReplicas, advertised_address, effective_replicas
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.supervisor_state import SupervisorState
@@ -79,6 +81,12 @@ class SupervisorResources(SupervisorState):
                 addr,
                 self.events.emit,
                 max_nodes=self.cfg.max_nodes,
+                key=job_key(
+                    launcher_secret(
+                        self.cfg.job_secret_file, os.environ, multi_node=self.cfg.max_nodes > 1
+                    ),
+                    self.cfg.run_id,
+                ),
             )
 
     def _stop_workers(self) -> None:

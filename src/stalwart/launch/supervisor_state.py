@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import LaunchConfig
+from stalwart.config import ConfigError, LaunchConfig
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
 from stalwart.launch.events import EventLog, EventTail
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
-from stalwart.launch.metrics import MetricsServer
 from stalwart.launch.replicas import NodeReplicas
 from stalwart.launch.restart_policy import AttemptEnd
 from stalwart.launch.runfiles import check_component, make_run_dir
@@ -32,6 +31,7 @@ from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext
 from stalwart.progress import ProgressBoard, Sample
 from stalwart.rendezvous import Rendezvous, WorkerFailed
+from stalwart.reporting.metrics import MetricsPortError, MetricsServer
 
 
 class SignalReceived(BaseException):
@@ -67,9 +67,12 @@ class SupervisorState:
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
         # First: a taken port is a one-line error before anything is created.
-        self._metrics = (
-            MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
-        )
+        try:
+            self._metrics = (
+                MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
+            )
+        except MetricsPortError as err:
+            raise ConfigError(str(err)) from None
         base = cfg.log_dir
         if base is None:
             base = Path(tempfile.mkdtemp(prefix="stalwart_"))
@@ -83,7 +86,7 @@ class SupervisorState:
             node_rank=cfg.node_rank,
         )
         if self._metrics is not None:
-            self._metrics.watch(self.events.path)
+            self._metrics.watch(self.events.path, start=self.events.start_offset)
         self.logs = LogSpec(
             self.run_dir,
             redirects=cfg.redirects,
@@ -123,4 +126,5 @@ class SupervisorState:
         # local rank reported in this attempt, and checkpoint commits from the event log.
         self._failed_attempts: list[AttemptEnd] = []
         self._furthest_step: int | None = None
-        self._commits = EventTail(self.events.path)
+        # From where this run starts: a reused run folder holds earlier runs' commits.
+        self._commits = EventTail(self.events.path, self.events.start_offset)

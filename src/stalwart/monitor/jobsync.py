@@ -106,19 +106,47 @@ def decode_learned(raw: bytes) -> LearnedTimeouts:
     if len(raw) > MAX_VALUE_BYTES:
         raise ValueError(f"larger than {MAX_VALUE_BYTES} bytes")
     try:
-        state = json.loads(raw)
+        state = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"not JSON: {err}") from None
     if not isinstance(state, dict):
         raise ValueError("not a JSON object")
     try:
         learned = LearnedTimeouts.from_state(state)
-    except TypeError as err:
-        raise ValueError(str(err)) from None
+    except (TypeError, AttributeError, OverflowError) as err:
+        raise ValueError(f"not the learned-timeouts format: {err}") from None
     values = [learned.hb, learned.oos, *learned.sections.values()]
     if any(v is not None and not override_ok(v) for v in values):
         raise ValueError("a timeout out of range")
     return LearnedTimeouts(hb=learned.hb, sections=learned.sections, oos=learned.oos)
+
+
+def _no_constant(name: str) -> float:
+    # JSON has no NaN or Infinity; Python's json reads them. An infinite learned timeout
+    # would switch the hang check off, so they are refused rather than read.
+    raise json.JSONDecodeError(f"{name} is not a number JSON allows", name, 0)
+
+
+def at_least(learned: LearnedTimeouts, floor: float) -> tuple[LearnedTimeouts, list[str]]:
+    """*learned* with every timeout raised to *floor* (``auto_floor``: no learned value
+    is ever below it), and the names of those it raised. A value read back from the run
+    folder or a peer below the floor would stop a healthy rank."""
+    raised: list[str] = []
+
+    def up(value: float | None, name: str) -> float | None:
+        if value is not None and value < floor:
+            raised.append(f"{name}={value:g}")
+            return floor
+        return value
+
+    sections = {n: v for n, v in ((n, up(v, repr(n))) for n, v in learned.sections.items())}
+    out = LearnedTimeouts(
+        hb_initial=up(learned.hb_initial, "initial heartbeat"),
+        hb=up(learned.hb, "heartbeat"),
+        sections={n: v for n, v in sections.items() if v is not None},
+        oos=up(learned.oos, "out-of-section"),
+    )
+    return out, raised
 
 
 def decode_rhythm(raw: bytes) -> NodeRhythm:

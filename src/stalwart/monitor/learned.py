@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -93,12 +94,25 @@ class LearnedTimeouts:
         def secs(value: Any, what: str) -> float | None:
             if value is None:
                 return None
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"learned timeout {what} must be > 0 seconds, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0 < value < math.inf
+            ):
+                raise ValueError(
+                    f"learned timeout {what} must be a finite number > 0 of seconds, "
+                    f"got {str(value)[:40]!r}"
+                )
             return float(value)
 
         hb = state.get("heartbeat") or {}
-        sections = {str(k): secs(v, repr(k)) for k, v in dict(state.get("sections") or {}).items()}
+        sections_raw = state.get("sections") or {}
+        if not isinstance(hb, Mapping) or not isinstance(sections_raw, Mapping):
+            raise ValueError(
+                "learned timeouts: 'heartbeat' and 'sections' must be objects, got "
+                f"{type(hb).__name__} and {type(sections_raw).__name__}"
+            )
+        sections = {str(k): secs(v, repr(k)) for k, v in sections_raw.items()}
         return cls(
             hb_initial=secs(hb.get("initial"), "initial heartbeat"),
             hb=secs(hb.get("subsequent"), "heartbeat"),

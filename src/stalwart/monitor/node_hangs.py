@@ -19,6 +19,7 @@ from pathlib import Path
 
 from stalwart.base import procs
 from stalwart.base.events import Event
+from stalwart.base.files import replace_file
 from stalwart.monitor import dossier, layout, stacks
 from stalwart.monitor.judge import (
     Stalled,
@@ -273,13 +274,9 @@ class NodeHangs(NodeState):
         if self._state_dir is None or not entries:
             return None
         path = self._state_dir / dossier.dossier_name(hang.attempt)
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(dossier.render(hang.attempt, entries, STACKS_MAX_BYTES))
-            os.replace(tmp, path)
+            replace_file(path, dossier.render(hang.attempt, entries, STACKS_MAX_BYTES).encode())
         except OSError as exc:
             log.warning("could not write the hang dossier %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             return None
         return path

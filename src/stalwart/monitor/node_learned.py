@@ -8,14 +8,13 @@ and logged as `timeouts_learned`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import os
 import time
 
 from stalwart.base.events import Event
+from stalwart.base.files import replace_file
 from stalwart.monitor import auto, jobsync
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.learned import LearnedTimeouts
@@ -78,6 +77,14 @@ class NodeLearning(NodeState):
 
         The scanner (observed values) and the job's sync thread (other nodes' values)
         both come here; the file is written by one at a time, always the latest."""
+        values, raised = jobsync.at_least(values, self._auto.floor)
+        if raised:
+            log.warning(
+                "learned timeouts from %s below the floor of %g s raised to it: %s",
+                source,
+                self._auto.floor,
+                ", ".join(raised),
+            )
         with self._learned_lock:
             with self._lock:
                 merged = auto.merge(self._learned, values)
@@ -111,11 +118,7 @@ class NodeLearning(NodeState):
         path = self._learned_path
         if path is None:
             return
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(learned.to_state(), sort_keys=True))
-            os.replace(tmp, path)
+            replace_file(path, json.dumps(learned.to_state(), sort_keys=True).encode())
         except OSError as exc:
             log.warning("could not keep learned timeouts in %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()

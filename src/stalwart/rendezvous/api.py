@@ -7,6 +7,8 @@ from typing import Annotated, Protocol
 
 import msgspec
 
+from stalwart.base.records import MESSAGE_LIMIT, TRACEBACK_LIMIT, clip
+
 
 class RendezvousError(RuntimeError):
     """The job cannot form: unreachable endpoint, id mismatch, join timeout."""
@@ -80,9 +82,35 @@ class NodeExcluded(_Record, frozen=True, kw_only=True, tag="exclude_node"):
 FailureRecord = WorkerFailed | NodeLost | ShutdownRequested | NodeExcluded
 
 
+#: Largest failure record read back from the store (bytes): a bounded record's text
+#: (``bounded_failure``) in UTF-8 with room to spare; anything larger is not ours.
+FAILURE_RECORD_LIMIT = 256 * 1024
+
+
+def bounded_failure(rec: FailureRecord) -> FailureRecord:
+    """*rec* with its text cut to the documented sizes (``base.records``), as it must
+    be before it enters the store: every node reads every record, and a store value of
+    megabytes stalls the store's one thread for everyone."""
+    common = {"host": clip(rec.host, 256), "reason": clip(rec.reason, MESSAGE_LIMIT)}
+    if isinstance(rec, WorkerFailed):
+        return msgspec.structs.replace(
+            rec,
+            **common,
+            message=clip(rec.message, MESSAGE_LIMIT),
+            traceback=clip(rec.traceback, TRACEBACK_LIMIT),
+            error_file=clip(rec.error_file, 4096),
+            signal=None if rec.signal is None else clip(rec.signal, 64),
+        )
+    return msgspec.structs.replace(rec, **common)
+
+
 def decode_failure(raw: bytes) -> FailureRecord:
     """One record from the store; ``msgspec.ValidationError`` (a ``DecodeError``) when it
-    is not one of the kinds above, or lacks what its kind needs."""
+    is not one of the kinds above, lacks what its kind needs, or is too large."""
+    if len(raw) > FAILURE_RECORD_LIMIT:
+        raise msgspec.ValidationError(
+            f"a record of {len(raw)} bytes (the limit is {FAILURE_RECORD_LIMIT})"
+        )
     rec: FailureRecord = msgspec.json.decode(raw, type=FailureRecord)
     return rec
 

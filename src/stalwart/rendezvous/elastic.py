@@ -46,6 +46,7 @@ from stalwart.rendezvous.api import (
     RendezvousError,
     RendezvousInfo,
     StoreLost,
+    bounded_failure,
 )
 from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
 from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none
@@ -358,7 +359,7 @@ class ElasticRendezvous:
         rank = failure.node_rank
         if isinstance(failure, NodeExcluded) and rank == self.node_rank:
             self._excluded = True
-        self.kv.set(keys.Round(round_).failure(rank), failure.encode().decode())
+        self.kv.set(keys.Round(round_).failure(rank), bounded_failure(failure).encode().decode())
         self.kv.create(keys.Round(round_).failed, str(rank))
 
     def failed(self, round_: int) -> bool:

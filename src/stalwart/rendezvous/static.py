@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from stalwart.rendezvous import keys
-from stalwart.rendezvous.api import FailureRecord, JobEnded, RendezvousError, RendezvousInfo
+from stalwart.rendezvous.api import (
+    FailureRecord,
+    JobEnded,
+    RendezvousError,
+    RendezvousInfo,
+    bounded_failure,
+)
 from stalwart.rendezvous.kv import (
     C10dKV,
     check_run_id,
@@ -167,7 +173,7 @@ class StaticRendezvous:
 
     def report_failure(self, round_: int, failure: FailureRecord) -> None:
         k = keys.Round(round_)
-        self.kv.set(k.failure(failure.node_rank), failure.encode().decode())
+        self.kv.set(k.failure(failure.node_rank), bounded_failure(failure).encode().decode())
         self.kv.create(k.failed, str(failure.node_rank))
 
     def failed(self, round_: int) -> bool:

@@ -1,19 +1,21 @@
 """A picture of a run: ranks x time across attempts, from its events.
 
 ``build(events)`` is pure and gives the segments and markers; ``to_html`` writes one
-self-contained page (inline SVG and CSS: no script, no network) and ``to_png`` draws
-the same with matplotlib (the ``report`` extra), imported only when asked for.
+self-contained page (inline SVG and CSS: no script, no network; every value from a
+record is escaped) and ``png_drawer`` draws the same with matplotlib (the ``report``
+extra), imported only when asked for.
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from stalwart.base.events import Event
-from stalwart.launch.goodput import CATEGORIES, Breakdown, account, last_step_end
+from stalwart.base.records import printable
+from stalwart.reporting.goodput import CATEGORIES, Breakdown, account, last_step_end
 
 # Drawing order and colours shared by the page and the image.
 COLOURS = {
@@ -82,7 +84,7 @@ def build(events: list[dict[str, Any]]) -> Timeline:
         samples: dict[int, list[tuple[float, int]]] = {}
         for e in evs:
             if e["event"] == Event.PROGRESS and e.get("rank") is not None:
-                t = float(e.get("step_time", e["time"]))
+                t = float(e.get("step_time") or e["time"])
                 samples.setdefault(int(e["rank"]), []).append((t, int(e["step"])))
         first = {r: min(t for t, _ in sm) for r, sm in samples.items()}
         if a == min(by_attempt):
@@ -239,7 +241,8 @@ def to_html(tl: Timeline) -> str:
     faults = ""
     if b is not None and b.faults:
         items = "".join(
-            f'<li class="fault">attempt {f.attempt}: rank {f.rank} {html.escape(f.kind)} '
+            f'<li class="fault">attempt {f.attempt}: rank {html.escape(str(f.rank))} '
+            f"{html.escape(f.kind)} "
             f"({html.escape(f.detail)}), cost {f.cost:.2f} s, {f.steps_lost} step(s) redone</li>"
             for f in b.faults
         )
@@ -275,15 +278,23 @@ goodput {goodput}</p>
 """
 
 
-def to_png(tl: Timeline, path: Path) -> None:
+def png_drawer(tl: Timeline) -> Callable[[BinaryIO], None]:
+    """A function that draws *tl* as a PNG into an open file; RuntimeError (one line)
+    at once when matplotlib is missing, before any file is made."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        import matplotlib.pyplot
     except ImportError:
         raise RuntimeError("--png needs matplotlib: pip install 'stalwart[report]'") from None
+    return lambda fh: _draw_png(tl, fh)
+
+
+def _draw_png(tl: Timeline, fh: BinaryIO) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     fig, ax = plt.subplots(figsize=(12, 1.8 + 0.4 * max(len(tl.ranks), 1)))
     index = {r: i for i, r in enumerate(tl.ranks)}
     for s in tl.segments:
@@ -312,10 +323,12 @@ def to_png(tl: Timeline, path: Path) -> None:
     ax.set_xlabel("seconds since launch")
     ax.set_xlim(0, max(tl.end - tl.start, 1e-3))
     goodput = f", goodput {100 * tl.breakdown.goodput:.1f}%" if tl.breakdown else ""
-    ax.set_title(f"run {tl.run_id}{goodput}")
+    # The run id is the user's text: matplotlib must not read "$...$" in it as math.
+    title = printable(tl.run_id)
+    ax.set_title(f"run {title}{goodput}", parse_math=False)
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles += [Patch(color="#de2d26", label="fault"), Patch(color="#08519c", label="checkpoint")]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(fh, format="png", dpi=110)
     plt.close(fig)

@@ -2,23 +2,28 @@
 
 PATH is a run folder, an ``events.jsonl`` or a log dir holding several runs; for a log
 dir the runs are listed first and the newest (or ``--run ID``) is shown.  The numbers
-come from ``goodput.account``, the same function the end-of-job summary uses.
+come from ``goodput.account``, the same function the end-of-job summary uses. A run
+folder reused with the same run id holds several runs; the last one is shown.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from stalwart.base.events import Event
-from stalwart.launch.events import read_events
-from stalwart.launch.goodput import CATEGORIES, Breakdown, account
+from stalwart.base.files import replace_file
+from stalwart.base.records import printable
+from stalwart.reporting.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.read import last_run_start, read_events
 
 
 def find_runs(path: Path) -> list[Path]:
@@ -35,9 +40,15 @@ def find_runs(path: Path) -> list[Path]:
 
 
 def _started(path: Path) -> float:
-    for ev in read_events(path):
-        return float(ev.get("time", 0.0))
+    for ev in read_events(path, start=last_run_start(path)):
+        return float(ev["time"])
     return 0.0
+
+
+def run_events(path: Path) -> list[dict[str, Any]]:
+    """The events of the last run in *path* (a reused run folder keeps earlier runs
+    before it: they are not this run's)."""
+    return list(read_events(path, start=last_run_start(path)))
 
 
 def _outcome(events: list[dict[str, Any]]) -> str:
@@ -67,7 +78,7 @@ def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if ev["event"] == Event.RENDEZVOUS_DONE:
             sizes[attempt] = ev.get("world_size")
         cause = ev.get("root_cause") if ev["event"] in (Event.RESTART, Event.JOB_FAILED) else None
-        if cause:
+        if cause:  # its fields' types were checked as the line was read
             how = (
                 f"signal {cause['signal']}"
                 if cause.get("signal")
@@ -95,7 +106,7 @@ def summarise(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_record(path: Path) -> dict[str, Any]:
     """Everything ``--json`` prints for one run."""
-    events = list(read_events(path))
+    events = run_events(path)
     b = account(events)
     return {
         "run_id": events[0].get("run_id") if events else None,
@@ -114,16 +125,22 @@ def _fmt(v: float) -> str:
     return f"{v:.2f}"
 
 
+def _cell(value: object) -> Text:
+    """A table cell from a record's value: never read as rich markup, control
+    characters shown as escapes (a message cannot restyle or move the terminal)."""
+    return Text(printable(str(value)))
+
+
 def _print_runs(console: Console, runs: list[Path], chosen: Path) -> None:
     table = Table(title=f"{len(runs)} runs")
-    for col in ("run", "started", "outcome", "attempts", "wall s", "goodput"):
-        table.add_column(col)
+    for col in ("run", "started", "outcome", "tries", "wall s", "goodput"):
+        table.add_column(col, overflow="fold")
     for path in runs:
-        events = list(read_events(path))
+        events = run_events(path)
         b = account(events)
         mark = " *" if path == chosen else ""
         table.add_row(
-            f"{path.parent.name}{mark}",
+            _cell(f"{path.parent.name}{mark}"),
             _when(b.start),
             _outcome(events),
             str(len(b.attempts)),
@@ -139,21 +156,16 @@ def _when(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _print_run(console: Console, path: Path) -> None:
-    events = list(read_events(path))
+def _print_run(console: Console, path: Path, events: list[dict[str, Any]]) -> None:
     b: Breakdown = account(events)
-    table = Table(title=f"run {events[0].get('run_id') if events else '?'} ({path})")
-    for col in (
-        "attempt",
-        "world size",
-        "duration s",
-        "steps",
-        "productive s",
-        "lost s (largest)",
-        "outcome",
-        "root cause",
-    ):
-        table.add_column(col)
+    run_id = events[0].get("run_id") if events else "?"
+    console.print(_cell(f"run {run_id} ({path})"), style="bold")
+    # Eight columns fit 80 characters with these headings; the root causes, which are
+    # as long as a worker made them, are listed under the table where they can wrap.
+    table = Table(title="attempts", title_justify="left")
+    for col in ("try", "ranks", "secs", "steps", "kept s", "lost s", "largest loss", "outcome"):
+        table.add_column(col, overflow="fold")
+    causes: list[tuple[int, str]] = []
     for row in summarise(events):
         steps = f"{row['first_step']}..{row['last_step']}" if row["first_step"] is not None else ""
         secs: dict[str, float] = row["seconds"]
@@ -165,11 +177,15 @@ def _print_run(console: Console, path: Path) -> None:
             _fmt(row["end"] - row["start"]),
             steps,
             _fmt(secs["productive"]),
-            f"{_fmt(sum(lost.values()))} ({worst})" if lost[worst] > 0 else "0.00",
+            _fmt(sum(lost.values())),
+            worst if lost[worst] > 0 else "",
             row["outcome"],
-            row["cause"],
         )
+        if row["cause"]:
+            causes.append((row["attempt"], row["cause"]))
     console.print(table)
+    for attempt, cause in causes:
+        console.print(_cell(f"root cause of attempt {attempt}: {cause}"))
     breakdown = Table(title=f"where the time went (goodput {100 * b.goodput:.1f}%)")
     breakdown.add_column("category")
     breakdown.add_column("seconds", justify="right")
@@ -181,34 +197,39 @@ def _print_run(console: Console, path: Path) -> None:
     console.print(breakdown)
     if b.faults:
         faults = Table(title="faults")
-        for col in ("attempt", "rank", "kind", "detail", "cost s", "steps redone"):
-            faults.add_column(col)
+        for col in ("try", "rank", "kind", "detail", "cost s", "redone"):
+            faults.add_column(col, overflow="fold")
         for f in b.faults:
             faults.add_row(
                 str(f.attempt),
                 "" if f.rank is None else str(f.rank),
-                f.kind,
-                f.detail,
+                _cell(f.kind),
+                _cell(f.detail),
                 _fmt(f.cost),
                 str(f.steps_lost),
             )
         console.print(faults)
     last = events[-1] if events else {}
     if last.get("event") == Event.LAUNCHER_EXIT:
-        console.print(f"launcher exit code: {last.get('exit_code')}")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Nothing half-written: a temp file beside the target, then a rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        console.print(_cell(f"launcher exit code: {last.get('exit_code')}"))
 
 
 def report_main(argv: list[str]) -> int:
+    """``stalwart report``; a reader that closes the pipe early (``| head``) ends it
+    quietly, as it would end any other command-line tool."""
+    try:
+        code = _report(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would complain again flushing stdout at exit: point it at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    return code
+
+
+def _report(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="stalwart report")
     parser.add_argument("path", type=Path, help="run folder, log dir, or events.jsonl")
     parser.add_argument("--run", default=None, help="run id to show when PATH holds several")
@@ -234,19 +255,15 @@ def report_main(argv: list[str]) -> int:
             return 2
         chosen = match[0]
     if ns.html is not None or ns.png is not None:
-        from stalwart.launch import timeline
+        from stalwart.reporting import timeline
 
-        tl = timeline.build(list(read_events(chosen)))
+        tl = timeline.build(run_events(chosen))
         try:
             if ns.html is not None:
-                _write_atomic(ns.html, timeline.to_html(tl).encode())
+                replace_file(ns.html, timeline.to_html(tl).encode(), mode=0o644)
             if ns.png is not None:
-                tmp = ns.png.with_name(f".{ns.png.name}.tmp.png")
-                try:
-                    timeline.to_png(tl, tmp)
-                    tmp.replace(ns.png)
-                finally:
-                    tmp.unlink(missing_ok=True)
+                draw = timeline.png_drawer(tl)  # before any file: no matplotlib, no file
+                replace_file(ns.png, draw, mode=0o644)
         except (OSError, RuntimeError) as err:
             print(f"stalwart report: error: {err}", file=sys.stderr)
             return 2
@@ -260,5 +277,5 @@ def report_main(argv: list[str]) -> int:
     console = Console()
     if len(runs) > 1:
         _print_runs(console, runs, chosen)
-    _print_run(console, chosen)
+    _print_run(console, chosen, run_events(chosen))
     return 0

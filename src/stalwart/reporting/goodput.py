@@ -185,7 +185,7 @@ def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown
 
     def samples(a: int) -> list[tuple[float, int]]:
         return sorted(
-            (float(e.get("step_time", e["time"])), int(e["step"]))
+            (float(e.get("step_time") or e["time"]), int(e["step"]))
             for e in by_attempt.get(a, [])
             if e["event"] == Event.PROGRESS and isinstance(e.get("step"), int)
         )

@@ -10,7 +10,7 @@ from typing import Any
 
 from stalwart import inject
 from stalwart.base.events import Event
-from stalwart.launch.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.goodput import CATEGORIES, Breakdown, account
 
 
 def never_fired(spec: str, events: list[dict[str, Any]], ranks: set[int]) -> list[str]:

@@ -9,16 +9,14 @@ the closing block and ``stalwart report`` say.  The goodput figures are
 from __future__ import annotations
 
 import errno
-import json
+import logging
 import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,8 +26,15 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from stalwart.base.events import Event
-from stalwart.config import ConfigError
-from stalwart.launch.goodput import CATEGORIES, account
+from stalwart.base.records import EVENT_LINE_LIMIT
+from stalwart.reporting.event_schema import BadRecord, parse_event_line
+from stalwart.reporting.goodput import CATEGORIES, account
+from stalwart.reporting.metrics_http import RateLimitedLog, serve
+
+logger = logging.getLogger(__name__)
+
+#: Bytes of the events file read at a time (a scrape reads what is new, chunk by chunk).
+READ_CHUNK = 1 << 20
 
 # Save latency buckets (s): staging a few MiB to writing tens of GiB.
 SAVE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -59,7 +64,7 @@ class RunState:
     def fold(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
         if kind == Event.PROGRESS:
-            key = (int(ev.get("attempt", -1)), int(ev.get("local_rank", 0)))
+            key = (_int(ev.get("attempt"), -1), _int(ev.get("local_rank"), 0))
             first = self._progress.get(key, (ev, ev))[0]
             self._progress[key] = (first, ev)
             self._step(ev)
@@ -74,7 +79,7 @@ class RunState:
             why = str(ev.get("kind") or "unknown")
             self.hangs[why] = self.hangs.get(why, 0) + 1
         elif kind == Event.RENDEZVOUS_DONE:
-            self.attempt = int(ev.get("attempt", self.attempt))
+            self.attempt = _int(ev.get("attempt"), self.attempt)
             self.world_size = int(ev.get("world_size") or 0)
             self._rate_from = None
         elif kind == Event.CHECKPOINT_COMMIT and ev.get("rank") in (None, 0):
@@ -85,7 +90,7 @@ class RunState:
     def _step(self, ev: dict[str, Any]) -> None:
         if ev.get("attempt") != self.attempt or not isinstance(ev.get("step"), int):
             return
-        step, at = int(ev["step"]), float(ev.get("step_time", ev["time"]))
+        step, at = int(ev["step"]), float(ev.get("step_time") or ev["time"])
         if step <= self.step:
             return
         self.step = step
@@ -96,18 +101,33 @@ class RunState:
 
     def events(self) -> list[dict[str, Any]]:
         thin = [e for pair in self._progress.values() for e in {id(p): p for p in pair}.values()]
-        return sorted([*self._kept, *thin], key=lambda e: float(e.get("time", 0.0)))
+        return sorted([*self._kept, *thin], key=lambda e: float(e["time"]))
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 class RunCollector(Collector):
-    """Reads new lines of the events file at each scrape and reports the run."""
+    """Reads new lines of the events file at each scrape and reports the run.
 
-    def __init__(self, path: Path | None) -> None:
+    Only records that ``records.parse_event_line`` accepts are folded in: a line a
+    worker (or anyone) wrote wrong is skipped with a rate-limited warning, and the
+    metrics stay what the good lines say."""
+
+    def __init__(self, path: Path | None, start: int = 0) -> None:
         self.path = path
         self.state = RunState()
-        self._offset = 0
+        self._offset = start
         self._partial = b""
+        self._overlong = False  # inside a line too long to keep: skip to its end
         self._lock = threading.Lock()
+        self.skipped = 0
+        self._warn = RateLimitedLog(logger)
+
+    def watch(self, path: Path | None, start: int) -> None:
+        with self._lock:
+            self.path, self._offset, self._partial = path, start, b""
 
     def _read_new(self) -> None:
         if self.path is None:
@@ -115,20 +135,37 @@ class RunCollector(Collector):
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self._offset)
-                data = fh.read()
+                while data := fh.read(READ_CHUNK):
+                    self._offset += len(data)
+                    self._feed(data)
         except FileNotFoundError:
             return
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
+
+    def _feed(self, data: bytes) -> None:
+        lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()  # a line still being written
         for raw in lines:
-            try:
-                ev = json.loads(raw)
-            except ValueError:
+            if self._overlong:
+                self._overlong = False  # the end of the long line: skipped
                 continue
-            if isinstance(ev, dict) and "time" in ev:
-                self.state.fold(ev)
+            if raw.strip():
+                self._fold(raw)
+        if len(self._partial) > EVENT_LINE_LIMIT:
+            self._partial = b""
+            self._overlong = True
+            self._bad(f"a line of more than {EVENT_LINE_LIMIT} bytes")
+
+    def _fold(self, raw: bytes) -> None:
+        try:
+            ev = parse_event_line(raw)
+        except BadRecord as err:
+            self._bad(str(err))
+            return
+        self.state.fold(ev)
+
+    def _bad(self, why: str) -> None:
+        self.skipped += 1
+        self._warn.warning(f"metrics: skipped a malformed line of {self.path}: {why}")
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -189,6 +226,10 @@ def _families(s: RunState, now: float) -> Iterator[Metric]:
         )
 
 
+class MetricsPortError(ValueError):
+    """The port cannot be served (taken, or not allowed): a one-line message."""
+
+
 class MetricsServer:
     """The HTTP endpoint; binding happens at construction, so a taken port fails early."""
 
@@ -197,20 +238,19 @@ class MetricsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self.collector)
         try:
-            self._server, self._thread = start_http_server(port, addr, registry=self.registry)
+            self._server, self._thread = serve(port, addr, self.registry)
         except OSError as err:
             why = "already in use" if err.errno == errno.EADDRINUSE else os.strerror(err.errno or 0)
-            raise ConfigError(f"--metrics-port {port}: {addr}:{port} is {why}") from None
+            raise MetricsPortError(f"--metrics-port {port}: {addr}:{port} is {why}") from None
 
     @property
     def port(self) -> int:
         return int(self._server.server_port)
 
-    def watch(self, events: Path | None) -> None:
-        self.collector.path = events
+    def watch(self, events: Path | None, start: int = 0) -> None:
+        """Reads *events* from byte *start*: this run's part of a reused run folder."""
+        self.collector.watch(events, start)
 
     def close(self) -> None:
-        server: WSGIServer = self._server
-        server.shutdown()
-        server.server_close()
+        self._server.close()
         self._thread.join(timeout=5)
