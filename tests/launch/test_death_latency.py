@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.errors import ProcessFailure
 from stalwart.launch.hangs import annotate
 from stalwart.monitor import HangKind, HangReport
+from stalwart.rendezvous.api import WorkerFailed
 from tests.helpers import events, stalwart, warm_and_cold
 
 from .helpers import SCRIPTS
@@ -130,5 +130,7 @@ def _hang(**kw: object) -> HangReport:
 def test_annotate(
     hang: HangReport, failure_ts: float, failure_tb: str, expected: tuple[str, float, str]
 ) -> None:
-    failure = ProcessFailure(1, 42, -15, timestamp=failure_ts, traceback=failure_tb)
+    failure = WorkerFailed(
+        node_rank=0, local_rank=1, pid=42, exitcode=-15, timestamp=failure_ts, traceback=failure_tb
+    )
     assert annotate(failure, hang) == expected

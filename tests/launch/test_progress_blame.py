@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from stalwart.launch.errors import ProcessFailure, root_cause
+from stalwart.launch.failures import root_cause
 from stalwart.launch.hangs import HangWatch
 from stalwart.monitor import HangReport, MonitorConfig
 from stalwart.monitor.reports import HangKind
+from stalwart.rendezvous.api import WorkerFailed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -34,19 +35,19 @@ def watch():  # type: ignore[no-untyped-def]
 def test_root_that_exited_zero_is_still_the_root_cause(watch: HangWatch) -> None:
     watch._hangs = {101: _report(1, 101, None), 100: _report(0, 100, 1)}
     # Only the victim failed (terminated); the stopped root's framework exited 0.
-    failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-15, rank=0)}
-    assert watch.count_hung_roots(failures)
-    watch.explain(list(failures.values()))
+    failures = {0: WorkerFailed(node_rank=0, local_rank=0, pid=100, exitcode=-15, rank=0)}
+    assert watch.count_hung_roots(failures, 0)
+    watch.explain(failures)
     cause = root_cause(list(failures.values()))
     assert cause.rank == 1 and "stopped (state T)" in cause.reason
-    assert not watch.count_hung_roots(failures)  # once
+    assert not watch.count_hung_roots(failures, 0)  # once
 
 
 def test_victims_and_roots_already_failed_are_not_added(watch: HangWatch) -> None:
     watch._hangs = {101: _report(1, 101, None), 100: _report(0, 100, 1)}
     failures = {
-        0: ProcessFailure(local_rank=0, pid=100, exitcode=-15, rank=0),
-        1: ProcessFailure(local_rank=1, pid=101, exitcode=-9, rank=1),
+        0: WorkerFailed(node_rank=0, local_rank=0, pid=100, exitcode=-15, rank=0),
+        1: WorkerFailed(node_rank=0, local_rank=1, pid=101, exitcode=-9, rank=1),
     }
-    assert not watch.count_hung_roots(failures)
+    assert not watch.count_hung_roots(failures, 0)
     assert len(failures) == 2

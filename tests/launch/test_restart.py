@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.errors import ProcessFailure, root_cause
+from stalwart.launch.failures import describe_exit, read_failure, root_cause
 from tests.helpers import events, kinds, stalwart, warm_and_cold
 
 from .helpers import SCRIPTS
@@ -107,8 +107,7 @@ def test_error_file_readable_by_torch_elastic(tmp_path: Path) -> None:
 
 
 def test_root_cause_is_the_earliest_failure() -> None:
-    late = ProcessFailure(local_rank=0, pid=10, exitcode=1, rank=0)
-    early = ProcessFailure(local_rank=1, pid=11, exitcode=-9, rank=1)
-    late.timestamp, early.timestamp = 100.5, 100.2
+    late = read_failure(0, 10, 1, exited_at=100.5, rank=0)
+    early = read_failure(1, 11, -9, exited_at=100.2, rank=1)
     assert root_cause([late, early]) is early
-    assert early.describe_exit() == "signal SIGKILL"
+    assert describe_exit(early) == "signal SIGKILL"

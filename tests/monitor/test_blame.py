@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.errors import ProcessFailure, root_cause
+from stalwart.launch.failures import root_cause
 from stalwart.launch.hangs import _blame_first
 from stalwart.monitor import HangKind, HangReport, MonitorConfig
 from stalwart.monitor.judge import Stalled, blame, judge
+from stalwart.rendezvous.api import WorkerFailed
 from tests.helpers import wait_for
 
 from .conftest import Harness
@@ -128,11 +129,12 @@ def _hang(pid: int, rank: int, waiting_on: int | None, at: float) -> HangReport:
 
 def test_summary_names_the_rank_waited_on() -> None:
     # The waiter was detected (and exited) first; the summary must still name rank 1.
-    waiter = ProcessFailure(local_rank=0, pid=100, exitcode=-15, rank=0, timestamp=50.0)
-    sleeper = ProcessFailure(local_rank=1, pid=101, exitcode=-15, rank=1, timestamp=50.2)
+    waiter = WorkerFailed(node_rank=0, local_rank=0, pid=100, exitcode=-15, rank=0, timestamp=50.0)
+    sleeper = WorkerFailed(node_rank=0, local_rank=1, pid=101, exitcode=-15, rank=1, timestamp=50.2)
     hangs = {100: _hang(100, 0, 1, 50.0), 101: _hang(101, 1, None, 50.1)}
-    _blame_first([waiter, sleeper], hangs)
-    assert root_cause([waiter, sleeper]) is sleeper
+    failures = {0: waiter, 1: sleeper}
+    assert _blame_first(failures, hangs)
+    assert root_cause(list(failures.values())).rank == 1
 
 
 def sleeping_rank_blamed(harness: Harness, mode: str) -> None:

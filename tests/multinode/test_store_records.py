@@ -10,8 +10,7 @@ import msgspec
 import pytest
 from torch.distributed import TCPStore
 
-from stalwart.launch.supervisor import RoundOutcome, control_outcome
-from stalwart.monitor import ControlAction
+from stalwart.launch.decide import Asked, RoundOutcome, control_outcome
 from stalwart.rendezvous.api import (
     FailureRecord,
     NodeExcluded,
@@ -43,14 +42,14 @@ def test_bind_address(host: str, resolved: list[str], want: str) -> None:
 @pytest.mark.parametrize(
     ("action", "elastic", "want"),
     [
-        (ControlAction.SHUTDOWN_WORKLOAD, False, RoundOutcome.SHUTDOWN_REQUESTED),
-        (ControlAction.SHUTDOWN_WORKLOAD, True, RoundOutcome.SHUTDOWN_REQUESTED),
-        (ControlAction.EXCLUDE_NODE, False, RoundOutcome.SHUTDOWN_REQUESTED),
-        (ControlAction.EXCLUDE_NODE, True, RoundOutcome.NODE_EXCLUDED),
-        (ControlAction.CONTINUE, True, None),
+        (Asked.SHUTDOWN_WORKLOAD, False, RoundOutcome.SHUTDOWN_REQUESTED),
+        (Asked.SHUTDOWN_WORKLOAD, True, RoundOutcome.SHUTDOWN_REQUESTED),
+        (Asked.EXCLUDE_NODE, False, RoundOutcome.SHUTDOWN_REQUESTED),
+        (Asked.EXCLUDE_NODE, True, RoundOutcome.NODE_EXCLUDED),
+        (Asked.CONTINUE, True, None),
     ],
 )
-def test_control_outcome(action: ControlAction, elastic: bool, want: RoundOutcome | None) -> None:
+def test_control_outcome(action: Asked, elastic: bool, want: RoundOutcome | None) -> None:
     assert control_outcome(action, elastic) is want
 
 

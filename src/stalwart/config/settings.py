@@ -47,6 +47,7 @@ from stalwart.config.secret import launcher_secret
 from stalwart.config.values import (
     ConfigError,
     is_false,
+    parse_exception_names,
     parse_list,
     parse_nnodes,
     parse_nproc,
@@ -170,6 +171,40 @@ class LaunchConfig:
             "--max-restarts",
             **AN_INT,
             check=checked(lambda n: n >= 0, "expected >= 0"),
+        ),
+    )
+    # The crash-loop verdict (``launch.restart_policy``): restarts that cannot help.
+    max_no_progress_attempts: int = setting(
+        3,
+        flag(
+            "--max-no-progress-attempts",
+            **AN_INT,
+            help="stop without restart once this many attempts in a row end with the same "
+            "error (same rank, exception or exit code) and get no further (default 3; 0: "
+            "never)",
+            check=checked(lambda n: 0 <= n <= 1_000_000, "expected a count >= 0"),
+        ),
+    )
+    stop_on: tuple[str, ...] = setting(
+        (),
+        flag(
+            "--stop-on",
+            parse=parse_exception_names,
+            help="exception types that stop the job at once when a rank raises one before "
+            "its first step, e.g. ImportError,SyntaxError (default: none)",
+        ),
+    )
+    no_requeue_exit_code: int = setting(
+        93,
+        flag(
+            "--no-requeue-exit-code",
+            **AN_INT,
+            help="the launcher's exit code when it stops a crash loop: the job should not "
+            "be requeued (default 93, as NVIDIA's ft_launcher)",
+            check=checked(
+                lambda c: 2 <= c <= 125 and c != 3,
+                "expected 2..125, other than 3 (a rendezvous error)",
+            ),
         ),
     )
     monitor_interval: float = setting(

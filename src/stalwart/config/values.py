@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 
@@ -71,6 +72,23 @@ def parse_signals(value: str, name: str) -> tuple[str, ...]:
             raise ConfigError(f"{name} {value!r}: {n!r} is not a signal name (like SIGUSR1)")
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             raise ConfigError(f"{name} {value!r}: {n} cannot be handled")
+    return names
+
+
+_EXCEPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def parse_exception_names(value: Any, name: str) -> tuple[str, ...]:
+    """``ImportError,SyntaxError`` (or a YAML list): exception type names, each a Python
+    name or dotted path, at most 64 of them."""
+    names = tuple(dict.fromkeys(parse_list(value)))
+    if len(names) > 64:
+        raise ConfigError(f"{name}: {len(names)} names; expected at most 64")
+    for n in names:
+        if len(n) > 200 or not _EXCEPTION_NAME.fullmatch(n):
+            raise ConfigError(
+                f"{name} {n[:80]!r}: expected exception type names like ImportError,SyntaxError"
+            )
     return names
 
 

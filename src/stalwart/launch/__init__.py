@@ -24,10 +24,16 @@ def __getattr__(name: str) -> Any:
         from stalwart.launch import workers
 
         return getattr(workers, name)
-    if name in ("ProcessFailure", "record"):
-        from stalwart.launch import errors
+    if name == "record":
+        from stalwart.launch.errors import record
 
-        return getattr(errors, name)
+        return record
+    if name == "ProcessFailure":
+        # The launcher's one failure record (``RunResult.failures`` holds them), under
+        # the name torchrun's API gives it.
+        from stalwart.rendezvous.api import WorkerFailed
+
+        return WorkerFailed
     if name == "Std":
         from stalwart.launch.logs import Std
 

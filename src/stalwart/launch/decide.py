@@ -5,18 +5,18 @@ typed view of the round: how it ended, which attempt it was, the restart budget 
 what every node reported.  The answer is a ``Restart`` or a ``Stop``; the supervisor
 acts on it (events, console, rendezvous).  A signal (``interrupted``) and a spare the
 job never needed (``not_needed``) end as a ``Stop`` too, so a ``JobResult`` is made from
-a ``Stop`` in one place.  Everything here is pure: ``tests/launch/test_decide.py`` reads
-it as tables.
+a ``Stop`` in one place.  Everything here is pure, over plain records (no host name,
+clock or file; the monitor's requests arrive as ``ControlAsk``): ``tests/launch/test_decide.py``
+reads it as tables.
 """
 
 from __future__ import annotations
 
 import signal
-import socket
 from dataclasses import dataclass
 from enum import Enum
 
-from stalwart.monitor import ControlAction, ControlRequest
+from stalwart.launch.restart_policy import Verdict
 from stalwart.rendezvous.api import (
     FailureRecord,
     NodeExcluded,
@@ -49,6 +49,7 @@ class Ending(Enum):
 
     SUCCEEDED = "succeeded"  # every node's workers finished
     GAVE_UP = "gave_up"  # a failure with no restart left
+    CRASH_LOOP = "crash_loop"  # a failure no restart can help (``restart_policy``)
     SHUT_DOWN = "shut_down"  # a rank asked to stop the job
     EXCLUDED = "excluded"  # a rank asked to take this node out; the job goes on
     INTERRUPTED = "interrupted"  # a termination signal reached the launcher
@@ -61,6 +62,7 @@ class JobOver:
 
     succeeded: bool
     reason: str
+    exit_code: int | None = None  # every node exits with it (None: 0 or 1)
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class RoundView:
     records: tuple[FailureRecord, ...] = ()
     # Why this node's rank asked to stop the job or leave it ("" when none did).
     request: str = ""
+    # The crash-loop verdict on the job's failed attempts so far, this one included.
+    loop: Verdict | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,19 @@ def decide(view: RoundView) -> Move:
         )
     workers = tuple(r for r in view.records if isinstance(r, WorkerFailed))
     departed = tuple(r for r in view.records if isinstance(r, NodeLost | NodeExcluded))
+    if view.loop is not None:
+        # Before the budget: even the last attempt's end says "do not requeue".
+        line = view.loop.line()
+        return Stop(
+            ending=Ending.CRASH_LOOP,
+            state=State.FAILED,
+            exit_code=view.loop.exit_code,
+            attempts=attempt + 1,
+            reason=line,
+            tell=JobOver(False, line, view.loop.exit_code),
+            workers=workers,
+            departed=departed,
+        )
     if attempt >= view.max_restarts:
         return Stop(
             ending=Ending.GAVE_UP,
@@ -177,37 +194,58 @@ def interrupted(sig: int, attempt: int) -> Stop:
     )
 
 
-def not_needed(succeeded: bool, reason: str) -> Stop:
-    """A spare the job ended without: it exits as the job did."""
+def not_needed(succeeded: bool, reason: str, exit_code: int | None = None) -> Stop:
+    """A node the job ended without (a spare, or a peer of a node that stopped a crash
+    loop): it exits as the job did."""
+    code = exit_code if exit_code is not None else 0 if succeeded else 1
     return Stop(
         ending=Ending.NOT_NEEDED,
         state=State.SUCCEEDED if succeeded else State.FAILED,
-        exit_code=0 if succeeded else 1,
+        exit_code=code,
         attempts=0,
         reason=reason,
     )
 
 
-def control_outcome(action: ControlAction, elastic: bool) -> RoundOutcome | None:
+class Asked(Enum):
+    """What a rank's control request asks of the round (the values are the monitor's
+    ``ControlAction``'s, which the supervisor translates at its edge)."""
+
+    CONTINUE = "continue"
+    EXCLUDE_NODE = "exclude_node"
+    SHUTDOWN_WORKLOAD = "shutdown_workload"
+
+
+@dataclass(frozen=True)
+class ControlAsk:
+    """A rank's control request as the decisions read it."""
+
+    action: Asked
+    rank: int | None  # the asking rank's global rank, when known
+    reason: str = ""  # set when the monitor asked on the rank's behalf
+
+
+def control_outcome(action: Asked, elastic: bool) -> RoundOutcome | None:
     """What a rank's control request does to the round.  Excluding a node needs a
     membership that can lose one (elastic ``MIN:MAX``); with fixed membership the job
     cannot go on without the node, so the request ends the job as a shutdown does."""
-    if action is ControlAction.SHUTDOWN_WORKLOAD:
+    if action is Asked.SHUTDOWN_WORKLOAD:
         return RoundOutcome.SHUTDOWN_REQUESTED
-    if action is ControlAction.EXCLUDE_NODE:
+    if action is Asked.EXCLUDE_NODE:
         return RoundOutcome.NODE_EXCLUDED if elastic else RoundOutcome.SHUTDOWN_REQUESTED
     return None
 
 
-def control_reason(req: ControlRequest, outcome: RoundOutcome, node_rank: int) -> str:
-    """The one line a control request ends up as (events, the console, the peers)."""
-    who = f"rank {req.global_rank if req.global_rank is not None else '?'}"
-    if req.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
-        return f"{req.reason}: excluding node {node_rank} ({socket.gethostname()})"
-    if req.action is ControlAction.SHUTDOWN_WORKLOAD:
+def control_reason(ask: ControlAsk, outcome: RoundOutcome, node_rank: int, host: str) -> str:
+    """The one line a control request ends up as (events, the console, the peers);
+    *host* is this node's name."""
+    who = f"rank {ask.rank if ask.rank is not None else '?'}"
+    if ask.reason and outcome is RoundOutcome.NODE_EXCLUDED:  # the monitor asked for it
+        return f"{ask.reason}: excluding node {node_rank} ({host})"
+    if ask.action is Asked.SHUTDOWN_WORKLOAD:
         return f"{who} asked to shut the workload down"
     if outcome is RoundOutcome.NODE_EXCLUDED:
-        return f"{who} asked to exclude node {node_rank} ({socket.gethostname()})"
+        return f"{who} asked to exclude node {node_rank} ({host})"
     return (
         f"{who} asked to exclude node {node_rank}, and a job of fixed membership cannot go "
         "on without it (exclusion needs elastic --nnodes MIN:MAX)"

@@ -64,3 +64,53 @@ class EventLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+
+
+# A line longer than this is not one of ours (the longest, a hang dossier's summary, is a
+# few KiB): it is skipped, not held in memory.
+_MAX_LINE = 1 << 20
+
+
+class EventTail:
+    """Reads the events appended to a file since the last read, a whole line at a time:
+    a torn last line waits for the next read, an over-long or malformed one is skipped."""
+
+    def __init__(self, path: Path | None, start: int = 0) -> None:
+        self.path = path
+        self._offset = start
+        self._partial = b""
+        self._skipping = False  # inside an over-long line, until its newline
+
+    def read(self) -> list[dict[str, Any]]:
+        if self.path is None:
+            return []
+        out: list[dict[str, Any]] = []
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self._offset)
+                while chunk := fh.read(_MAX_LINE):
+                    self._offset += len(chunk)
+                    out.extend(self._lines(chunk))
+        except OSError:
+            return out
+        return out
+
+    def _lines(self, chunk: bytes) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        *whole, rest = (self._partial + chunk).split(b"\n")
+        self._partial = b""
+        for line in whole:
+            if self._skipping:
+                self._skipping = False
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+        if len(rest) > _MAX_LINE:
+            self._skipping = True
+        elif not self._skipping:
+            self._partial = rest
+        return out

@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from stalwart.base import envvars
 from stalwart.base.events import Event
-from stalwart.launch.errors import ProcessFailure
 from stalwart.monitor import (
     ControlAction,
     ControlRequest,
@@ -30,6 +31,7 @@ from stalwart.monitor import (
 )
 from stalwart.monitor import envvars as monitor_env
 from stalwart.monitor.jobsync import JobPeers
+from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)
 
@@ -93,24 +95,28 @@ class HangWatch:
         for report in self.monitor.poll_hangs():
             self._hangs[report.pid] = report
 
-    def explain(self, failures: list[ProcessFailure]) -> bool:
+    def explain(self, failures: dict[int, WorkerFailed]) -> bool:
         """Gives failures of workers the monitor judged hung the hang as reason; its stacks
-        stand in for a traceback.  Uses the reports filed so far and never waits for one,
-        so a death is acted on at once; returns True when it changed a failure (call it
-        again after the teardown for reports that came late)."""
+        stand in for a traceback (the records in *failures* are replaced).  Uses the
+        reports filed so far and never waits for one, so a death is acted on at once;
+        returns True when it changed a failure (call it again after the teardown for
+        reports that came late)."""
         self.collect()
         changed = False
-        for f in failures:
+        for key, f in failures.items():
             hang = self._hangs.get(f.pid)
             if hang is None:
                 continue
-            before = (f.reason, f.timestamp, f.traceback)
-            f.reason, f.timestamp, f.traceback = annotate(f, hang)
-            changed |= (f.reason, f.timestamp, f.traceback) != before
+            reason, timestamp, traceback = annotate(f, hang)
+            if (reason, timestamp, traceback) != (f.reason, f.timestamp, f.traceback):
+                failures[key] = msgspec.structs.replace(
+                    f, reason=reason, timestamp=timestamp, traceback=traceback
+                )
+                changed = True
         changed |= _blame_first(failures, self._hangs)
         return changed
 
-    def count_hung_roots(self, failures: dict[int, ProcessFailure]) -> bool:
+    def count_hung_roots(self, failures: dict[int, WorkerFailed], node_rank: int) -> bool:
         """Adds to *failures* (local rank -> failure) each rank the monitor found hung as a
         root cause (no peer it waited on) that is not among them: a framework that
         catches the terminate signal (Lightning) may exit 0 from a rank that was stopped,
@@ -124,11 +130,17 @@ class HangWatch:
                 continue
             if report.local_rank in failures:
                 continue
-            failure = ProcessFailure(
-                local_rank=report.local_rank, pid=report.pid, exitcode=0, rank=report.global_rank
+            exited = WorkerFailed(
+                node_rank=node_rank,
+                local_rank=report.local_rank,
+                pid=report.pid,
+                exitcode=0,
+                rank=report.global_rank,
             )
-            failure.reason, failure.timestamp, failure.traceback = annotate(failure, report)
-            failures[report.local_rank] = failure
+            reason, timestamp, traceback = annotate(exited, report)
+            failures[report.local_rank] = msgspec.structs.replace(
+                exited, reason=reason, timestamp=timestamp, traceback=traceback
+            )
             added = True
         return added
 
@@ -157,7 +169,7 @@ class HangWatch:
         shutil.rmtree(self.ipc, ignore_errors=True)
 
 
-def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str]:
+def annotate(failure: WorkerFailed, hang: HangReport) -> tuple[str, float, str]:
     """(reason, timestamp, traceback) of *failure* once *hang* explains it: the hang is
     the reason, its detection time the failure's time (it came first), its stacks the
     traceback when the worker left none."""
@@ -180,17 +192,21 @@ def annotate(failure: ProcessFailure, hang: HangReport) -> tuple[str, float, str
     return ", ".join(bits), min(failure.timestamp, hang.detected_at), traceback
 
 
-def _blame_first(failures: list[ProcessFailure], hangs: dict[int, HangReport]) -> bool:
+def _blame_first(failures: dict[int, WorkerFailed], hangs: dict[int, HangReport]) -> bool:
     """Makes the rank a hung peer waited on the earliest failure, so that ``root_cause``
     (the earliest) names it, however the exits happened to be ordered."""
-    by_rank = {f.rank: f for f in failures}
+    key_of = {f.rank: key for key, f in failures.items()}
     moved = False
-    for f in failures:
+    for key in list(failures):
+        f = failures[key]
         hang = hangs.get(f.pid)
         if hang is None or hang.waiting_on is None:
             continue
-        root = by_rank.get(hang.waiting_on)
-        if root is not None and root is not f and root.timestamp >= f.timestamp:
-            root.timestamp = f.timestamp - 1e-6
+        root_key = key_of.get(hang.waiting_on)
+        if root_key is None or root_key == key:
+            continue
+        root = failures[root_key]
+        if root.timestamp >= f.timestamp:
+            failures[root_key] = msgspec.structs.replace(root, timestamp=f.timestamp - 1e-6)
             moved = True
     return moved

@@ -27,10 +27,14 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+import msgspec
+
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.launch import signals
 from stalwart.launch.decide import (
+    Asked,
+    ControlAsk,
     RoundOutcome,
     RoundView,
     Stop,
@@ -40,7 +44,8 @@ from stalwart.launch.decide import (
     interrupted,
     not_needed,
 )
-from stalwart.launch.errors import root_cause
+from stalwart.launch.failures import root_cause
+from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
 from stalwart.launch.supervisor_attempt import SupervisorAttempt
 from stalwart.launch.supervisor_ending import SupervisorEnding
 from stalwart.launch.supervisor_resources import SupervisorResources
@@ -48,6 +53,7 @@ from stalwart.launch.supervisor_state import JobResult, SignalReceived
 from stalwart.launch.workers import RunResult
 from stalwart.monitor import ControlRequest
 from stalwart.rendezvous import (
+    FailureRecord,
     JobEnded,
     NodeExcluded,
     Rendezvous,
@@ -189,7 +195,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             try:
                 info = self._join(rdzv, attempt)
             except JobEnded as ended:
-                return self._stop(not_needed(ended.succeeded, ended.reason))
+                return self._stop(not_needed(ended.succeeded, ended.reason, ended.exit_code))
             if self._replicas is not None:
                 self._replicas.begin_round(
                     info.round,
@@ -200,14 +206,31 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                 )
             outcome, result = self._run_round(rdzv, info)
             records = rdzv.failures(info.round) if outcome is not RoundOutcome.SUCCEEDED else []
+            loop = None
+            if outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE):
+                loop = self._judge_loop(info.round, records)
             view = RoundView(
-                outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason
+                outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason, loop
             )
             move = decide(view)
             if isinstance(move, Stop):
                 return self._stop(move, result)
             self._restart(move, result)
             attempt = move.next_attempt
+
+    def _judge_loop(self, round_: int, records: list[FailureRecord]) -> Verdict | None:
+        """Adds the failed attempt to the job's and asks the crash-loop policy whether a
+        restart can still help."""
+        checkpoint: int | None = None
+        for ev in self._commits.read():
+            step = ev.get("step")
+            if ev.get("event") == Event.CHECKPOINT_COMMIT and type(step) is int and step >= 0:
+                checkpoint = step if checkpoint is None else max(checkpoint, step)
+        end = AttemptEnd(round_, cause_of(records), self._furthest_step, checkpoint)
+        self._failed_attempts.append(end)
+        cfg = self.cfg
+        policy = LoopPolicy(cfg.max_no_progress_attempts, cfg.stop_on, cfg.no_requeue_exit_code)
+        return verdict(self._failed_attempts, policy)
 
     def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
         info = rdzv.join(attempt, self.cfg.nproc_per_node)
@@ -247,6 +270,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         cfg = self.cfg
         self._exits_seen = set()
         self._steps_sent = {}
+        self._furthest_step = None
         if self._progress is not None:
             self._progress.clear()
         self._ctx = ctx = self._start(info)
@@ -275,13 +299,14 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                     outcome = self._await_peers(rdzv, info.round)
                 elif result.is_failed():
                     outcome = RoundOutcome.LOCAL_FAILURE
-                    for f in result.failures.values():
-                        f.node_rank = info.group_rank
+                    result.failures = {
+                        lr: msgspec.structs.replace(f, node_rank=info.group_rank)
+                        for lr, f in result.failures.items()
+                    }
                     if self._hangs is not None:
-                        self._hangs.count_hung_roots(result.failures)
-                        self._hangs.explain(list(result.failures.values()))
-                    cause = root_cause(list(result.failures.values()))
-                    rdzv.report_failure(info.round, cause.to_record())
+                        self._hangs.count_hung_roots(result.failures, info.group_rank)
+                        self._hangs.explain(result.failures)
+                    rdzv.report_failure(info.round, root_cause(list(result.failures.values())))
                 else:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
@@ -296,29 +321,31 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
         self._drop_empty_stacks()
         if outcome is RoundOutcome.LOCAL_FAILURE and result is not None:
-            self._explain_late(rdzv, info.round, result)
+            self._explain_late(rdzv, info.round, result, info.group_rank)
         self._emit_exits(ctx, info.round)
         self._reap_orphans(ctx)
         self._ctx = None
         return outcome, result
 
-    def _explain_late(self, rdzv: Rendezvous, round_: int, result: RunResult) -> None:
+    def _explain_late(
+        self, rdzv: Rendezvous, round_: int, result: RunResult, node_rank: int
+    ) -> None:
         """A hang report filed after the death was acted on (the teardown did not wait for
         it) still names the hang in this node's failure record, hence in the summary."""
         if self._hangs is None:
             return
-        added = self._hangs.count_hung_roots(result.failures)
-        failures = list(result.failures.values())
-        if failures and (self._hangs.explain(failures) or added):
-            rdzv.report_failure(round_, root_cause(failures).to_record())
+        added = self._hangs.count_hung_roots(result.failures, node_rank)
+        if result.failures and (self._hangs.explain(result.failures) or added):
+            rdzv.report_failure(round_, root_cause(list(result.failures.values())))
 
     def _on_request(
         self, rdzv: Rendezvous, info: RendezvousInfo, req: ControlRequest
     ) -> RoundOutcome | None:
-        outcome = control_outcome(req.action, rdzv.elastic)
+        ask = ControlAsk(Asked(req.action.value), req.global_rank, req.reason)
+        outcome = control_outcome(ask.action, rdzv.elastic)
         if outcome is None:
             return None
-        self._reason = reason = control_reason(req, outcome, info.group_rank)
+        self._reason = reason = control_reason(ask, outcome, info.group_rank, socket.gethostname())
         logger.error(
             "%s: %s",
             reason,

@@ -134,6 +134,8 @@ class SupervisorAttempt(SupervisorState):
             return
         now = time.monotonic()
         for lr, sample in self._progress.read().items():
+            if self._furthest_step is None or sample.step > self._furthest_step:
+                self._furthest_step = sample.step
             sent = self._steps_sent.get(lr)
             if sent is not None and (
                 sent[0] == sample or (not final and now - sent[1] < _PROGRESS_PERIOD)

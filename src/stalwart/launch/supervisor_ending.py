@@ -20,7 +20,7 @@ from stalwart.launch.decide import (
     Restart,
     Stop,
 )
-from stalwart.launch.errors import ProcessFailure, format_summary, root_cause
+from stalwart.launch.failures import describe_exit, failure_fields, format_summary, root_cause
 from stalwart.launch.supervisor_state import JobResult, SupervisorState
 from stalwart.launch.workers import RunResult
 from stalwart.rendezvous import (
@@ -40,12 +40,11 @@ class SupervisorEnding(SupervisorState):
     # -- acting on a move --------------------------------------------------------------
     def _failures(
         self, workers: tuple[WorkerFailed, ...], result: RunResult | None
-    ) -> list[ProcessFailure]:
+    ) -> list[WorkerFailed]:
         """The failed workers every node reported, else this node's own."""
-        failures = [ProcessFailure.from_record(w) for w in workers]
-        if not failures and result is not None:
-            failures = list(result.failures.values())
-        return failures
+        if workers or result is None:
+            return list(workers)
+        return list(result.failures.values())
 
     def _emit_departed(self, departed: tuple[NodeLost | NodeExcluded, ...], attempt: int) -> None:
         for gone in departed:
@@ -67,7 +66,7 @@ class SupervisorEnding(SupervisorState):
             attempt=move.attempt,
             next_attempt=move.next_attempt,
             reason=move.reason,
-            root_cause=cause.to_dict() if cause else None,
+            root_cause=failure_fields(cause) if cause else None,
             restarts_left=move.restarts_left,
         )
         if cause is not None:
@@ -75,7 +74,7 @@ class SupervisorEnding(SupervisorState):
                 "attempt %d failed: rank %s %s%s; restarting (%d of %d)",
                 move.attempt,
                 cause.rank,
-                cause.describe_exit(),
+                describe_exit(cause),
                 f" ({printable(clip(cause.reason or cause.message, 200))})"
                 if cause.reason or cause.message
                 else "",
@@ -89,14 +88,19 @@ class SupervisorEnding(SupervisorState):
         cfg = self.cfg
         attempt = move.attempts - 1
         self._emit_departed(move.departed, attempt)
-        failures = self._failures(move.workers, result) if move.ending is Ending.GAVE_UP else []
+        gave_up = move.ending in (Ending.GAVE_UP, Ending.CRASH_LOOP)
+        failures = self._failures(move.workers, result) if gave_up else []
         match move.ending:
             case Ending.SUCCEEDED:
                 self.events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
-            case Ending.GAVE_UP:
+            case Ending.GAVE_UP | Ending.CRASH_LOOP:
                 cause = root_cause(failures) if failures else None
+                verdict = {"verdict": move.reason} if move.ending is Ending.CRASH_LOOP else {}
                 self.events.emit(
-                    Event.JOB_FAILED, attempt=attempt, root_cause=cause.to_dict() if cause else None
+                    Event.JOB_FAILED,
+                    attempt=attempt,
+                    root_cause=failure_fields(cause) if cause else None,
+                    **verdict,
                 )
             case Ending.SHUT_DOWN | Ending.INTERRUPTED:
                 self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
@@ -105,16 +109,20 @@ class SupervisorEnding(SupervisorState):
             case Ending.NOT_NEEDED:
                 self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
         if move.tell is not None and self._rdzv is not None:
-            self._rdzv.finish(move.tell.succeeded, move.tell.reason)
+            self._rdzv.finish(move.tell.succeeded, move.tell.reason, move.tell.exit_code)
         line = ""
         match move.ending:
-            case Ending.GAVE_UP if failures:
+            case Ending.GAVE_UP | Ending.CRASH_LOOP if failures:
                 line = format_summary(
                     failures,
                     run_id=cfg.run_id,
                     attempts=move.attempts,
                     log_dir=str(self.run_dir) if self.run_dir else None,
                 )
+                if move.ending is Ending.CRASH_LOOP:
+                    line += f"\nstalwart: {move.reason}"
+            case Ending.CRASH_LOOP:
+                line = f"stalwart: job {cfg.run_id} {move.reason}"
             case Ending.SHUT_DOWN:
                 line = (
                     f"stalwart: job {cfg.run_id} stopped in attempt {attempt}: {move.reason}; "
@@ -125,6 +133,9 @@ class SupervisorEnding(SupervisorState):
                     f"stalwart: this node left job {cfg.run_id} in attempt {attempt}: "
                     f"{move.reason}; the job goes on with the other nodes"
                 )
+            case Ending.NOT_NEEDED if move.exit_code not in (0, 1):
+                # A peer stopped a crash loop while this node was joining the next round.
+                line = f"stalwart: job {cfg.run_id} stopped by another node: {move.reason}"
             case Ending.NOT_NEEDED:
                 line = f"stalwart: job {cfg.run_id} ended without needing this node ({move.reason})"
         if line:

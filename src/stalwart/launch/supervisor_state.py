@@ -19,18 +19,18 @@ from typing import Any
 from stalwart.config import ConfigError, LaunchConfig
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
-from stalwart.launch.errors import ProcessFailure
-from stalwart.launch.events import EventLog
+from stalwart.launch.events import EventLog, EventTail
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.hangs import HangWatch
 from stalwart.launch.logs import LogSpec
 from stalwart.launch.replicas import NodeReplicas
+from stalwart.launch.restart_policy import AttemptEnd
 from stalwart.launch.runfiles import check_component, make_run_dir
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.launch.warm import WarmPool
 from stalwart.launch.workers import ProcessContext
 from stalwart.progress import ProgressBoard, Sample
-from stalwart.rendezvous import Rendezvous
+from stalwart.rendezvous import Rendezvous, WorkerFailed
 from stalwart.reporting.metrics import MetricsPortError, MetricsServer
 
 
@@ -56,7 +56,7 @@ class JobResult:
     exit_code: int
     state: State
     attempts: int
-    failures: list[ProcessFailure]
+    failures: list[WorkerFailed]
     return_values: dict[int, Any]
     run_dir: Path | None
 
@@ -122,3 +122,9 @@ class SupervisorState:
         self._result: JobResult | None = None  # what run() returns, for launcher_exit
         self._rdzv_failed = False  # the job could not form: the launcher exits 3
         self._linger = False  # the job cgroup is still busy: the guardian removes it
+        # The crash-loop policy's inputs: the job's failed attempts, the furthest step a
+        # local rank reported in this attempt, and checkpoint commits from the event log.
+        self._failed_attempts: list[AttemptEnd] = []
+        self._furthest_step: int | None = None
+        # From where this run starts: a reused run folder holds earlier runs' commits.
+        self._commits = EventTail(self.events.path, self.events.start_offset)

@@ -31,13 +31,15 @@ from typing import Any
 from stalwart.base import envvars, procs
 from stalwart.launch import posix
 from stalwart.launch.cgroup import JobCgroup
-from stalwart.launch.errors import ProcessFailure, record
+from stalwart.launch.errors import record
+from stalwart.launch.failures import read_failure
 from stalwart.launch.guardian import Guardian
 from stalwart.launch.logs import Tee, WorkerLogs
 from stalwart.launch.runfiles import APPEND_FLAGS
 from stalwart.launch.strays import StrayScan, children_of
 from stalwart.launch.warm import ForkedProcess, WarmPool
 from stalwart.monitor import stacks
+from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ class RunResult:
     which ones failed and ``return_values`` is empty."""
 
     return_values: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    failures: dict[int, WorkerFailed] = field(default_factory=dict)
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
 
@@ -332,7 +334,7 @@ class ProcessContext(StrayScan):
         if self._result is not None:
             return self._result
         self._collect_return_values()
-        failures: dict[int, ProcessFailure] = {}
+        failures: dict[int, WorkerFailed] = {}
         running = 0
         for lr, w in self._workers.items():
             code = w.exitcode()
@@ -356,21 +358,15 @@ class ProcessContext(StrayScan):
             self.close()
         return self._result
 
-    def _failure(self, w: _Worker, code: int) -> ProcessFailure:
-        f = ProcessFailure(
-            local_rank=w.local_rank,
-            pid=w.pid,
-            exitcode=code,
-            error_file=str(w.logs.error_file) if w.logs.error_file else "",
+    def _failure(self, w: _Worker, code: int) -> WorkerFailed:
+        return read_failure(
+            w.local_rank,
+            w.pid,
+            code,
+            exited_at=w.exited_at if w.exited_at is not None else time.time(),
             rank=w.rank,
+            error_file=str(w.logs.error_file) if w.logs.error_file else "",
         )
-        exited = w.exited_at if w.exited_at is not None else time.time()
-        # A written error file is the moment of the exception; the exit comes after.
-        if not f.message:
-            f.timestamp = exited
-        else:
-            f.timestamp = min(f.timestamp, exited)
-        return f
 
     def _fill_paths(self, result: RunResult) -> None:
         for lr, w in self._workers.items():

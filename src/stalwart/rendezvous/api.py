@@ -21,10 +21,13 @@ class StoreLost(RendezvousError):
 class JobEnded(Exception):
     """The job ended while this node waited to be admitted (a spare that was not needed)."""
 
-    def __init__(self, succeeded: bool, reason: str) -> None:
+    def __init__(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
         super().__init__(reason)
         self.succeeded = succeeded
         self.reason = reason
+        # The exit code the node that ended the job chose (a crash loop's "do not
+        # requeue"), so that every node exits with it; None: 0 or 1 as *succeeded* says.
+        self.exit_code = exit_code
 
 
 # A rank or node rank: never negative.
@@ -160,8 +163,9 @@ class Rendezvous(Protocol):
 
     def all_done(self, round_: int) -> bool: ...
 
-    def finish(self, succeeded: bool, reason: str) -> None:
-        """The job is over (success, or no restart left): spares waiting to join exit."""
+    def finish(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
+        """The job is over (success, or no restart left): nodes waiting to join a round
+        (spares, or peers that would restart) exit, with *exit_code* when one is given."""
         ...
 
     def interrupt(self) -> None:

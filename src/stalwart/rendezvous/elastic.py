@@ -176,7 +176,7 @@ class ElasticRendezvous:
     def _check_ended(self) -> None:
         ended = self._ended()
         if ended is not None:
-            raise JobEnded(ended.succeeded, ended.reason)
+            raise JobEnded(ended.succeeded, ended.reason, ended.exit_code)
 
     def join(self, round_: int, local_world_size: int) -> RendezvousInfo:
         t0 = time.monotonic()
@@ -393,9 +393,10 @@ class ElasticRendezvous:
             v is not None for v in self.kv.get_many([keys.Round(round_).done(i) for i in range(n)])
         )
 
-    def finish(self, succeeded: bool, reason: str) -> None:
+    def finish(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
         try:
-            self.kv.create(keys.JOB_ENDED, msgspec.json.encode(JobEnd(succeeded, reason)).decode())
+            end = JobEnd(succeeded, reason, exit_code)
+            self.kv.create(keys.JOB_ENDED, msgspec.json.encode(end).decode())
         except RendezvousError as err:
             logger.debug("finish(): %s", err)
 

@@ -40,6 +40,9 @@ class Member(msgspec.Struct, frozen=True):
 class JobEnd(msgspec.Struct, frozen=True):
     succeeded: bool
     reason: str = ""
+    # Bounded as the launcher's flag is: a stranger who can write the store must not make
+    # a node exit 0 for a failed job, or with a code that reads as a signal.
+    exit_code: Annotated[int, msgspec.Meta(ge=2, le=125)] | None = None
 
 
 def decode_or_none(raw: bytes, typ: type[T], key: str, warned: set[str]) -> T | None:

@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
+    JobEnded,
     RendezvousError,
     RendezvousInfo,
     bounded_failure,
@@ -31,6 +34,7 @@ from stalwart.rendezvous.kv import (
     parse_count,
     read_failures,
 )
+from stalwart.rendezvous.members import JobEnd, decode_or_none
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import TCPStore
@@ -101,6 +105,13 @@ class StaticRendezvous:
     # -- helpers -----------------------------------------------------------------------
     def _wait(self, names: list[str], what: str, deadline: float) -> None:
         while any(v is None for v in self.kv.get_many(names)):
+            # A node that ended the job (a crash loop it stopped) will not join again.
+            raw = self.kv.get(keys.JOB_ENDED)
+            ended = (
+                None if raw is None else decode_or_none(raw, JobEnd, keys.JOB_ENDED, self._warned)
+            )
+            if ended is not None:
+                raise JobEnded(ended.succeeded, ended.reason, ended.exit_code)
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"rendezvous {self.run_id}: timed out after {self.join_timeout:g}s "
@@ -179,8 +190,14 @@ class StaticRendezvous:
     def all_done(self, round_: int) -> bool:
         return self.kv.add(keys.Round(round_).done_count, 0) >= self.nnodes
 
-    def finish(self, succeeded: bool, reason: str) -> None:
-        """Static membership has no spares waiting to be told."""
+    def finish(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
+        """Static membership has no spares, but a peer that decided to restart may be
+        waiting for this node in the next round: it reads why the job ended instead."""
+        try:
+            end = JobEnd(succeeded, reason, exit_code)
+            self.kv.create(keys.JOB_ENDED, msgspec.json.encode(end).decode())
+        except RendezvousError as err:
+            logger.debug("finish(): %s", err)
 
     def interrupt(self) -> None:
         """Nothing waits unbounded in ``leave`` here (the exit barrier has a timeout)."""
