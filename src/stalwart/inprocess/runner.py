@@ -55,8 +55,8 @@ from .monitor_process import MonitorProcess
 from .monitor_thread import AtomicGate, MonitorThread
 from .options import Options
 from .progress import Periodic, ProgressClock
-from .runner_ending import RunnerEnding
-from .runner_faults import RunnerFaults
+from .runner_ending import Ending
+from .runner_faults import FaultHandling, expect_state, hook_failed
 from .sockets import open_socket_fds
 from .state import Mode, State
 from .store import ITERATION_ENV, CoordStore, store_port
@@ -92,8 +92,10 @@ class _Outcome:
     exit: BaseException | None = None
 
 
-class Runner(RunnerFaults, RunnerEnding):
-    """Owns the store clients, background threads, monitor process and gate for one call."""
+class Runner:
+    """Owns the store clients, background threads, monitor process and gate for one call,
+    and runs the loop; what it does about a fault is `FaultHandling`'s, how the call ends
+    on this rank `Ending`'s."""
 
     def __init__(self, options: Options) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -170,6 +172,15 @@ class Runner(RunnerFaults, RunnerEnding):
         self.iteration_stores = IterationStores()
         self._closers.append(self.iteration_stores.close)
         self.call_obj = Call(self.state, self.clock, self.gate, None)
+        self.faults = FaultHandling(opts, self.coord, self.groups, self.clock)
+        self.ending = Ending(
+            self.coord,
+            self.is_host,
+            self.iteration_stores,
+            self.groups,
+            (self.monitor_process, self.ticker, self.heartbeat),
+            opts.last_call_wait,
+        )
 
     def _close(self) -> None:
         while self._closers:
@@ -200,13 +211,13 @@ class Runner(RunnerFaults, RunnerEnding):
                     raise outcome.exit
                 if outcome.finished:
                     self.groups.release()
-                    self._finalize(state, None)
+                    self.faults.finalize(state, None)
                     clean_exit = True
                     return outcome.value if state.mode is Mode.ACTIVE else None
                 error = outcome.error
                 del outcome  # its traceback pins the failed iteration's tensors and groups
                 t0 = time.monotonic()
-                self._after_fault(state, error)
+                self.faults.after_fault(state, error)
                 del error
                 t1 = time.monotonic()
                 if self.is_host:
@@ -215,7 +226,7 @@ class Runner(RunnerFaults, RunnerEnding):
                     f"it{iteration}/end", state.alive_ranks, opts.barrier_timeout
                 )
                 if self.is_host:
-                    self._log_interruptions(state)
+                    self.ending.log_interruptions(state)
                 log.debug(
                     "restart phases: cleanup %.3fs, termination barrier %.3fs",
                     t1 - t0,
@@ -223,10 +234,20 @@ class Runner(RunnerFaults, RunnerEnding):
                 )
                 iteration += 1
         except BaseException as exc:
-            self._leave_abnormally(state, exc)
+            self.ending.leave_abnormally(state, exc)
             raise
         finally:
             self._finish(clean_exit)
+
+    def _finish(self, clean: bool) -> None:
+        self.ending.finish(self.state, clean)
+        self._close()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        gc.collect()
 
     def _assign(self, state: State, iteration: int, terminated: frozenset[int]) -> State:
         opts = self.opts
@@ -346,7 +367,7 @@ class Runner(RunnerFaults, RunnerEnding):
             log.warning("rank %d: restart requested after completion; ignored", state.rank)
         if outcome.error is not None:
             # Once per restart: the monitor thread has aborted already if it fired.
-            self._report_fault(self.state, outcome.error, aborted=monitor.fired)
+            self.faults.report(self.state, outcome.error, aborted=monitor.fired)
         elif outcome.exit is not None and self.opts.abort is not None:
             # Peers blocked in a collective with this rank are released sooner.
             try:
@@ -391,13 +412,13 @@ class Runner(RunnerFaults, RunnerEnding):
                         outcome = _Outcome(exit=exc)
                 if outcome.exit is not None:
                     monitor.request_stop()
-                    self._record_exit(state, outcome.exit)
+                    self.faults.record_exit(state, outcome.exit)
                 elif outcome.error is not None and not monitor.fired:
                     # This thread handles its own fault: the monitor must not fire on
                     # the flag set next.  Peers learn first, before anything slow.
                     monitor.request_stop()
                     if not monitor.fired:
-                        self._record(state, outcome.error)
+                        self.faults.record(state, outcome.error)
                 monitor.stop()
                 clear_pending(self.main_tid)
                 self.gate.pending = False
@@ -421,12 +442,12 @@ class Runner(RunnerFaults, RunnerEnding):
                 self._leave_with = exc
                 raise
             except Exception as exc:
-                self._hook_failed("initialize", state, exc)
+                hook_failed("initialize", state, exc)
             if initialized is not None:
-                state = self._expect_state("initialize", initialized)
+                state = expect_state("initialize", initialized)
                 self.state = state
                 self.call_obj._advance(state, self.call_obj.store)
-        self._health_check(state, None)
+        self.faults.health_check(state, None)
         value = None
         if state.mode is Mode.ACTIVE:
             # A restart landing in a destructor would be swallowed: raise it again.
