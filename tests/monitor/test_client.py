@@ -127,7 +127,7 @@ def test_learned_timeouts_reach_the_slot_as_the_monitor_accepts_them(seg: object
     assert (snap.hb_initial_override, snap.hb_override, snap.oos_override) == (2e-5, 1e-5, 3.0)
     assert snap.limits[0] == 5e-5
     assert all(override_ok(v) for v in (snap.hb_override, snap.oos_override, *snap.limits))
-    with pytest.raises(RankMonitorError, match="must be > 0 seconds, got nan"):
+    with pytest.raises(RankMonitorError, match="must be a finite number > 0 of seconds, got 'nan'"):
         c.load_state_dict(
             {"stalwart_monitor": {"version": 1, "heartbeat": {"subsequent": float("nan")}}}
         )

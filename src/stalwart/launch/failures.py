@@ -24,9 +24,10 @@ from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)
 
-# An error file is a message and a traceback: anything bigger is not one of ours, and is
-# read no further than this (a traceback of a deep recursion is ~100 KiB).
-MAX_ERROR_FILE = 4 << 20
+# An error file is a message and a traceback, cut to the documented sizes once read; a
+# program's exception can carry megabytes of text (torch's own ``@record`` writes it
+# whole), so the file is read up to this and anything bigger is not believed.
+MAX_ERROR_FILE = 32 << 20
 
 
 def _error_file(path: str) -> tuple[str, str, float | None]:
