@@ -228,6 +228,9 @@ def test_a_stranger_between_hosts_is_refused_and_the_job_restores_its_own_state(
                 threading.Thread(
                     target=trickle, args=(str(srv["addr"]), int(str(srv["port"]))), daemon=True
                 ).start()
+        # The job trains on with the stranger at the door, so the RAM snapshot it restores
+        # is past step 12 (the full run once killed it while it was still there).
+        wait_for(lambda: step_reached(tmp_path) > 14, 120, "training during the flood")
         # Rank 1's worker dies: both ranks restore, with the stranger still at the door.
         first = [json.loads(x) for x in (tmp_path / "attempts.jsonl").read_text().splitlines()]
         (victim,) = [r["pid"] for r in first if r["attempt"] == 0 and r["rank"] == 1]
