@@ -1,7 +1,10 @@
 """Imports what the warm template holds, waits for a go file, then records the moment
-its last line runs (``end_<tag>``) and ends normally: what is left is the interpreter's
-own shutdown."""
+its last line runs (``end_<tag>``, with the number of objects the final collections
+skip because they are frozen) and ends normally: what is left is the interpreter's own
+shutdown."""
 
+import gc
+import json
 import os
 import sys
 import time
@@ -18,4 +21,4 @@ deadline = time.monotonic() + 60
 while not os.path.exists(os.path.join(out, "go")) and time.monotonic() < deadline:
     time.sleep(0.01)
 with open(os.path.join(out, f"end_{tag}"), "w") as fh:
-    fh.write(repr(time.time()))
+    json.dump({"end": time.time(), "frozen": gc.get_freeze_count()}, fh)

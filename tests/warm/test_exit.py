@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,17 @@ HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(150)
 
 
-def test_warm_worker_exits_faster_than_a_cold_one_after_its_script_ends(
+def test_warm_worker_shutdown_skips_the_templates_objects(
     tmp_path: Path,
 ) -> None:
     # The interpreter's shutdown is CPU work (collections over every object, module
-    # teardown); on a shared machine its wall time scales with the load.  So the warm
-    # and the cold job end at the same moment, under the same load, and are compared.
-    # Before the template froze its heap, a warm worker's shutdown walked torch's
-    # objects as a cold one does, and copied each page it touched: 11-16 s against
-    # 2.6-3.7 s frozen, at a load of 15 on 2 cores (about 1.2 s and 0.35 s of CPU).
+    # teardown).  Before the template froze its heap, a warm worker's shutdown walked
+    # torch's objects as a cold one does, and copied each page it touched: 11-16 s
+    # against 2.6-3.7 s frozen, at a load of 15 on 2 cores (about 1.2 s and 0.35 s of
+    # CPU).  How much faster is a benchmark's question (bench/bench_launcher_exit.py):
+    # on an idle machine both exits are well under a second and their ratio is noise.
+    # What this test holds is the cause: the warm worker reaches its last line with
+    # torch's objects frozen, so its final collections skip them; a cold one has none.
     out = tmp_path / "out"
     out.mkdir()
     jobs = {
@@ -44,12 +47,17 @@ def test_warm_worker_exits_faster_than_a_cold_one_after_its_script_ends(
     finally:
         (out / "go").touch()
     shutdown = {}
+    frozen = {}
     for mode, proc in jobs.items():
         assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
         exited = [
             float(e["exited_at"]) for e in events(tmp_path / mode) if e["event"] == "worker_exit"
         ]
-        end = float((out / f"end_{mode}").read_text())
-        shutdown[mode] = exited[0] - end
-    print("end of script -> exit, s:", shutdown)
-    assert shutdown["warm"] < 0.5 * shutdown["cold"], shutdown
+        record = json.loads((out / f"end_{mode}").read_text())
+        shutdown[mode] = exited[0] - float(record["end"])
+        frozen[mode] = int(record["frozen"])
+    print("end of script -> exit, s:", shutdown, "frozen objects:", frozen)
+    assert frozen["cold"] == 0, frozen
+    # torch.distributed alone leaves some 10^5 objects; a template that froze only a
+    # few would not spare the walk.
+    assert frozen["warm"] > 50_000, frozen
