@@ -51,6 +51,8 @@ class Event(enum.StrEnum):
     RANKS_LEFT = "ranks_left"
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
+    #: A node ran its health checks before a round (health/admission.py).
+    HEALTH_CHECKED = "health_checked"
     #: The round failed and another starts.
     RESTART = "restart"
     # -- how the job ended -----------------------------------------------------------

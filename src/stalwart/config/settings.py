@@ -43,7 +43,7 @@ from stalwart.config.output import (
     parse_std,
 )
 from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
-from stalwart.config.secret import launcher_secret
+from stalwart.config.secret import job_secret, launcher_secret
 from stalwart.config.values import (
     ConfigError,
     is_false,
@@ -389,6 +389,46 @@ class LaunchConfig:
             "between nodes need it; or set STALWART_JOB_SECRET)",
         ),
     )
+    # Node health checks before each round (stalwart.health; docs/health.md).
+    node_health: bool = setting(
+        False,
+        flag(
+            "--node-health",
+            action="store_const",
+            const=True,
+            parse=lambda v, _n: not is_false(v),
+            help="check each node before every round (compute, memory, disk, interface, "
+            "links to its peers) and keep a failing node out of it",
+        ),
+    )
+    node_health_check: str = setting(
+        "",
+        flag(
+            "--node-health-check",
+            help="your own node check, run before every round (implies --node-health): "
+            "exit 0 passes; else the first line of its output says why "
+            '(e.g. {"reason": "GPU 3 clock low"})',
+        ),
+    )
+    node_health_timeout: float = setting(
+        30.0,
+        flag(
+            "--node-health-timeout",
+            **A_FLOAT,
+            help="seconds --node-health-check may take before it is killed and fails",
+            check=checked(lambda s: 0 < s <= 3600, "expected seconds > 0 and <= 3600"),
+        ),
+    )
+    node_health_min_free: int = setting(
+        256 * 2**20,
+        flag(
+            "--node-health-min-free",
+            parse=parse_size,
+            help="memory available and disk free in the log folder a node needs to pass "
+            "its health check (default 256MiB)",
+            check=checked(lambda n: n >= 0, "expected a size >= 0"),
+        ),
+    )
     # YAML or the flag only (no variable was ever read for it).
     preload: list[str] = setting(
         factory=list,
@@ -465,6 +505,24 @@ class LaunchConfig:
         return "localhost" if self.max_nodes == 1 else "127.0.0.1"
 
     @property
+    def health_checks(self) -> bool:
+        return self.node_health or bool(self.node_health_check)
+
+    def _check_health_across_nodes(self) -> None:
+        flag_ = "--node-health-check" if self.node_health_check else "--node-health"
+        if self.rdzv_backend == "static" or not self.rdzv_endpoint:
+            raise ConfigError(
+                f"{flag_} with --nnodes {self.max_nodes}: expected --rdzv-backend c10d or "
+                "etcd with an endpoint (a node kept out needs a round that can close "
+                "without it)"
+            )
+        if job_secret(self.job_secret_file, os.environ) is None:
+            raise ConfigError(
+                f"{flag_} across nodes signs each node's report with the job secret: set "
+                "STALWART_JOB_SECRET or --job-secret-file (the same on every node)"
+            )
+
+    @property
     def join_timeout(self) -> float:
         return self.rdzv_conf.join_timeout
 
@@ -489,6 +547,8 @@ class LaunchConfig:
             )
         if self.ckpt_ram and self.max_nodes >= 2 and self.ckpt_replicas != 0:
             launcher_secret(self.job_secret_file, os.environ, multi_node=True)
+        if self.health_checks and self.max_nodes > 1:
+            self._check_health_across_nodes()
         if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
             raise ConfigError(
                 f"--straggler-restart with --nnodes {self.max_nodes}: expected an elastic "

@@ -21,6 +21,7 @@ from stalwart.rendezvous.api import RendezvousError, StoreLost
 from stalwart.rendezvous.close_rule import ElasticSettings
 from stalwart.rendezvous.elastic import ElasticRendezvous
 from stalwart.rendezvous.etcd import EtcdAccess, EtcdKV
+from stalwart.rendezvous.gate import AdmissionGate
 from stalwart.rendezvous.kv import (
     KV,
     C10dKV,
@@ -56,8 +57,11 @@ def elastic_settings(cfg: LaunchConfig) -> ElasticSettings:
     )
 
 
-def rendezvous_for(cfg: LaunchConfig) -> StaticRendezvous | ElasticRendezvous:
-    """The rendezvous *cfg* asks for, connected (or hosting its store)."""
+def rendezvous_for(
+    cfg: LaunchConfig, gate: AdmissionGate | None = None
+) -> StaticRendezvous | ElasticRendezvous:
+    """The rendezvous *cfg* asks for, connected (or hosting its store); an elastic one
+    asks *gate* who may join each round."""
     conf = cfg.rdzv_conf
     if cfg.max_nodes == 1:
         return StaticRendezvous(
@@ -84,10 +88,10 @@ def rendezvous_for(cfg: LaunchConfig) -> StaticRendezvous | ElasticRendezvous:
             join_timeout=conf.join_timeout,
             op_timeout=store_request_timeout(conf, elastic=False),
         )
-    return _elastic(cfg)
+    return _elastic(cfg, gate)
 
 
-def _elastic(cfg: LaunchConfig) -> ElasticRendezvous:
+def _elastic(cfg: LaunchConfig, gate: AdmissionGate | None) -> ElasticRendezvous:
     settings = elastic_settings(cfg)
     conf = cfg.rdzv_conf
     request_timeout = store_request_timeout(conf, elastic=True)
@@ -129,6 +133,7 @@ def _elastic(cfg: LaunchConfig) -> ElasticRendezvous:
         rank_hint=cfg.node_rank,
         backend=cfg.rdzv_backend,
         hosts_store=hosts_store,
+        gate=gate,
     )
 
 

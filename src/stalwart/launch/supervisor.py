@@ -159,6 +159,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             lambda: self._warm.stop_learning() if self._warm is not None else None,
             self._stop_workers,
             lambda: self._rdzv.leave() if self._rdzv is not None else None,
+            lambda: self._health.close() if self._health is not None else None,
             lambda: self._progress.close() if self._progress is not None else None,
             lambda: self._hangs.stop() if self._hangs is not None else None,
             lambda: self._warm.close() if self._warm is not None else None,
@@ -233,6 +234,23 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         return verdict(self._failed_attempts, policy)
 
     def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
+        if self._health is not None and not rdzv.elastic:
+            # One node (validated): no round to close without it, so a failure ends the job.
+            out = self._health.check_alone(attempt)
+            if out is not None:
+                self.events.emit(
+                    Event.NODE_EXCLUDED,
+                    attempt=attempt,
+                    node=out.node,
+                    host=out.host,
+                    reasons=list(out.reasons),
+                    by="health_check",
+                    this_node=True,
+                )
+                raise RendezvousError(
+                    f"this node failed its health check before attempt {attempt}: "
+                    + "; ".join(out.reasons)
+                )
         info = rdzv.join(attempt, self.cfg.nproc_per_node)
         # A node that arrived late (a spare) joins the job's current round.
         self._round = info.round

@@ -16,6 +16,7 @@ import sys
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
 from stalwart.config.secret import launcher_secret
+from stalwart.health.admission import gate_for
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
@@ -62,8 +63,9 @@ class SupervisorResources(SupervisorState):
                 bytes_per_rank=cfg.ckpt_ram,
                 segment_bytes=self._snapshots.segment_bytes,
             )
+        self._health = gate_for(cfg, self.events.emit, self.run_dir)
         if self._rdzv is None:
-            self._rdzv = rendezvous_for(cfg)
+            self._rdzv = rendezvous_for(cfg, self._health)
         self._start_replicas(self._rdzv)
         return self._rdzv
 
