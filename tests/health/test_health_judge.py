@@ -115,7 +115,7 @@ def test_one_slow_link_is_reported_and_excludes_nobody() -> None:
     reports[3] = rep("n3", **links)
     assert out(reports) == []
     (found,) = slow_links(reports, [], L)
-    assert found.startswith("n1 <-> n3: 80.0 ms")
+    assert found.startswith("n1 <-> n3: 80 ms")
     # Links of a node that is out are not reported again.
     assert slow_links(reports, ["n3"], L) == ()
 

@@ -177,7 +177,9 @@ class HealthGate:
             links = tuple(Link(p, t) for (p, _), t in zip(targets, times, strict=True))
             mine = msgspec.structs.replace(mine, links=links)
             kv.set(report_key(round_, node), sign(self._key, mine))
-        self._checked(round_, own, links=len(links), links_s=round(time.monotonic() - t0, 4))
+        self._checked(
+            round_, own, node=node, links=len(links), links_s=round(time.monotonic() - t0, 4)
+        )
 
     def _checked(self, round_: int, own: OwnChecks, log: bool = True, **more: object) -> None:
         if own.problems and log:

@@ -36,6 +36,10 @@ class Limits:
     link_slack: float = 0.02
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
 def _pairs(reports: Sequence[NodeReport]) -> dict[frozenset[str], float]:
     """The best time seen for each link, measured from either end (inf: unreachable)."""
     nodes = {r.node for r in reports}
@@ -81,10 +85,7 @@ def _link_problem(node: str, links: dict[frozenset[str], float], lim: Limits) ->
         return "no peer could reach its echo server (every link broken)"
     if mine <= lim.slow_link * ref + lim.link_slack:
         return None
-    return (
-        f"its fastest link takes {mine * 1e3:.1f} ms, {mine / ref:.0f}x its peers' "
-        f"median {ref * 1e3:.1f} ms"
-    )
+    return f"its fastest link takes {_ms(mine)}, {mine / ref:.0f}x its peers' median {_ms(ref)}"
 
 
 def judge(reports: Iterable[NodeReport], lim: Limits) -> tuple[Exclusion, ...]:
@@ -117,6 +118,6 @@ def slow_links(
             continue
         ref = max(_best(a, links), _best(b, links))
         if math.isfinite(ref) and t > lim.slow_link * ref + lim.link_slack:
-            took = "unreachable" if math.isinf(t) else f"{t * 1e3:.1f} ms"
-            found.append(f"{a} <-> {b}: {took} (each end's best link: {ref * 1e3:.1f} ms)")
+            took = "unreachable" if math.isinf(t) else _ms(t)
+            found.append(f"{a} <-> {b}: {took} (each end's best link: {_ms(ref)})")
     return tuple(found)
