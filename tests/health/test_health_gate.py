@@ -15,6 +15,7 @@ from stalwart.base.events import Event
 from stalwart.health.admission import HealthGate, HealthSettings
 from stalwart.health.records import (
     RECORD_LIMIT,
+    Exclusion,
     NodeReport,
     Verdict,
     checked_count,
@@ -113,7 +114,9 @@ def _failing(node: str, round_: int = 0, run_id: str = "job") -> NodeReport:
         lambda: sign(KEY, _failing("n1", round_=7)),
         # A verdict's signature on a report body.
         lambda: sign(KEY, Verdict(run_id="job", round=0)).replace("verdict", "report"),
-        # Oversized, and garbage.
+        # Signed with the job's key but oversized (read no further than the limit).
+        lambda: sign(KEY, _failing("n1")) + " " * RECORD_LIMIT,
+        # Garbage.
         lambda: "x" * (RECORD_LIMIT + 1),
         lambda: '{"body": 5, "mac": []}',
         lambda: "\udcff".encode("utf-8", "surrogatepass").decode("latin-1"),
@@ -125,17 +128,33 @@ def test_a_stranger_cannot_exclude_a_healthy_node(nodes: list[Node], forge: Any)
     assert genuine is not None
     kv.set(report_key(0, "n1"), forge())
     try:
-        ids = [n.name for n in nodes]
-        assert nodes[0].gate.refused(nodes[0].kv, 0, ids) == {}
+        # A reader that has not read the round yet (a gate keeps a complete round's reports).
+        reader = HealthGate(HealthSettings(), KEY, "job")
+        assert reader.refused(kv, 0, [n.name for n in nodes]) == {}
+    finally:
+        kv.set(report_key(0, "n1"), genuine.decode())
+
+
+def test_the_genuine_failing_report_is_what_the_forgeries_would_have_done(
+    nodes: list[Node],
+) -> None:
+    # The control for the table above: signed with the job's key, the same record
+    # keeps n1 out, so each forgery above was refused for its flaw alone.
+    kv = stranger(nodes[0].kv._store)  # type: ignore[attr-defined]
+    genuine = kv.get(report_key(0, "n1"))
+    assert genuine is not None
+    kv.set(report_key(0, "n1"), sign(KEY, _failing("n1")))
+    try:
+        reader = HealthGate(HealthSettings(), KEY, "job")
+        assert reader.refused(kv, 0, [n.name for n in nodes]) == {"n1": "forged"}
     finally:
         kv.set(report_key(0, "n1"), genuine.decode())
 
 
 def test_a_forged_verdict_is_dropped(nodes: list[Node]) -> None:
     kv = stranger(nodes[0].kv._store)  # type: ignore[attr-defined]
-    fake = Verdict(run_id="job", round=0)
-    bad = sign(health_key(b"y" * 32, "job"), fake).replace('\\"excluded\\":[]', "")
-    kv.set(verdict_key(0), bad)
+    fake = Verdict(run_id="job", round=0, excluded=(Exclusion("n1", "h", ("forged",)),))
+    kv.set(verdict_key(0), sign(health_key(b"y" * 32, "job"), fake))
     try:
         assert nodes[1].gate.closed(nodes[1].kv, 0, "n1") is None
         assert not [ev for ev, _ in nodes[1].events if ev is Event.NODE_EXCLUDED]

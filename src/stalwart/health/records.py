@@ -14,14 +14,15 @@ from typing import Annotated
 
 import msgspec
 
-#: Largest signed record read back from the store (bytes); anything larger is not ours.
-RECORD_LIMIT = 64 * 1024
+#: Largest signed record read back from the store (bytes): a report with MAX_LINKS links
+#: of ID_LIMIT-character ids fits; anything larger is not ours.
+RECORD_LIMIT = 256 * 1024
 #: Text of one problem a check found (characters).
 PROBLEM_LIMIT = 512
 MAX_PROBLEMS = 8
 #: Links a report may carry: one per peer, a job of up to this many nodes.
 MAX_LINKS = 1024
-ID_LIMIT = 256
+ID_LIMIT = 128
 
 _Id = Annotated[str, msgspec.Meta(max_length=ID_LIMIT)]
 _Problem = Annotated[str, msgspec.Meta(max_length=PROBLEM_LIMIT)]
