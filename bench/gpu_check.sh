@@ -41,4 +41,11 @@ grep -q '"attempt": 1, "resumed_from": 30' "$RES/ddp.log" \
   || { echo "FAIL ddp: expected attempt 1 resumed from step 30"; failed=1; }
 check dcp 180 "${run[@]}" bench/gpu_check.py dcp --device "$DEV" --ckpt "$RES/ckpt_dcp"
 check inprocess 120 "${run[@]}" bench/gpu_check.py inprocess --device "$DEV"
+# The stock GPU node check (docs/health.md), alone and as a one-node job's health check.
+check health_gpu 120 bash -c "$PY -m stalwart.health.gpu --device $DEV && echo 'gpu_check health_gpu ok'"
+check health_run 240 bash -c '"$@" && echo "gpu_check health_run ok"' _ "${run[@]}" \
+  --node-health-timeout 150 --node-health-check "$PY -m stalwart.health.gpu --device $DEV" \
+  bench/gpu_check.py env --device "$DEV"
+grep -q '"event": *"node_excluded"' "$RES"/runs/*/events.jsonl 2>/dev/null \
+  && { echo "FAIL health_run: a healthy GPU node was kept out"; failed=1; }
 exit $failed

@@ -167,3 +167,20 @@ def test_close_rule_with_refused_joiners(
     v: CloseView, s: ElasticSettings, want: CloseAction
 ) -> None:
     assert close_rule(v, s) == want
+
+
+# -- the stock GPU check's rule (stalwart.health.gpu), over one node's devices -----------
+@pytest.mark.parametrize(
+    ("rates", "slow"),
+    [
+        ([700.0] * 8, []),
+        ([700, 690, 710, 705, 300, 700, 698, 702], [4]),  # one GPU at 43 % of its mates
+        ([700, 0.0], [1]),  # a device that could not run
+        ([700, 400], []),  # 57 %: within the tolerance
+        ([700], []),  # nothing to compare with
+    ],
+)
+def test_a_gpu_far_slower_than_its_node_mates_is_found(rates: list[float], slow: list[int]) -> None:
+    from stalwart.health.gpu import slow_devices
+
+    assert [i for i, _, _ in slow_devices(rates)] == slow
