@@ -170,3 +170,14 @@ def test_a_forged_order_count_costs_a_bounded_read(store: MemoryStore) -> None:
         assert node.gate.refused(node.kv, 0, ["n0"]) == {}
     finally:
         node.gate.close()
+
+
+def test_a_node_that_cannot_listen_on_its_address_is_refused(store: MemoryStore) -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface here: peers could not reach it either.
+    node = Node(store, "n0")
+    try:
+        node.gate.before_join(node.kv, 0, "n0", "192.0.2.1", [])
+        why = node.gate.refused(node.kv, 0, ["n0"])["n0"]
+        assert "cannot listen on 192.0.2.1" in why and "no interface of this host holds" in why
+    finally:
+        node.gate.close()

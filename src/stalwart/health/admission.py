@@ -149,9 +149,16 @@ class HealthGate:
         The report goes out twice: first without links, then this node takes its place
         in the round's order, then it times a link to every node before it and publishes
         again. Each pair is timed by its later node, even when both check at once."""
+        listen_problem = None
         if self._probe is None and self._s.measure:
-            self._probe = probe.ProbeServer(addr)
+            try:
+                self._probe = probe.ProbeServer(addr)
+            except OSError as err:  # peers could not reach its workers either
+                listen_problem = f"cannot listen on {addr}, its advertised address: {err}"
         own = own_checks(self._s, addr)
+        if listen_problem is not None:
+            problems = (listen_problem, *own.problems)[:MAX_PROBLEMS]
+            own = OwnChecks(own.compute, problems, own.seconds)
         mine = NodeReport(
             run_id=self._run_id,
             round=round_,
@@ -262,6 +269,7 @@ class HealthGate:
                         attempt=round_,
                         node=e.node,
                         host=e.host,
+                        reason="; ".join(e.reasons),  # as the other node_excluded events
                         reasons=list(e.reasons),
                         by="health_check",
                         this_node=e.node == node,

@@ -243,6 +243,7 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                     attempt=attempt,
                     node=out.node,
                     host=out.host,
+                    reason="; ".join(out.reasons),
                     reasons=list(out.reasons),
                     by="health_check",
                     this_node=True,
