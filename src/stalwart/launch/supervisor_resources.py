@@ -15,7 +15,8 @@ import sys
 
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
-from stalwart.config.secret import launcher_secret
+from stalwart.config import ConfigError
+from stalwart.config.secret import missing_secret, unauthenticated_store, worker_environ
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
@@ -63,7 +64,9 @@ class SupervisorResources(SupervisorState):
                 segment_bytes=self._snapshots.segment_bytes,
             )
         if self._rdzv is None:
-            self._rdzv = rendezvous_for(cfg)
+            if self._secret is None:
+                logger.warning("%s", unauthenticated_store())
+            self._rdzv = rendezvous_for(cfg, self._secret)
         self._start_replicas(self._rdzv)
         return self._rdzv
 
@@ -81,13 +84,14 @@ class SupervisorResources(SupervisorState):
                 addr,
                 self.events.emit,
                 max_nodes=self.cfg.max_nodes,
-                key=job_key(
-                    launcher_secret(
-                        self.cfg.job_secret_file, os.environ, multi_node=self.cfg.max_nodes > 1
-                    ),
-                    self.cfg.run_id,
-                ),
+                key=job_key(self._replica_secret(), self.cfg.run_id),
             )
+
+    def _replica_secret(self) -> bytes:
+        # validate() made sure a multi-node job with replicas was given one.
+        if self._secret is None:
+            raise ConfigError(missing_secret())
+        return self._secret
 
     def _stop_workers(self) -> None:
         self._stopping = True
@@ -122,7 +126,7 @@ class SupervisorResources(SupervisorState):
         cfg = self.cfg
         if not cfg.warm or cfg.no_python:
             return None
-        env = dict(os.environ)
+        env = worker_environ(os.environ)
         env[envvars.RUN_TOKEN] = self._token
         # OpenMP reads it when torch loads in the template; with more than one thread the
         # template could not fork.  Workers that should have more get them back after the

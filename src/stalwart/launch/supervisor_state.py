@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, LaunchConfig
+from stalwart.config.secret import node_secret
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
 from stalwart.launch.events import EventLog, EventTail
@@ -66,6 +67,8 @@ class SupervisorState:
 
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
+        # Read once and kept in memory: the workers' environment goes without it.
+        self._secret = node_secret(cfg.job_secret_file, os.environ, multi_node=cfg.max_nodes > 1)
         # First: a taken port is a one-line error before anything is created.
         try:
             self._metrics = (

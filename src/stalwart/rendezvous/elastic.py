@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from stalwart.base.sealed import Seal
 from stalwart.rendezvous import close_rule as rule
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
@@ -48,7 +49,14 @@ from stalwart.rendezvous.api import (
     StoreLost,
     bounded_failure,
 )
-from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
+from stalwart.rendezvous.kv import (
+    KV,
+    STORE_LABEL,
+    SealedKV,
+    host_store,
+    parse_address,
+    read_failures,
+)
 from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none
 
 logger = logging.getLogger(__name__)
@@ -85,8 +93,10 @@ class ElasticRendezvous:
         rank_hint: int | None = None,
         backend: str = "c10d",
         hosts_store: bool = False,
+        seal: Seal | None = None,
     ) -> None:
-        self.kv = kv
+        # Job end, failures, members, closes, addresses, keep-alives: sealed.
+        self.kv: KV = SealedKV(kv, seal if seal is not None else Seal(None, STORE_LABEL))
         self.settings = settings
         self.run_id = run_id
         self.backend = backend

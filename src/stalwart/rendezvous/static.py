@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from stalwart.base.sealed import Seal
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -27,7 +28,9 @@ from stalwart.rendezvous.api import (
     bounded_failure,
 )
 from stalwart.rendezvous.kv import (
+    STORE_LABEL,
     C10dKV,
+    SealedKV,
     check_run_id,
     host_store,
     parse_address,
@@ -82,6 +85,7 @@ class StaticRendezvous:
         join_timeout: float = 600.0,
         exit_barrier_timeout: float = 30.0,
         op_timeout: float = OP_TIMEOUT,
+        seal: Seal | None = None,
     ) -> None:
         self.run_id = run_id
         self.nnodes = nnodes
@@ -92,14 +96,16 @@ class StaticRendezvous:
         self._master_addr = master_addr
         self._worker_stores: dict[int, TCPStore] = {}
         self._warned: set[str] = set()
-        self.kv = C10dKV(
+        store = C10dKV(
             endpoint.host,
             endpoint.port,
             is_host=host_store,
             connect_timeout=join_timeout,
             op_timeout=op_timeout,
         )
-        self.endpoint = StoreEndpoint(endpoint.host, self.kv.port)
+        self.endpoint = StoreEndpoint(endpoint.host, store.port)
+        # Job end, failures, addresses, worker counts: what steers the job is sealed.
+        self.kv = SealedKV(store, seal if seal is not None else Seal(None, STORE_LABEL))
         check_run_id(self.kv, run_id, host_store, join_timeout, str(self.endpoint))
 
     # -- helpers -----------------------------------------------------------------------
