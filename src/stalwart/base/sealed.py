@@ -16,9 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
 
 import msgspec
 
+from stalwart.base import envvars
+from stalwart.base.files import replace_file, untrusted
+
+#: The use the workers' key is derived for: the in-process wrapper's records.
+WORKER_LABEL = "stalwart-inprocess/1"
 #: Largest sealed value accepted back (bytes); the largest record the job writes (a
 #: failure record, bounded to 256 KiB) fits with room to spare.
 VALUE_LIMIT = 512 * 1024
@@ -87,3 +95,39 @@ class Seal:
                 "nodes' job secrets differ)"
             )
         return value
+
+
+def write_worker_key(folder: Path, secret: bytes, run_id: str) -> dict[str, str]:
+    """Puts the workers' key (derived: it opens nothing but their records) in a 0600
+    file in *folder* (the launcher's private one); returns the variable naming it."""
+    path = folder / "worker.key"
+    replace_file(path, derive_key(secret, WORKER_LABEL, run_id).hex().encode(), mode=0o600)
+    return {envvars.WORKER_KEY_FILE: str(path)}
+
+
+def worker_seal(environ: Mapping[str, str]) -> Seal:
+    """The seal a worker's in-process records carry: the launcher's key when it gave
+    one, else none (plain torchrun). ``ValueError`` (one line) for a key file that is
+    not the launcher's: ranks that disagree on the key could not read each other."""
+    where = environ.get(envvars.WORKER_KEY_FILE)
+    if not where:
+        return Seal(None, WORKER_LABEL)
+    what = f"{envvars.WORKER_KEY_FILE}={where}"
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        raise ValueError(f"{what}: {err.strerror}; expected the launcher's key file") from None
+    try:
+        problem = untrusted(os.fstat(fd), "file", private=True)
+        if problem:
+            raise ValueError(f"{what}: {problem}")
+        raw = os.read(fd, 129)
+    finally:
+        os.close(fd)
+    try:
+        key = bytes.fromhex(raw.decode("ascii"))
+    except ValueError:
+        key = b""
+    if len(key) != 32:
+        raise ValueError(f"{what}: expected 64 hex digits, found {len(raw)} bytes")
+    return Seal(key, WORKER_LABEL)

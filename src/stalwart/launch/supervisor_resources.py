@@ -15,6 +15,7 @@ import sys
 
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
+from stalwart.base.sealed import write_worker_key
 from stalwart.config import ConfigError
 from stalwart.config.secret import missing_secret, unauthenticated_store, worker_environ
 from stalwart.launch.cgroup import JobCgroup
@@ -52,6 +53,9 @@ class SupervisorResources(SupervisorState):
             # Learned timeouts and hang dossiers live in the run folder.
             state_dir=self.run_dir,
         )
+        if self._secret is not None:
+            # In the monitor's private folder (0700), gone with it.
+            self._worker_key_env = write_worker_key(self._hangs.ipc, self._secret, cfg.run_id)
         self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
         if cfg.ckpt_ram:
             self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
@@ -64,9 +68,11 @@ class SupervisorResources(SupervisorState):
                 segment_bytes=self._snapshots.segment_bytes,
             )
         if self._rdzv is None:
-            if self._secret is None:
-                logger.warning("%s", unauthenticated_store())
             self._rdzv = rendezvous_for(cfg, self._secret)
+            # Once the store is reached (an unreachable one stays a one-line error); etcd
+            # has authentication of its own.
+            if self._secret is None and cfg.rdzv_backend != "etcd":
+                logger.warning("%s", unauthenticated_store())
         self._start_replicas(self._rdzv)
         return self._rdzv
 

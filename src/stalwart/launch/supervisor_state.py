@@ -69,6 +69,7 @@ class SupervisorState:
         self.cfg = cfg
         # Read once and kept in memory: the workers' environment goes without it.
         self._secret = node_secret(cfg.job_secret_file, os.environ, multi_node=cfg.max_nodes > 1)
+        self._worker_key_env: dict[str, str] = {}  # where workers find their records' key
         # First: a taken port is a one-line error before anything is created.
         try:
             self._metrics = (
