@@ -21,6 +21,10 @@ seen = [
     if "JOB_SECRET" in line and not line.startswith("STALWART_JOB_SECRET_FILE")
 ]
 (out / f"secret_seen_{rank}").write_text("\n".join(seen))
+# What it gets instead: a key for its in-process records only, in a file of its own.
+key_file = os.environ.get("STALWART_WORKER_KEY_FILE", "")
+mode = oct(os.stat(key_file).st_mode & 0o777) if key_file else "none"
+(out / f"key_mode_{rank}").write_text(mode)
 (out / f"ready_{rank}").write_text(str(os.getpid()))
 deadline = time.monotonic() + 90
 while not (out / "go").exists():

@@ -96,6 +96,11 @@ def test_stranger_cannot_end_or_fail_a_static_job(tmp_path: Path) -> None:
             30,
             "a node to refuse the stranger's failure flag",
         )
+        # Counters carry no MAC: a non-number in one made the store drop the next node
+        # that added to it (the job read as having lost its store). Done and left are
+        # sealed keys per node now.
+        stranger.set("r0/done", "not a number")
+        stranger.set("left", "not a number")
         (tmp_path / "go").touch()
         assert node0.wait(60) == 0, err0.read_text()[-2000:]
         assert node1.wait(60) == 0, err1.read_text()[-2000:]
@@ -109,6 +114,7 @@ def test_stranger_cannot_end_or_fail_a_static_job(tmp_path: Path) -> None:
     assert err0.read_text().count(f"{REFUSED} job/ended") == 1, text[-2000:]
     for r in range(2):
         assert (tmp_path / f"secret_seen_{r}").read_text() == "", r
+        assert (tmp_path / f"key_mode_{r}").read_text() == "0o600", r
 
 
 def test_the_job_secret_is_not_in_a_workers_environment(tmp_path: Path) -> None:

@@ -190,11 +190,20 @@ class StaticRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
+    # Done and left are a sealed key per node, not counters: a counter carries no MAC,
+    # and a stranger who writes a non-number to one makes the store drop the next
+    # client that adds to it (the job then reads as having lost its store).
     def report_done(self, round_: int) -> None:
-        self.kv.add(keys.Round(round_).done_count, 1)
+        self.kv.set(keys.Round(round_).done(self._rank()), "1")
 
     def all_done(self, round_: int) -> bool:
-        return self.kv.add(keys.Round(round_).done_count, 0) >= self.nnodes
+        names = [keys.Round(round_).done(i) for i in range(self.nnodes)]
+        return all(v is not None for v in self.kv.get_many(names))
+
+    def _rank(self) -> int:
+        if self.node_rank is None:
+            raise RuntimeError("used before join()")
+        return self.node_rank
 
     def finish(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
         """Static membership has no spares, but a peer that decided to restart may be
@@ -211,10 +220,12 @@ class StaticRendezvous:
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:
-            self.kv.add(keys.LEFT_COUNT, 1)
+            if self.node_rank is not None:
+                self.kv.set(keys.left(str(self.node_rank)), "1")
             if self.is_host and self.nnodes > 1:
                 deadline = time.monotonic() + self.exit_barrier_timeout
-                while self.kv.add(keys.LEFT_COUNT, 0) < self.nnodes:
+                names = [keys.left(str(i)) for i in range(self.nnodes)]
+                while not all(v is not None for v in self.kv.get_many(names)):
                     if time.monotonic() > deadline:
                         logger.warning("not every node left within %ss", self.exit_barrier_timeout)
                         break
