@@ -162,6 +162,11 @@ def test_the_nodes_of_the_job_quarantine_the_root_cause_node(kv: C10dKV) -> None
     assert kept is not None and kept.withdrawal.goes_on and b.withdrawn
     assert guards[a.name][0].check(a, 3) is None and not a.withdrawn  # type: ignore[arg-type]
     assert guards[a.name][0].check(a, 3) is None  # type: ignore[arg-type]
+    # b's launcher started again (it has not run a round): still kept out.
+    again = Node(NODES[1])
+    assert _guard(kv, []).check(again, 0) is not None and again.withdrawn  # type: ignore[arg-type]
+    fresh_a = Node(NODES[0])
+    assert _guard(kv, []).check(fresh_a, 0) is None and not fresh_a.withdrawn  # type: ignore[arg-type]
     (ev,) = guards[a.name][1]
     assert ev[0] is Event.NODE_QUARANTINED and ev[1]["node"] == NODES[1]
     assert ev[1]["causes"] == ["failed"] * 3 and ev[1]["since_attempt"] == 2

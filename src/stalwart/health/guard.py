@@ -77,7 +77,9 @@ class QuarantineGuard:
         announced here; when this node is quarantined, leaves the job (``withdraw``) and
         says what the job does without it."""
         now = self._clock()
-        verdict = standing(self._ledger.read(round_), self._policy, now)
+        # A launcher yet to run a round may join the job late: it reads the whole ledger.
+        ledger = self._ledger.read(round_) if round_ > 0 else self._ledger.read_all()
+        verdict = standing(ledger, self._policy, now)
         for q in verdict.active:
             if (q.node, q.round) not in self._announced:
                 self._announced.add((q.node, q.round))

@@ -102,3 +102,14 @@ class Ledger:
                         self._warned.add(name)
                         logger.warning("quarantine ledger: dropped the value at %s: %s", name, err)
         return [self._read[r] for r in sorted(self._read) if r < rounds]
+
+    def read_all(self, chunk: int = 16) -> list[Implication]:
+        """Every entry of the job so far, for a launcher that has not run a round yet
+        (a spare, or a node's launcher started again): rounds are read *chunk* at a time
+        until a chunk holds none."""
+        r = 0
+        while True:
+            entries = self.read(r + chunk)
+            if not any(e.round >= r for e in entries):
+                return entries
+            r += chunk
