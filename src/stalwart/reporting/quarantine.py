@@ -45,9 +45,9 @@ def quarantine_lines(events: Iterable[dict[str, Any]]) -> list[str]:
     """One line per quarantined node, control characters made visible."""
     lines = []
     for k in quarantines(events):
-        state = "released" if k.released else "kept out"
-        since = "" if k.since_attempt is None else f" since attempt {k.since_attempt}"
+        since = "" if k.since_attempt is None else f" (attempt {k.since_attempt})"
+        what = k.reason or f"node {k.node} was quarantined{since}"
         lines.append(
-            printable(clip(f"quarantined node {k.node}{since} ({state}): {k.reason}", 400))
+            printable(clip(f"quarantined: {what}{'; released' if k.released else ''}", 400))
         )
     return lines
