@@ -43,6 +43,17 @@ def test_implicate_points_at_the_root_cause_node(
     assert (e.round, e.node, e.cause, e.nodes, e.at) == (4, node, cause, 3, 100.0)
 
 
+def test_implicate_says_how_the_root_worker_ended() -> None:
+    crashed = WorkerFailed(node_rank=0, local_rank=0, signal="SIGSEGV", timestamp=1.0)
+    assert [
+        e.reason if e else None
+        for e in (
+            implicate([_w(1, 1.0, rank=3)], NODES, 0, 1.0),
+            implicate([crashed], NODES, 0, 1.0),
+        )
+    ] == ["rank 3 exit code 1", "rank ? signal SIGSEGV"]
+
+
 def test_implicate_blames_nobody_for_a_shutdown_or_nothing() -> None:
     assert implicate([_w(0, 1.0), ShutdownRequested(node_rank=1)], NODES, 0, 1.0) is None
     assert implicate([], NODES, 0, 1.0) is None

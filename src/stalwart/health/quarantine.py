@@ -94,13 +94,11 @@ def implicate(
     else:
         return None
     name = nodes[root.node_rank] if root.node_rank < len(nodes) else ""
-    detail = root.reason or (
-        f"rank {root.rank} exit code {root.exitcode}"
-        if isinstance(root, WorkerFailed) and root.signal is None
-        else f"rank {root.rank} signal {root.signal}"
-        if isinstance(root, WorkerFailed)
-        else ""
-    )
+    detail = root.reason
+    if not detail and isinstance(root, WorkerFailed):
+        rank = "?" if root.rank is None else root.rank
+        how = f"signal {root.signal}" if root.signal else f"exit code {root.exitcode}"
+        detail = f"rank {rank} {how}"
     return Implication(
         round=round_,
         node=_clip(name, NODE_LIMIT),
