@@ -18,6 +18,7 @@ from stalwart.base.events import Event
 from stalwart.base.sealed import write_worker_key
 from stalwart.config import ConfigError
 from stalwart.config.secret import missing_secret, unauthenticated_store, worker_environ
+from stalwart.health.guard import guard_for
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
@@ -74,6 +75,9 @@ class SupervisorResources(SupervisorState):
             if self._secret is None and cfg.rdzv_backend != "etcd":
                 logger.warning("%s", unauthenticated_store())
         self._start_replicas(self._rdzv)
+        where = advertised_address(self._rdzv)
+        kv = where[0] if where is not None else None
+        self._quarantine = guard_for(cfg, kv, self.events.emit, os.environ)
         return self._rdzv
 
     def _start_replicas(self, rdzv: Rendezvous) -> None:

@@ -18,7 +18,9 @@ Per-round keys, under ``r<n>/`` (``Round``):
   flag every node polls;
 * ``done/<node rank>``: a node's workers all succeeded (a key per node, never a
   counter: a counter carries no MAC, and a non-number written to one makes the store
-  drop the next client that adds to it).
+  drop the next client that adds to it);
+* ``implicated/<node rank>``: which node a failed round points at, as the node of that
+  rank saw it (the quarantine ledger, ``health/ledger.py``; MACed by the job's key).
 """
 
 from __future__ import annotations
@@ -75,3 +77,6 @@ class Round:
 
     def done(self, node_rank: int) -> str:
         return f"{self._p}done/{node_rank}"
+
+    def implicated(self, node_rank: int) -> str:
+        return f"{self._p}implicated/{node_rank}"

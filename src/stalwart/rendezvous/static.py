@@ -190,6 +190,18 @@ class StaticRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
+    @property
+    def name(self) -> str:
+        # Fixed membership: a node keeps its rank for the whole job.
+        return f"node rank {self.node_rank}"
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        return tuple(f"node rank {i}" for i in range(self.nnodes))
+
+    def withdraw(self) -> int:
+        """No other node can take this one's place in a fixed membership."""
+        return 0
+
     # Done and left are a sealed key per node, not counters: a counter carries no MAC,
     # and a stranger who writes a non-number to one makes the store drop the next
     # client that adds to it (the job then reads as having lost its store).
