@@ -22,14 +22,15 @@ from stalwart.inprocess.store import CoordStore
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(60)]
 
-HUGE = "7" * (2 << 20)
+HUGE = "7" * (600 * 1024)  # over every limit a reader has (16 KiB, 512 KiB)
 
 
 @pytest.fixture
 def stores() -> Iterator[tuple[CoordStore, Store]]:
     host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
     client = TCPStore("127.0.0.1", host.port, is_master=False, timeout=timedelta(seconds=10))
-    coord = CoordStore(host, 0, CounterWatch[int](5.0))
+    # A silent rank counts as gone after 0.5 s: a refused barrier result ends soon.
+    coord = CoordStore(host, 0, CounterWatch[int](0.5))
     # The stranger writes the very keys the wrapper reads (it can list them all).
     yield coord, PrefixStore(coord.namespace, client)
 
