@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,15 +54,6 @@ def fast(**kw: object) -> MonitorConfig:
     return MonitorConfig(
         **{"check_interval": 0.05, "stack_dump_wait": 0.2, "term_grace": 1.0, **kw}
     )  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[TimerServer, list[ExpiredTimer]]]:
-    expired: list[ExpiredTimer] = []
-    srv = TimerServer(tmp_path / "timer.pipe", on_expired=expired.append)
-    srv.open()
-    yield srv, expired
-    srv.stop()
 
 
 # -- who may be signalled ------------------------------------------------------------

@@ -19,9 +19,27 @@ from stalwart.checkpoint.staging import plan
 from stalwart.launch import replicas as rp
 from stalwart.launch.replica_auth import address_mac
 from stalwart.launch.snapshots import SnapshotMemory
+from tests.helpers import ROOT
 
 SLOT = 1 << 20
 WORLD = 4
+RAM_TRAIN = ROOT / "bench" / "ram_train.py"
+
+
+def ram_job(
+    log_dir: Path,
+    out: Path,
+    steps: int,
+    step_s: float,
+    persist_every: int,
+    save_every: int | None = None,
+) -> list[str | Path]:
+    """The end of a ``stalwart run`` line that trains ``bench/ram_train.py`` with 1 MiB of
+    RAM snapshots a rank: the log folder, then the program and its arguments (a snapshot
+    every ``save_every`` steps, every ``persist_every``-th of them on disk)."""
+    every = ["--save-every", str(save_every)] if save_every is not None else []
+    return ["--ckpt-ram", "1MiB", "--log-dir", log_dir, RAM_TRAIN, str(steps), out,
+            "--step-s", str(step_s), *every, "--persist-every", str(persist_every)]  # fmt: skip
 
 
 class Events:
@@ -67,13 +85,6 @@ def snapshot(mem: SnapshotMemory, lr: int, rank: int, step: int, world: int = WO
 
 def replica_steps(folder: Path, rank: int) -> list[int]:
     return [s.step for s in find_snapshots(folder, rank, WORLD) if "replica" in s.path.name]
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 KEY = rp.job_key(b"replica-tests-secret-0123456789", "job")

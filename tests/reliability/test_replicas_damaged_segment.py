@@ -33,6 +33,7 @@ from tests.multinode.replica_helpers import (
     Events,
     addr,
     push,
+    ram_job,
     replica_steps,
     server,
     snapshot,
@@ -41,7 +42,6 @@ from tests.multinode.test_netns import assert_matches_reference, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
 
-RAM_TRAIN = ROOT / "bench" / "ram_train.py"
 STEPS = 40
 
 
@@ -67,19 +67,9 @@ def test_half_truncated_segment_falls_back_to_disk(tmp_path: Path) -> None:
         stalwart_argv(
             "--nproc-per-node",
             "2",
-            "--ckpt-ram",
-            "1MiB",
             "--max-restarts",
             "2",
-            "--log-dir",
-            tmp_path / "logs",
-            RAM_TRAIN,
-            str(STEPS),
-            tmp_path,
-            "--step-s",
-            "0.1",
-            "--persist-every",
-            "5",
+            *ram_job(tmp_path / "logs", tmp_path, STEPS, 0.1, persist_every=5),
         ),
         stdout=log,
         stderr=subprocess.STDOUT,
