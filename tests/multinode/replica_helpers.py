@@ -3,6 +3,7 @@ a recorder of emitted events, and a replica server over a folder."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,11 +20,26 @@ from stalwart.checkpoint.staging import plan
 from stalwart.launch import replicas as rp
 from stalwart.launch.replica_auth import address_mac
 from stalwart.launch.snapshots import SnapshotMemory
-from tests.helpers import ROOT
+from tests.helpers import ROOT, clean_env, stalwart_argv
 
 SLOT = 1 << 20
 WORLD = 4
 RAM_TRAIN = ROOT / "bench" / "ram_train.py"
+
+
+def start_job(log: Path, *args: str | Path) -> subprocess.Popen[str]:
+    """``stalwart run ARGS`` on this host in a session of its own (a test can kill the
+    launcher's whole group), its output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            stalwart_argv(*args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
 
 def ram_job(

@@ -21,8 +21,8 @@ import pytest
 from bench.netns import Host, Network, rdzv_args
 from stalwart.checkpoint import complete_steps
 from stalwart.launch import replicas as rp
-from tests.helpers import ROOT, clean_env, free_port, stalwart_argv, wait_for
-from tests.multinode.replica_helpers import ram_job
+from tests.helpers import free_port, wait_for
+from tests.multinode.replica_helpers import ram_job, start_job
 
 from .test_netns import FAST, assert_matches_reference, events, text, wait_for_step
 
@@ -104,19 +104,11 @@ def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path)
     on disk, as without --ckpt-ram."""
 
     def run(name: str) -> subprocess.Popen[str]:
-        log = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 - closed by the OS at exit
-        return subprocess.Popen(
-            stalwart_argv(
-                "--nproc-per-node",
-                "2",
-                *ram_job(tmp_path / f"logs-{name}", tmp_path, STEPS, 0.05, persist_every=5),
-            ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=clean_env(),
-            cwd=ROOT,
-            start_new_session=True,
+        return start_job(
+            tmp_path / f"{name}.out",
+            "--nproc-per-node",
+            "2",
+            *ram_job(tmp_path / f"logs-{name}", tmp_path, STEPS, 0.05, persist_every=5),
         )
 
     first = run("first")
