@@ -46,7 +46,7 @@ hb, sec = client.hb_timeouts, client.section_timeouts
 print("TIMEOUTS " + json.dumps({
     "hb": [hb.initial, hb.subsequent, hb.were_calculated, hb.are_valid],
     "section": sec.section, "oos": sec.out_of_section,
-    "calculated": sec.calculated_sections, "oos_calculated": sec.is_out_of_section_calculated,
+    "calculated": sorted(sec.calculated_sections), "oos_calculated": sec.is_out_of_section_calculated,
 }), flush=True)
 client.shutdown_workload_monitoring()
 """

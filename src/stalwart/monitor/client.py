@@ -401,7 +401,7 @@ class RankMonitorClient:
         return SectionTimeouts(
             section=table,
             out_of_section=learned.oos if learned.oos is not None else conf.oos,
-            calculated_sections=sorted(learned.sections),
+            calculated_sections=frozenset(learned.sections),
             is_out_of_section_calculated=learned.oos is not None,
         )
 

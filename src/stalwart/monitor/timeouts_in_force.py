@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from stalwart.monitor import envvars
@@ -34,12 +35,35 @@ class HeartbeatTimeouts:
 
 @dataclasses.dataclass(frozen=True)
 class SectionTimeouts:
-    """Section and out-of-section timeouts in force, in NVIDIA's shape."""
+    """Section and out-of-section timeouts in force, in NVIDIA's shape.
+
+    `calculated_sections` names the sections whose timeout was learned (any iterable of
+    names is accepted and kept as a frozenset, NVIDIA's code passes `{}` for none).
+    """
 
     section: dict[str, float | None]
     out_of_section: float | None
-    calculated_sections: list[str]
+    calculated_sections: frozenset[str]
     is_out_of_section_calculated: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.section, dict):
+            raise TypeError(f"section must be a dict of name -> seconds, got {self.section!r}")
+        names = self.calculated_sections
+        if isinstance(names, str) or not isinstance(names, Iterable):
+            raise TypeError(f"calculated_sections must be a collection of names, got {names!r}")
+        # Frozen: normalising the caller's collection needs the object's own setattr.
+        object.__setattr__(self, "calculated_sections", frozenset(map(str, names)))
+
+    @property
+    def are_valid(self) -> bool:
+        """Every section and the out-of-section stretch have a timeout."""
+        return self.out_of_section is not None and all(v is not None for v in self.section.values())
+
+    @property
+    def were_calculated(self) -> bool:
+        """Every timeout here was learned, none taken from a configuration."""
+        return self.is_out_of_section_calculated and self.calculated_sections >= set(self.section)
 
 
 @dataclasses.dataclass(frozen=True)
