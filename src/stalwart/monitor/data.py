@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import enum
 
+from stalwart.monitor import envvars
 from stalwart.monitor.timeouts_in_force import HeartbeatTimeouts, SectionTimeouts
+
+#: NVIDIA's name for the variable that tells a rank where its monitor is.
+FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR = envvars.NVIDIA_IPC_SOCKET
 
 
 class SectionAction(enum.Enum):
@@ -21,4 +25,9 @@ class SectionAction(enum.Enum):
     CLOSE_ALL = "close_all"
 
 
-__all__ = ["HeartbeatTimeouts", "SectionAction", "SectionTimeouts"]
+__all__ = [
+    "FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR",
+    "HeartbeatTimeouts",
+    "SectionAction",
+    "SectionTimeouts",
+]

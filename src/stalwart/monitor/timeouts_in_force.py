@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -68,11 +69,14 @@ class SectionTimeouts:
 
 @dataclasses.dataclass(frozen=True)
 class Configured:
-    """The node's configured timeouts, as the launcher put them in the environment."""
+    """The node's configured timeouts, as the launcher put them in the environment.
+
+    A section named with None is known but not checked (NVIDIA's config allows it).
+    """
 
     hb_initial: float | None = None
     hb: float | None = None
-    sections: dict[str, float] = dataclasses.field(default_factory=dict)
+    sections: dict[str, float | None] = dataclasses.field(default_factory=dict)
     oos: float | None = None
 
     @classmethod
@@ -80,16 +84,24 @@ class Configured:
         raw = os.environ.get(envvars.TIMEOUTS)
         if not raw:
             return cls()
+        return cls.from_json(raw)
+
+    @classmethod
+    def from_json(cls, raw: str) -> Configured:
         try:
             data = json.loads(raw)
 
             def secs(v: Any) -> float | None:
-                return float(v) if isinstance(v, int | float) and v > 0 else None
+                ok = isinstance(v, int | float) and not isinstance(v, bool)
+                return float(v) if ok and math.isfinite(v) and v > 0 else None
 
-            sections = {str(k): float(v) for k, v in dict(data.get("sections") or {}).items()}
+            sections = {str(k): secs(v) for k, v in dict(data.get("sections") or {}).items()}
             return cls(
                 secs(data.get("hb_initial")), secs(data.get("hb")), sections, secs(data.get("oos"))
             )
         except (ValueError, TypeError, AttributeError):
-            log.warning("ignoring malformed %s=%r", envvars.TIMEOUTS, raw[:200])
+            log.warning("ignoring malformed configured timeouts %r", raw[:200])
             return cls()
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
