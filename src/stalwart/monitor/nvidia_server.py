@@ -279,7 +279,11 @@ def serve(path: str, config: MonitorConfig, parent: int) -> None:
             wait = config.check_interval
             if snap.state == layout.SlotState.ATTACHED and snap.pid > 0:
                 if not _alive(snap.pid):
-                    layout.reset_slot(mm, 0)
+                    # Detach the dead rank unless a new one has begun to attach (its
+                    # first write zeroes the pid): never wipe what a newcomer wrote.
+                    base = layout.slot_offset(0)
+                    if layout.I64.unpack_from(mm, base + layout.OFF_PID)[0] == snap.pid:
+                        layout.I64.pack_into(mm, base + layout.OFF_STATE, layout.SlotState.DETACHED)
                     continue
                 names = layout.read_names(mm, 0, max(0, min(snap.name_count, layout.MAX_SECTIONS)))
                 verdict = judge.judge(snap, names, config, now, floor)
@@ -291,7 +295,8 @@ def serve(path: str, config: MonitorConfig, parent: int) -> None:
                         verdict.timeout,
                         config.term_signal.name,
                     )
-                    with contextlib.suppress(ProcessLookupError):
+                    # Gone meanwhile, or not ours to signal: either way nothing to do.
+                    with contextlib.suppress(OSError):
                         os.kill(snap.pid, config.term_signal)
                     signalled = (snap.pid, snap.attach_time)
                 due = judge.next_deadline(snap, names, config, now, floor)
