@@ -20,8 +20,7 @@ import pytest
 
 from stalwart.monitor import jobsync
 from stalwart.monitor.learned import LearnedTimeouts
-
-from .conftest import wait_for
+from tests.helpers import wait_for, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("node_worker.py")
@@ -54,22 +53,13 @@ def static_args(port: int, run_id: str) -> list[str]:
             "--rdzv-id", run_id]  # fmt: skip
 
 
-def wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_for(up, 60, "node 0 to host the store")
-
-
 def run_two(
     tmp: Path, args: list[str], plan: dict[str, Any], port: int, while_running: Any = None
 ) -> dict[int, str]:
     first = launch(tmp, 0, args, plan)
     procs = {0: first}
     try:
-        wait_listening(port, first)
+        wait_listening(port, first, "node 0 to host the store")
         procs[1] = launch(tmp, 1, args, plan)
         if while_running is not None:
             while_running()

@@ -16,6 +16,7 @@ import sys
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
 from stalwart.config.secret import launcher_secret
+from stalwart.health.guard import guard_for
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
@@ -65,6 +66,9 @@ class SupervisorResources(SupervisorState):
         if self._rdzv is None:
             self._rdzv = rendezvous_for(cfg)
         self._start_replicas(self._rdzv)
+        where = advertised_address(self._rdzv)
+        kv = where[0] if where is not None else None
+        self._quarantine = guard_for(cfg, kv, self.events.emit, os.environ)
         return self._rdzv
 
     def _start_replicas(self, rdzv: Rendezvous) -> None:

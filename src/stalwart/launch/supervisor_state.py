@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, LaunchConfig
+from stalwart.health.guard import QuarantineGuard
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
 from stalwart.launch.events import EventLog, EventTail
@@ -112,6 +113,7 @@ class SupervisorState:
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
         self._snapshots: SnapshotMemory | None = None
         self._replicas: NodeReplicas | None = None
+        self._quarantine: QuarantineGuard | None = None  # None: off (guard_for says when)
         self._round = 0  # the attempt under way, for events written on a signal
         self._exits_seen: set[int] = set()  # local ranks whose worker_exit is written
         self._progress: ProgressBoard | None = None

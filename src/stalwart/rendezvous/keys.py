@@ -17,7 +17,9 @@ Per-round keys, under ``r<n>/`` (``Round``):
 * ``failure/<node rank>`` then ``failed``: a node's account of a failed round, then the
   flag every node polls;
 * ``done/<node rank>`` (elastic) or the ``done`` counter (static): a node's workers
-  all succeeded.
+  all succeeded;
+* ``implicated/<node rank>``: which node a failed round points at, as the node of that
+  rank saw it (the quarantine ledger, ``health/ledger.py``; MACed by the job's key).
 """
 
 from __future__ import annotations
@@ -79,3 +81,6 @@ class Round:
 
     def done(self, node_rank: int) -> str:
         return f"{self._p}done/{node_rank}"
+
+    def implicated(self, node_rank: int) -> str:
+        return f"{self._p}implicated/{node_rank}"

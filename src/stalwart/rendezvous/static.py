@@ -184,6 +184,18 @@ class StaticRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
+    @property
+    def name(self) -> str:
+        # Fixed membership: a node keeps its rank for the whole job.
+        return f"node rank {self.node_rank}"
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        return tuple(f"node rank {i}" for i in range(self.nnodes))
+
+    def withdraw(self) -> int:
+        """No other node can take this one's place in a fixed membership."""
+        return 0
+
     def report_done(self, round_: int) -> None:
         self.kv.add(keys.Round(round_).done_count, 1)
 
