@@ -5,7 +5,6 @@ quarantine a healthy node."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,13 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 SECRET = b"s" * 32
 KEY = ledger_key(SECRET, "job")
 NODES = ("a@10.0.0.1", "b@10.0.0.2", "c@10.0.0.3")
-
-
-@pytest.fixture
-def kv() -> Iterator[C10dKV]:
-    store = C10dKV("127.0.0.1", 0, is_host=True, connect_timeout=10, op_timeout=10)
-    yield store
-    store.close()
 
 
 @pytest.fixture

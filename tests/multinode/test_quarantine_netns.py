@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.netns import rdzv_args
+from bench.netns import Network, rdzv_args
 from tests.helpers import ROOT, clean_env, events, free_port, kinds, stalwart_argv
-
-from .conftest import Network
 
 pytestmark = pytest.mark.timeout(240)
 
