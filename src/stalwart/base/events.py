@@ -53,6 +53,11 @@ class Event(enum.StrEnum):
     NODE_EXCLUDED = "node_excluded"
     #: A node ran its health checks before a round (health/admission.py).
     HEALTH_CHECKED = "health_checked"
+    #: A node was implicated in K of the job's last M failed rounds and is kept out of
+    #: later rounds (``health/quarantine.py``); every node that sees it writes one.
+    NODE_QUARANTINED = "node_quarantined"
+    #: A quarantined node's time is up: it may join rounds again.
+    NODE_RELEASED = "node_released"
     #: The round failed and another starts.
     RESTART = "restart"
     # -- how the job ended -----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Node health: the checks a node runs before it joins a round, and who is kept out.
+"""Node health: keeping bad nodes out of a job's rounds.
 
 The launcher calls this package; it knows nothing of the launcher. The parts:
 
@@ -8,4 +8,7 @@ The launcher calls this package; it knows nothing of the launcher. The parts:
 * `records` — the signed report a node leaves in the store, and the verdict;
 * `judge` — the pure decision: which nodes are slow or broken, compared with their peers;
 * `admission` — the gate the rendezvous asks: may this node join this round?
+* `gpu` — a stock ``--node-health-check`` for GPU nodes;
+* `quarantine`, `ledger`, `guard` — the quarantine of nodes that keep failing
+  (``quarantine`` decides, ``ledger`` keeps the job-wide record in the rendezvous store).
 """

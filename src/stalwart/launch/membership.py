@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from stalwart.base.sealed import Seal, derive_key
 from stalwart.config import LaunchConfig, RendezvousConf
 from stalwart.rendezvous.api import RendezvousError, StoreLost
 from stalwart.rendezvous.close_rule import ElasticSettings
@@ -24,6 +25,7 @@ from stalwart.rendezvous.etcd import EtcdAccess, EtcdKV
 from stalwart.rendezvous.gate import AdmissionGate
 from stalwart.rendezvous.kv import (
     KV,
+    STORE_LABEL,
     C10dKV,
     check_run_id,
     is_local_address,
@@ -57,12 +59,21 @@ def elastic_settings(cfg: LaunchConfig) -> ElasticSettings:
     )
 
 
+def store_seal(secret: bytes | None, run_id: str) -> Seal:
+    """What seals the job's records in its rendezvous store: a key derived from the
+    job's secret, or none (values in the clear, as torchrun's) without one."""
+    key = derive_key(secret, STORE_LABEL, run_id) if secret is not None else None
+    return Seal(key, STORE_LABEL)
+
+
 def rendezvous_for(
-    cfg: LaunchConfig, gate: AdmissionGate | None = None
+    cfg: LaunchConfig, secret: bytes | None = None, gate: AdmissionGate | None = None
 ) -> StaticRendezvous | ElasticRendezvous:
-    """The rendezvous *cfg* asks for, connected (or hosting its store); an elastic one
-    asks *gate* who may join each round."""
+    """The rendezvous *cfg* asks for, connected (or hosting its store); *secret*, the
+    job's, seals the records that steer it; an elastic one asks *gate* who may join each
+    round."""
     conf = cfg.rdzv_conf
+    seal = store_seal(secret, cfg.run_id)
     if cfg.max_nodes == 1:
         return StaticRendezvous(
             run_id=cfg.run_id,
@@ -73,6 +84,7 @@ def rendezvous_for(
             master_addr=cfg.effective_master_addr,
             join_timeout=conf.join_timeout,
             op_timeout=store_request_timeout(conf, elastic=False),
+            seal=seal,
         )
     if cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
         endpoint = StoreEndpoint(cfg.effective_master_addr, cfg.master_port)
@@ -87,11 +99,12 @@ def rendezvous_for(
             master_addr=endpoint.host,
             join_timeout=conf.join_timeout,
             op_timeout=store_request_timeout(conf, elastic=False),
+            seal=seal,
         )
-    return _elastic(cfg, gate)
+    return _elastic(cfg, seal, gate)
 
 
-def _elastic(cfg: LaunchConfig, gate: AdmissionGate | None) -> ElasticRendezvous:
+def _elastic(cfg: LaunchConfig, seal: Seal, gate: AdmissionGate | None) -> ElasticRendezvous:
     settings = elastic_settings(cfg)
     conf = cfg.rdzv_conf
     request_timeout = store_request_timeout(conf, elastic=True)
@@ -133,6 +146,7 @@ def _elastic(cfg: LaunchConfig, gate: AdmissionGate | None) -> ElasticRendezvous
         rank_hint=cfg.node_rank,
         backend=cfg.rdzv_backend,
         hosts_store=hosts_store,
+        seal=seal,
         gate=gate,
     )
 
