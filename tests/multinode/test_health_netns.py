@@ -14,10 +14,8 @@ from typing import Any
 
 import pytest
 
-from bench.netns import JOB_SECRET, ROOT, rdzv_args
+from bench.netns import JOB_SECRET, ROOT, Host, Network, rdzv_args
 from tests.helpers import free_port, read_events
-
-from .conftest import Host, Network
 
 pytestmark = pytest.mark.timeout(240)
 
