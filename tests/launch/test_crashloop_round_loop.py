@@ -111,7 +111,7 @@ class TableSupervisor(Supervisor):
     ) -> tuple[RoundOutcome, RunResult | None]:
         row = self.rounds[info.round]
         rdzv.records[info.round] = row.records
-        self._furthest_step = row.step
+        self._attempt.furthest_step = row.step
         return row.outcome, None
 
 
