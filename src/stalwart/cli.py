@@ -15,7 +15,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, NoReturn
 
-from stalwart.launch import signals
+from stalwart.launch.round import signals
 
 if TYPE_CHECKING:
     from stalwart.config import LaunchConfig
@@ -116,9 +116,9 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
-    from stalwart.launch.environment import OMP_NOTICE, sets_omp_threads
-    from stalwart.launch.runfiles import RunFolderError
-    from stalwart.launch.supervisor import Supervisor
+    from stalwart.launch.files.runfiles import RunFolderError
+    from stalwart.launch.round.supervisor import Supervisor
+    from stalwart.launch.workers.environment import OMP_NOTICE, sets_omp_threads
 
     if sets_omp_threads(cfg, os.environ):
         print(OMP_NOTICE, file=sys.stderr, flush=True)

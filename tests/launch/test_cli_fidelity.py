@@ -24,7 +24,7 @@ from torch.distributed.run import get_args_parser
 
 from stalwart.cli import build_config, run_parser
 from stalwart.config import ConfigError, Std
-from stalwart.launch.environment import virtual_local_rank
+from stalwart.launch.workers.environment import virtual_local_rank
 from tests.helpers import clean_env, stalwart_argv
 
 from .helpers import SCRIPTS

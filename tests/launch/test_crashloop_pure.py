@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.decide import (
+from stalwart.launch.round.decide import (
     Asked,
     ControlAsk,
     RoundOutcome,
@@ -39,7 +39,7 @@ ALLOWED = {
     "re",
     "signal",
     "typing",
-    "stalwart.launch.restart_policy",
+    "stalwart.launch.round.restart_policy",
     "stalwart.rendezvous.api",
 }
 # Calls that read the world: the host, a clock, a file, the environment.
@@ -48,7 +48,7 @@ IMPURE = {"gethostname", "getfqdn", "time", "monotonic", "time_ns", "open", "get
 
 def test_importing_the_decisions_loads_no_monitor_code() -> None:
     code = (
-        "import sys, stalwart.launch.decide, stalwart.launch.restart_policy;"
+        "import sys, stalwart.launch.round.decide, stalwart.launch.round.restart_policy;"
         "print(sorted(m for m in sys.modules if m.startswith('stalwart.monitor')))"
     )
     out = subprocess.run(

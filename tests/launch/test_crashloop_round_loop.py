@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.config import LaunchConfig
-from stalwart.launch.decide import RoundOutcome
-from stalwart.launch.supervisor import Supervisor
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.decide import RoundOutcome
+from stalwart.launch.round.supervisor import Supervisor
+from stalwart.launch.workers.processes import RunResult
 from stalwart.monitor import MonitorConfig
 from stalwart.rendezvous.api import (
     FailureRecord,

@@ -17,15 +17,15 @@ import pytest
 
 from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
-from stalwart.launch import signals
-from stalwart.launch.decide import Ending, JobOver, State, Stop, interrupted
-from stalwart.launch.events import EventLog
-from stalwart.launch.logs import LogSpec
-from stalwart.launch.supervisor_attempt import AttemptWorkers
-from stalwart.launch.supervisor_ending import JobEnding
-from stalwart.launch.supervisor_resources import RoundResources
-from stalwart.launch.supervisor_signals import SignalGate
-from stalwart.launch.supervisor_state import SignalReceived
+from stalwart.launch.files.events import EventLog
+from stalwart.launch.files.logs import LogSpec
+from stalwart.launch.round import signals
+from stalwart.launch.round.attempt import AttemptWorkers
+from stalwart.launch.round.decide import Ending, JobOver, State, Stop, interrupted
+from stalwart.launch.round.ending import JobEnding
+from stalwart.launch.round.records import SignalReceived
+from stalwart.launch.round.resources import RoundResources
+from stalwart.launch.round.signal_gate import SignalGate
 from stalwart.monitor import MonitorConfig
 from tests.helpers import read_events
 

@@ -18,7 +18,7 @@ from bench.netns import (
     start_etcd,
     stop_etcd,
 )
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 
 from .replica_helpers import SLOT

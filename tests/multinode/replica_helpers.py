@@ -16,9 +16,9 @@ import torch
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
-from stalwart.launch import replicas as rp
-from stalwart.launch.replica_auth import address_mac
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.auth import address_mac
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 SLOT = 1 << 20
 WORLD = 4

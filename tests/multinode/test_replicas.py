@@ -21,7 +21,7 @@ import pytest
 
 from bench.netns import rdzv_args
 from stalwart.checkpoint import complete_steps
-from stalwart.launch import replicas as rp
+from stalwart.launch.replicas import node as rp
 from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
 
 from .conftest import Host, Network

@@ -25,8 +25,8 @@ from stalwart.checkpoint import complete_steps
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
-from stalwart.launch import replicas as rp
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from tests.helpers import ROOT, clean_env, read_events, stalwart_argv, wait_for
 from tests.multinode.replica_helpers import (
     SLOT,

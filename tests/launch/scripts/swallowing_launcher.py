@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from stalwart import cli
-from stalwart.launch.supervisor_attempt import AttemptWorkers
+from stalwart.launch.round.attempt import AttemptWorkers
 
 caught = {"Exception": Exception, "BaseException": BaseException}[sys.argv[1]]
 out = Path(sys.argv[2])

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-from stalwart.launch import signals
-from stalwart.launch.supervisor_state import SignalReceived
+from stalwart.launch.round import signals
+from stalwart.launch.round.records import SignalReceived
 
 
 class SignalGate:

@@ -33,7 +33,11 @@ import msgspec
 
 from stalwart.base.events import Event
 from stalwart.config import ConfigError, LaunchConfig
-from stalwart.launch.decide import (
+from stalwart.launch.files.events import EventLog, EventTail
+from stalwart.launch.files.logs import LogSpec
+from stalwart.launch.files.runfiles import check_component, make_run_dir
+from stalwart.launch.round.attempt import AttemptWorkers
+from stalwart.launch.round.decide import (
     Asked,
     ControlAsk,
     RoundOutcome,
@@ -45,17 +49,13 @@ from stalwart.launch.decide import (
     interrupted,
     not_needed,
 )
-from stalwart.launch.events import EventLog, EventTail
-from stalwart.launch.failures import root_cause
-from stalwart.launch.logs import LogSpec
-from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
-from stalwart.launch.runfiles import check_component, make_run_dir
-from stalwart.launch.supervisor_attempt import AttemptWorkers
-from stalwart.launch.supervisor_ending import JobEnding
-from stalwart.launch.supervisor_resources import RoundResources
-from stalwart.launch.supervisor_signals import SignalGate
-from stalwart.launch.supervisor_state import JobResult, SignalReceived
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.ending import JobEnding
+from stalwart.launch.round.records import JobResult, SignalReceived
+from stalwart.launch.round.resources import RoundResources
+from stalwart.launch.round.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
+from stalwart.launch.round.signal_gate import SignalGate
+from stalwart.launch.workers.failures import root_cause
+from stalwart.launch.workers.processes import RunResult
 from stalwart.monitor import ControlRequest
 from stalwart.rendezvous import (
     FailureRecord,

@@ -20,15 +20,15 @@ from stalwart.base import envvars, procs
 from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
 from stalwart.config.secret import launcher_secret
-from stalwart.launch.cgroup import JobCgroup
-from stalwart.launch.environment import program_argv
-from stalwart.launch.guardian import Guardian
-from stalwart.launch.hangs import HangWatch
-from stalwart.launch.membership import rendezvous_for
-from stalwart.launch.replica_auth import job_key
-from stalwart.launch.replicas import NodeReplicas, advertised_address, effective_replicas
-from stalwart.launch.snapshots import SnapshotMemory
-from stalwart.launch.warm import WarmPool
+from stalwart.launch.replicas.auth import job_key
+from stalwart.launch.replicas.node import NodeReplicas, advertised_address, effective_replicas
+from stalwart.launch.replicas.snapshots import SnapshotMemory
+from stalwart.launch.round.hangs import HangWatch
+from stalwart.launch.round.membership import rendezvous_for
+from stalwart.launch.workers.cgroup import JobCgroup
+from stalwart.launch.workers.environment import program_argv
+from stalwart.launch.workers.guardian import Guardian
+from stalwart.launch.workers.warm import WarmPool
 from stalwart.progress import ProgressBoard
 from stalwart.rendezvous import Rendezvous
 

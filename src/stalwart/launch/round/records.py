@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.launch.decide import State
+from stalwart.launch.round.decide import State
 from stalwart.rendezvous import WorkerFailed
 
 

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch.replica_auth import AuthError, job_key
-from stalwart.launch.replica_fetch import (
+from stalwart.launch.replicas.auth import AuthError, job_key
+from stalwart.launch.replicas.fetch import (
     LOCAL_PREFIX,
     REPLICA_FETCH_FAILED,
     REPLICA_FETCHED,
@@ -37,8 +37,8 @@ from stalwart.launch.replica_fetch import (
     fetch_missing,
     offer,
 )
-from stalwart.launch.replica_pins import Pins
-from stalwart.launch.replica_push import (
+from stalwart.launch.replicas.pins import Pins
+from stalwart.launch.replicas.push import (
     REPLICA_PEER_LOST,
     REPLICA_REFUSED,
     PeerGone,
@@ -47,8 +47,8 @@ from stalwart.launch.replica_push import (
     SourceChanged,
     push,
 )
-from stalwart.launch.replica_ring import effective_replicas, ring_targets
-from stalwart.launch.replica_segments import (
+from stalwart.launch.replicas.ring import effective_replicas, ring_targets
+from stalwart.launch.replicas.segments import (
     FREE_PREFIX,
     REPLICA_NO_ROOM,
     REPLICA_PREFIX,
@@ -59,7 +59,7 @@ from stalwart.launch.replica_segments import (
     replica_ranks,
     send_slot,
 )
-from stalwart.launch.replica_server import (
+from stalwart.launch.replicas.server import (
     MAX_CONNECTIONS,
     MAX_PER_HOST,
     REPLICA_CONN_REFUSED,

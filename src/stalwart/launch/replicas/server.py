@@ -27,10 +27,9 @@ from typing import Protocol
 import msgspec
 
 from stalwart.base.events import Event
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_ring import owner_problem
-from stalwart.launch.replica_segments import Emit, ReplicaHolder, send_slot
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas.ring import owner_problem
+from stalwart.launch.replicas.segments import Emit, ReplicaHolder, send_slot
 from stalwart.rendezvous.kv import listen_socket
 
 logger = logging.getLogger(__name__)

@@ -18,15 +18,20 @@ from typing import Any
 from stalwart.base.events import Event
 from stalwart.base.records import clip, printable
 from stalwart.config import LaunchConfig
-from stalwart.launch.decide import (
+from stalwart.launch.files.events import EventLog
+from stalwart.launch.round.decide import (
     Ending,
     Restart,
     Stop,
 )
-from stalwart.launch.events import EventLog
-from stalwart.launch.failures import describe_exit, failure_fields, format_summary, root_cause
-from stalwart.launch.supervisor_state import JobResult
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.records import JobResult
+from stalwart.launch.workers.failures import (
+    describe_exit,
+    failure_fields,
+    format_summary,
+    root_cause,
+)
+from stalwart.launch.workers.processes import RunResult
 from stalwart.rendezvous import (
     NodeExcluded,
     NodeLost,

@@ -17,13 +17,13 @@ from pathlib import Path
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
-from stalwart.launch.environment import program_argv, worker_env
-from stalwart.launch.errors import signal_name
-from stalwart.launch.logs import LogSpec
-from stalwart.launch.monitor_sync import job_peers
-from stalwart.launch.supervisor_resources import RoundResources
-from stalwart.launch.supervisor_signals import SignalGate
-from stalwart.launch.workers import ProcessContext, WorkerSpecEntry
+from stalwart.launch.files.logs import LogSpec
+from stalwart.launch.round.monitor_sync import job_peers
+from stalwart.launch.round.resources import RoundResources
+from stalwart.launch.round.signal_gate import SignalGate
+from stalwart.launch.workers.environment import program_argv, worker_env
+from stalwart.launch.workers.errors import signal_name
+from stalwart.launch.workers.processes import ProcessContext, WorkerSpecEntry
 from stalwart.monitor import envvars as monitor_env
 from stalwart.progress import Sample
 from stalwart.rendezvous import RendezvousInfo

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_ring import ring_targets
-from stalwart.launch.replica_segments import Emit, SegmentFile, send_slot
-from stalwart.launch.replica_server import (
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas.ring import ring_targets
+from stalwart.launch.replicas.segments import Emit, SegmentFile, send_slot
+from stalwart.launch.replicas.server import (
     KVLike,
     OneLine,
     PeerAddress,

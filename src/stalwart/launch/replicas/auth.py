@@ -26,7 +26,7 @@ import time
 import msgspec
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replicawire as wire
+from stalwart.launch.replicas import wire
 
 #: Seconds a peer has to prove itself, from the connection's accept.
 HANDSHAKE_S = 5.0
