@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 
 SRC = ROOT / "src" / "stalwart"
 PURE = [
-    SRC / "launch" / "decide.py",
-    SRC / "launch" / "restart_policy.py",
+    SRC / "launch" / "round" / "decide.py",
+    SRC / "launch" / "round" / "restart_policy.py",
     SRC / "rendezvous" / "close_rule.py",
 ]
 # What a pure decision may import: the standard library's plain data and the records it

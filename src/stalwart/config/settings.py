@@ -173,7 +173,7 @@ class LaunchConfig:
             check=checked(lambda n: n >= 0, "expected >= 0"),
         ),
     )
-    # The crash-loop verdict (``launch.restart_policy``): restarts that cannot help.
+    # The crash-loop verdict (``launch.round.restart_policy``): restarts that cannot help.
     max_no_progress_attempts: int = setting(
         3,
         flag(

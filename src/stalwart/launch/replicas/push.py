@@ -94,7 +94,7 @@ class Replicator:
         poll_s: float = 0.05,
         after_pass: Callable[[], None] | None = None,
     ) -> None:
-        """``key``: the job's (``replica_auth.job_key``); ``after_pass``: called on this
+        """``key``: the job's (``auth.job_key``); ``after_pass``: called on this
         thread after each look at the segments."""
         self._folder = folder
         self._key = key

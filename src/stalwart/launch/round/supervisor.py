@@ -10,11 +10,10 @@ change goes to ``events.jsonl``.
 
 This module holds the loop (join -> run the round -> decide -> act) and the round's
 watch; the other concerns are parts the `Supervisor` owns and wires together, each with
-its own state: `SignalGate` (supervisor_signals: handlers and the stopping flag),
-`RoundResources` (supervisor_resources: made once, one ordered close), `AttemptWorkers`
-(supervisor_attempt: the attempt's workers and their events) and `JobEnding`
-(supervisor_ending: acting on a move, the result, the closing block); the records they
-pass are in supervisor_state.
+its own state: `SignalGate` (signal_gate: handlers and the stopping flag),
+`RoundResources` (resources: made once, one ordered close), `AttemptWorkers` (attempt:
+the attempt's workers and their events) and `JobEnding` (ending: acting on a move, the
+result, the closing block); the records they pass are in records.
 """
 
 from __future__ import annotations
