@@ -7,7 +7,7 @@ parser from text (or a YAML value), the ``STALWART_<KEY>`` environment name and 
 key.  ``config.layers`` derives the argparse parser, the precedence merge and the typed
 values from these declarations; the fields are in ``--help`` order.  Hang detection's
 flags are declared in `flags.HANG_FLAGS`: their values make the monitor's own ``MonitorConfig``,
-which the command line builds and hands in (this layer imports nothing of the monitor).
+which `config.hang` parses from text once and the command line hands in here.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ class LaunchConfig:
             check=checked(lambda n: n >= 0, "expected >= 0"),
         ),
     )
-    # The crash-loop verdict (``launch.restart_policy``): restarts that cannot help.
+    # The crash-loop verdict (``launch.round.restart_policy``): restarts that cannot help.
     max_no_progress_attempts: int = setting(
         3,
         flag(

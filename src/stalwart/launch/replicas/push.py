@@ -12,11 +12,10 @@ from pathlib import Path
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_ring import ring_targets
-from stalwart.launch.replica_segments import Emit, SegmentFile, send_slot
-from stalwart.launch.replica_server import (
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas.ring import ring_targets
+from stalwart.launch.replicas.segments import Emit, SegmentFile, send_slot
+from stalwart.launch.replicas.server import (
     KVLike,
     OneLine,
     PeerAddress,
@@ -95,7 +94,7 @@ class Replicator:
         poll_s: float = 0.05,
         after_pass: Callable[[], None] | None = None,
     ) -> None:
-        """``key``: the job's (``replica_auth.job_key``); ``after_pass``: called on this
+        """``key``: the job's (``auth.job_key``); ``after_pass``: called on this
         thread after each look at the segments."""
         self._folder = folder
         self._key = key

@@ -1,9 +1,9 @@
 """How a round or the job ends on this node: events, console lines, the closing block.
 
-`_restart` and `_stop` act on `decide`'s move (events, the warning or the failure
-summary on the console, the other nodes told); `_stop` is the one place a `JobResult`
-is made. `_write_exit` writes `launcher_exit` with the closing figures (`_end_report`:
-goodput, faults that never fired).
+`JobEnding.restart` and `.stop` act on `decide`'s move (events, the warning or the
+failure summary on the console, the other nodes told); `stop` is the one place a
+`JobResult` is made, and the ending keeps it.  `write_exit` writes `launcher_exit` with
+the closing figures (`_end_report`: goodput, faults that never fired).
 """
 
 from __future__ import annotations
@@ -11,21 +11,31 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from stalwart.base.events import Event
 from stalwart.base.records import clip, printable
-from stalwart.launch.decide import (
+from stalwart.config import LaunchConfig
+from stalwart.launch.files.events import EventLog
+from stalwart.launch.round.decide import (
     Ending,
     Restart,
     Stop,
 )
-from stalwart.launch.failures import describe_exit, failure_fields, format_summary, root_cause
-from stalwart.launch.supervisor_state import JobResult, SupervisorState
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.records import JobResult
+from stalwart.launch.workers.failures import (
+    describe_exit,
+    failure_fields,
+    format_summary,
+    root_cause,
+)
+from stalwart.launch.workers.processes import RunResult
 from stalwart.rendezvous import (
     NodeExcluded,
     NodeLost,
+    Rendezvous,
     WorkerFailed,
 )
 from stalwart.reporting.read import read_events
@@ -34,8 +44,26 @@ from stalwart.reporting.summary import end_block, never_fired
 logger = logging.getLogger(__name__)
 
 
-class SupervisorEnding(SupervisorState):
-    """Acting on the end of a round or of the job."""
+class JobEnding:
+    """Acting on the end of a round or of the job; holds the job's result once made."""
+
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        events: EventLog,
+        run_dir: Path | None,
+        rendezvous: Callable[[], Rendezvous | None],
+        ranks_run: set[int],
+    ) -> None:
+        self.cfg = cfg
+        self._events = events
+        self._run_dir = run_dir
+        # The rendezvous is made after this part (from the configuration, in set_up).
+        self._rendezvous = rendezvous
+        self._ranks_run = ranks_run
+        self.result: JobResult | None = None
+        #: The job could not form: the launcher exits 3.
+        self.rdzv_failed = False
 
     # -- acting on a move --------------------------------------------------------------
     def _failures(
@@ -48,7 +76,7 @@ class SupervisorEnding(SupervisorState):
 
     def _emit_departed(self, departed: tuple[NodeLost | NodeExcluded, ...], attempt: int) -> None:
         for gone in departed:
-            self.events.emit(
+            self._events.emit(
                 Event.NODE_LOST if isinstance(gone, NodeLost) else Event.NODE_EXCLUDED,
                 attempt=attempt,
                 lost_node_rank=gone.node_rank,
@@ -57,11 +85,11 @@ class SupervisorEnding(SupervisorState):
             )
             logger.warning("attempt %d: %s", attempt, gone.reason)
 
-    def _restart(self, move: Restart, result: RunResult | None) -> None:
+    def restart(self, move: Restart, result: RunResult | None) -> None:
         self._emit_departed(move.departed, move.attempt)
         failures = self._failures(move.workers, result)
         cause = root_cause(failures) if failures else None
-        self.events.emit(
+        self._events.emit(
             Event.RESTART,
             attempt=move.attempt,
             next_attempt=move.next_attempt,
@@ -82,7 +110,7 @@ class SupervisorEnding(SupervisorState):
                 self.cfg.max_restarts,
             )
 
-    def _stop(self, move: Stop, result: RunResult | None = None) -> JobResult:
+    def stop(self, move: Stop, result: RunResult | None = None) -> JobResult:
         """Says how the job ended on this node (events, console, the other nodes) and
         makes the ``JobResult``: the one place one is made."""
         cfg = self.cfg
@@ -92,28 +120,29 @@ class SupervisorEnding(SupervisorState):
         failures = self._failures(move.workers, result) if gave_up else []
         match move.ending:
             case Ending.SUCCEEDED:
-                self.events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
+                self._events.emit(Event.JOB_SUCCEEDED, attempt=attempt)
             case Ending.GAVE_UP | Ending.CRASH_LOOP:
                 cause = root_cause(failures) if failures else None
                 verdict = {"verdict": move.reason} if move.ending is Ending.CRASH_LOOP else {}
-                self.events.emit(
+                self._events.emit(
                     Event.JOB_FAILED,
                     attempt=attempt,
                     root_cause=failure_fields(cause) if cause else None,
                     **verdict,
                 )
             case Ending.SHUT_DOWN | Ending.INTERRUPTED:
-                self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
+                self._events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
             case Ending.EXCLUDED:
-                self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+                self._events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
             case Ending.QUARANTINED if move.tell is None:
-                self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+                self._events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
             case Ending.QUARANTINED:
-                self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
+                self._events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
             case Ending.NOT_NEEDED:
-                self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
-        if move.tell is not None and self._rdzv is not None:
-            self._rdzv.finish(move.tell.succeeded, move.tell.reason, move.tell.exit_code)
+                self._events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
+        rdzv = self._rendezvous()
+        if move.tell is not None and rdzv is not None:
+            rdzv.finish(move.tell.succeeded, move.tell.reason, move.tell.exit_code)
         line = ""
         match move.ending:
             case Ending.GAVE_UP | Ending.CRASH_LOOP if failures:
@@ -121,7 +150,7 @@ class SupervisorEnding(SupervisorState):
                     failures,
                     run_id=cfg.run_id,
                     attempts=move.attempts,
-                    log_dir=str(self.run_dir) if self.run_dir else None,
+                    log_dir=str(self._run_dir) if self._run_dir else None,
                 )
                 if move.ending is Ending.CRASH_LOOP:
                     line += f"\nstalwart: {move.reason}"
@@ -152,35 +181,36 @@ class SupervisorEnding(SupervisorState):
         if line:
             print(line, file=sys.stderr, flush=True)
         succeeded = move.ending is Ending.SUCCEEDED
-        return JobResult(
+        self.result = JobResult(
             exit_code=move.exit_code,
             state=move.state,
             attempts=move.attempts,
             failures=failures,
             return_values=result.return_values if succeeded and result is not None else {},
-            run_dir=self.run_dir,
+            run_dir=self._run_dir,
         )
+        return self.result
 
-    def _write_exit(self) -> None:
-        result = self._result
-        code = result.exit_code if result is not None else (3 if self._rdzv_failed else 1)
+    def write_exit(self) -> None:
+        result = self.result
+        code = result.exit_code if result is not None else (3 if self.rdzv_failed else 1)
         closing: dict[str, Any] = {}
         if result is not None and result.attempts > 0:  # not a spare never admitted
             closing = self._end_report(result)
         # The closing figures ride on launcher_exit: the job's last events stay
         # job_succeeded | job_failed | job_stopped, then launcher_exit.
-        self.events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
+        self._events.emit(Event.LAUNCHER_EXIT, exit_code=code, **closing)
 
     def _end_report(self, result: JobResult) -> dict[str, Any]:
         """The job's closing block on the console, and faults that never fired; returns
         the fields for ``launcher_exit`` (``goodput``, ``inject_not_fired``)."""
-        path = self.events.path
+        path = self._events.path
         if path is None or not path.is_file():
             return {}
         fields: dict[str, Any] = {}
         try:
             # This run only: a reused run folder keeps earlier runs' events before it.
-            events = list(read_events(path, start=self.events.start_offset))
+            events = list(read_events(path, start=self._events.start_offset))
             unfired = never_fired(self.cfg.inject, events, self._ranks_run)
             if unfired:
                 fields["inject_not_fired"] = unfired
@@ -197,7 +227,7 @@ class SupervisorEnding(SupervisorState):
                 run_id=self.cfg.run_id,
                 outcome=result.state.value,
                 attempts=result.attempts,
-                run_dir=str(self.run_dir) if self.run_dir else None,
+                run_dir=str(self._run_dir) if self._run_dir else None,
             )
         except (OSError, ValueError, KeyError, TypeError) as err:
             # A summary must never turn a finished job into a failed launcher.

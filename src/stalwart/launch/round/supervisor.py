@@ -9,10 +9,11 @@ lasts, else the root cause is printed and the launcher exits non-zero.  Every st
 change goes to ``events.jsonl``.
 
 This module holds the loop (join -> run the round -> decide -> act) and the round's
-watch; the other concerns are parts of their own, put together here:
-`supervisor_state` (fields, records), `supervisor_resources` (made once, closed at the
-end), `supervisor_attempt` (workers and their events), `supervisor_ending` (acting on a
-move, the closing block).
+watch; the other concerns are parts the `Supervisor` owns and wires together, each with
+its own state: `SignalGate` (signal_gate: handlers and the stopping flag),
+`RoundResources` (resources: made once, one ordered close), `AttemptWorkers` (attempt:
+the attempt's workers and their events) and `JobEnding` (ending: acting on a move, the
+result, the closing block); the records they pass are in records.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
-from collections.abc import Callable
-from types import FrameType
+from pathlib import Path
 
 import msgspec
 
-from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.launch import signals
-from stalwart.launch.decide import (
+from stalwart.config import ConfigError, LaunchConfig
+from stalwart.launch.files.events import EventLog, EventTail
+from stalwart.launch.files.logs import LogSpec
+from stalwart.launch.files.runfiles import check_component, make_run_dir
+from stalwart.launch.round.attempt import AttemptWorkers
+from stalwart.launch.round.decide import (
     Asked,
     ControlAsk,
     RoundOutcome,
@@ -45,13 +49,13 @@ from stalwart.launch.decide import (
     not_needed,
     quarantined,
 )
-from stalwart.launch.failures import root_cause
-from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
-from stalwart.launch.supervisor_attempt import SupervisorAttempt
-from stalwart.launch.supervisor_ending import SupervisorEnding
-from stalwart.launch.supervisor_resources import SupervisorResources
-from stalwart.launch.supervisor_state import JobResult, SignalReceived
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.ending import JobEnding
+from stalwart.launch.round.records import JobResult, SignalReceived
+from stalwart.launch.round.resources import RoundResources
+from stalwart.launch.round.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
+from stalwart.launch.round.signal_gate import SignalGate
+from stalwart.launch.workers.failures import root_cause
+from stalwart.launch.workers.processes import RunResult
 from stalwart.monitor import ControlRequest
 from stalwart.rendezvous import (
     FailureRecord,
@@ -63,10 +67,10 @@ from stalwart.rendezvous import (
     ShutdownRequested,
     StoreLost,
 )
+from stalwart.reporting.metrics import MetricsPortError, MetricsServer
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED = signals.FORWARDED
 # Seconds between reaping orphans, and between scans for strays to hand to the guardian:
 # often without a job cgroup (the guardian's only way to find them after a SIGKILL),
 # rarely with one (the cgroup holds them all; the scan only reports them).  A scan reads
@@ -76,41 +80,67 @@ _STRAY_SCAN = 0.5
 _STRAY_SCAN_WITH_CGROUP = 5.0
 
 
-class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
-    """Runs one node's share of a job to completion."""
+class Supervisor:
+    """Runs one node's share of a job to completion: the run's record (folder, event log,
+    logs, metrics) and the loop, over the parts it owns."""
 
-    # -- signals -----------------------------------------------------------------------
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._defer_signals:
-            if self._deferred_signal is None:
-                self._deferred_signal = signum
-            return
-        if self._stopping:
-            # A second signal while stopping: no more grace.
-            if self._ctx is not None:
-                for pid in self._ctx.pids().values():
-                    procs.killpg_quiet(pid, signal.SIGKILL)
-            if self._rdzv is not None:
-                self._rdzv.interrupt()  # an excluded store host stops serving
-            return
-        if self._signal_seen is None:
-            self._signal_seen = signum
-        raise SignalReceived(signum)
+    def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
+        self.cfg = cfg
+        # First: a taken port is a one-line error before anything is created.
+        try:
+            self._metrics = (
+                MetricsServer(cfg.metrics_port, cfg.metrics_addr) if cfg.metrics_port else None
+            )
+        except MetricsPortError as err:
+            raise ConfigError(str(err)) from None
+        base = cfg.log_dir
+        if base is None:
+            base = Path(tempfile.mkdtemp(prefix="stalwart_"))
+        check_component(cfg.run_id)  # it names the monitor's folder too
+        self.run_dir: Path | None = None
+        if str(base) != os.devnull:
+            self.run_dir = make_run_dir(base, cfg.run_id)
+        self.events = EventLog(
+            self.run_dir / "events.jsonl" if self.run_dir else None,
+            run_id=cfg.run_id,
+            node_rank=cfg.node_rank,
+        )
+        if self._metrics is not None:
+            self._metrics.watch(self.events.path, start=self.events.start_offset)
+        self.logs = LogSpec(
+            self.run_dir,
+            redirects=cfg.redirects,
+            tee=cfg.tee,
+            local_ranks_filter=cfg.local_ranks_filter,
+            prefix_template=cfg.log_line_prefix_template,
+        )
+        self._gate = SignalGate(on_second=self._no_more_grace)
+        self._res = RoundResources(cfg, self.events.emit, self.run_dir, rendezvous)
+        self._attempt = AttemptWorkers(
+            cfg, self._res, self._gate, self.events.emit, self.events.path, self.logs
+        )
+        self._ending = JobEnding(
+            cfg, self.events, self.run_dir, lambda: self._res.rdzv, self._attempt.ranks_run
+        )
+        self._round = 0  # the attempt under way, for events written on a signal
+        self._reason = ""  # why a rank's control request ended the round
+        self._folder_shown = False
+        # The crash-loop policy's inputs: the job's failed attempts and checkpoint commits
+        # from the event log (from where this run starts: a reused run folder holds
+        # earlier runs' commits).
+        self._failed_attempts: list[AttemptEnd] = []
+        self._commits = EventTail(self.events.path, self.events.start_offset)
 
-    def _act_on_swallowed_signal(self) -> None:
-        """A signal whose exception something caught and dropped is acted on here."""
-        if self._signal_seen is not None and not self._stopping:
-            raise SignalReceived(self._signal_seen)
+    def prestart(self) -> None:
+        """Starts the guardian and the warm template; cheap, and torch-free, so a caller
+        can do it before anything imports torch in the launcher (``run`` does it too)."""
+        self._res.prestart()
 
-    def _install_signals(self) -> None:
-        # torchrun's four always (a worker must never be orphaned), plus those asked for.
-        asked = tuple(signal.Signals[name] for name in self.cfg.signals_to_handle)
-        for sig in dict.fromkeys((*_FORWARDED, *asked)):
-            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
+    def _no_more_grace(self) -> None:
+        """A second signal while stopping."""
+        self._attempt.kill_now()
+        if self._res.rdzv is not None:
+            self._res.rdzv.interrupt()  # an excluded store host stops serving
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -126,84 +156,64 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             inject=cfg.inject or None,
         )
         with contextlib.ExitStack() as teardown:
-            # Each step runs whatever an earlier one raised (the first error is re-raised
-            # once all have run): a store that is gone must not leave the workers, the
-            # monitor or the guardian behind.
-            for step in reversed(self._teardown_steps()):
-                teardown.callback(step)
+            # In reverse: each runs whatever an earlier one raised, so a store that is
+            # gone must not leave the workers, the monitor or the guardian behind.
+            teardown.callback(self._gate.restore)
+            if self._metrics is not None:
+                teardown.callback(self._metrics.close)
+            teardown.callback(self.events.close)
+            teardown.callback(self._ending.write_exit)
+            teardown.callback(self._res.close)
+            teardown.callback(self._attempt.stop)
+            teardown.callback(self._res.quiesce)
             try:
-                self._install_signals()
-                early = signals.pending()
-                if early is not None:  # arrived while the launcher was still starting
-                    signals.clear()
-                    raise SignalReceived(early)
+                self._gate.install(cfg.signals_to_handle)
                 result = self._loop(self._set_up())
             except SignalReceived as sig:
                 result = self._interrupted(sig.sig)
             except RendezvousError as err:
                 # The CLI reports it in one line and exits 3; the event log says the same.
                 self.events.emit(Event.RENDEZVOUS_ERROR, error=str(err))
-                self._rdzv_failed = True
-                if self._rdzv is not None and not isinstance(err, StoreLost):
+                self._ending.rdzv_failed = True
+                rdzv = self._res.rdzv
+                if rdzv is not None and not isinstance(err, StoreLost):
                     # The job cannot form (e.g. too few nodes): spares waiting stop too.
-                    self._rdzv.finish(False, str(err))
+                    rdzv.finish(False, str(err))
                 raise
-            self._result = result
             return result
 
-    # -- teardown ----------------------------------------------------------------------
-    def _teardown_steps(self) -> list[Callable[[], object]]:
-        """What ``run`` closes when it ends, in this order.  Each step looks at what
-        exists when it runs: ``run`` may end before a resource was made."""
-        return [
-            # First: no warm template is forked while the rest is torn down.
-            lambda: self._warm.stop_learning() if self._warm is not None else None,
-            self._stop_workers,
-            lambda: self._rdzv.leave() if self._rdzv is not None else None,
-            lambda: self._health.close() if self._health is not None else None,
-            lambda: self._progress.close() if self._progress is not None else None,
-            lambda: self._hangs.stop() if self._hangs is not None else None,
-            lambda: self._warm.close() if self._warm is not None else None,
-            # Before the snapshots: its server and pushes read the snapshot folder.
-            lambda: self._replicas.close() if self._replicas is not None else None,
-            lambda: self._snapshots.close() if self._snapshots is not None else None,
-            self._remove_cgroup,
-            # Late: until the guardian is told to exit it still removes what is left (the
-            # monitor folder, stray processes) should this process be SIGKILLed now.
-            lambda: self._guardian.close(linger=self._linger) if self._guardian else None,
-            self._write_exit,
-            self.events.close,
-            lambda: self._metrics.close() if self._metrics is not None else None,
-            self._restore_signals,
-        ]
+    def _set_up(self) -> Rendezvous:
+        return self._res.set_up()
 
     def _interrupted(self, sig: int) -> JobResult:
-        self._stopping = True
+        self._gate.begin_stopping()
         name = signal.Signals(sig).name
         logger.warning(
             "received %s: stopping workers (grace %.1fs)", name, self.cfg.shutdown_timeout
         )
         self.events.emit(Event.SHUTDOWN, signal=name, grace=self.cfg.shutdown_timeout)
-        if self._ctx is not None:
-            self._ctx.close(sig, self.cfg.shutdown_timeout)
-            self._drop_empty_stacks()
-            self._emit_exits(self._ctx, self._round)
-        return self._stop(interrupted(sig, self._round))
+        ctx = self._attempt.ctx
+        if ctx is not None:
+            self._attempt.stop(sig)
+            self._attempt.drop_empty_stacks()
+            self._attempt.emit_exits(ctx, self._round)
+        return self._ending.stop(interrupted(sig, self._round))
 
     def _loop(self, rdzv: Rendezvous) -> JobResult:
         """join -> run the round -> decide -> act, until a move stops the job."""
         attempt = 0
         while True:
-            if self._quarantine is not None and (kept := self._quarantine.check(rdzv, attempt)):
-                return self._stop(
+            guard = self._res.quarantine
+            if guard is not None and (kept := guard.check(rdzv, attempt)):
+                return self._ending.stop(
                     quarantined(kept.withdrawal.line, kept.withdrawal.goes_on, attempt)
                 )
             try:
                 info = self._join(rdzv, attempt)
             except JobEnded as ended:
-                return self._stop(not_needed(ended.succeeded, ended.reason, ended.exit_code))
-            if self._replicas is not None:
-                self._replicas.begin_round(
+                return self._ending.stop(not_needed(ended.succeeded, ended.reason, ended.exit_code))
+            if self._res.replicas is not None:
+                self._res.replicas.begin_round(
                     info.round,
                     info.group_rank,
                     info.group_world_size,
@@ -213,8 +223,8 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             outcome, result = self._run_round(rdzv, info)
             records = rdzv.failures(info.round) if outcome is not RoundOutcome.SUCCEEDED else []
             fresh = (
-                self._quarantine.record(rdzv, info.round, info.group_rank, records)
-                if records and self._quarantine is not None
+                guard.record(rdzv, info.round, info.group_rank, records)
+                if records and guard is not None
                 else ()
             )
             loop = None
@@ -228,8 +238,8 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             )
             move = decide(view)
             if isinstance(move, Stop):
-                return self._stop(move, result)
-            self._restart(move, result)
+                return self._ending.stop(move, result)
+            self._ending.restart(move, result)
             attempt = move.next_attempt
 
     def _judge_loop(self, round_: int, records: list[FailureRecord]) -> Verdict | None:
@@ -240,16 +250,17 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
             step = ev.get("step")
             if ev.get("event") == Event.CHECKPOINT_COMMIT and type(step) is int and step >= 0:
                 checkpoint = step if checkpoint is None else max(checkpoint, step)
-        end = AttemptEnd(round_, cause_of(records), self._furthest_step, checkpoint)
+        end = AttemptEnd(round_, cause_of(records), self._attempt.furthest_step, checkpoint)
         self._failed_attempts.append(end)
         cfg = self.cfg
         policy = LoopPolicy(cfg.max_no_progress_attempts, cfg.stop_on, cfg.no_requeue_exit_code)
         return verdict(self._failed_attempts, policy)
 
     def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
-        if self._health is not None and not rdzv.elastic:
+        health = self._res.health
+        if health is not None and not rdzv.elastic:
             # One node (validated): no round to close without it, so a failure ends the job.
-            out = self._health.check_alone(attempt)
+            out = health.check_alone(attempt)
             if out is not None:
                 self.events.emit(
                     Event.NODE_EXCLUDED,
@@ -300,31 +311,26 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         self, rdzv: Rendezvous, info: RendezvousInfo
     ) -> tuple[RoundOutcome, RunResult | None]:
         cfg = self.cfg
-        self._exits_seen = set()
-        self._steps_sent = {}
-        self._furthest_step = None
-        if self._progress is not None:
-            self._progress.clear()
-        self._ctx = ctx = self._start(info)
+        attempt, hangs = self._attempt, self._res.hangs
+        ctx = attempt.start(info)
         ranks = {lr: info.base_rank + lr for lr in range(cfg.nproc_per_node)}
-        self._ranks_run.update(ranks.values())
         outcome: RoundOutcome | None = None
         result: RunResult | None = None
         last_reap = last_scan = time.monotonic()
-        scan_every = _STRAY_SCAN if self._cgroup is None else _STRAY_SCAN_WITH_CGROUP
+        scan_every = _STRAY_SCAN if self._res.cgroup is None else _STRAY_SCAN_WITH_CGROUP
         while outcome is None:
             result = ctx.wait(timeout=cfg.monitor_interval, period=cfg.monitor_interval)
-            self._act_on_swallowed_signal()
-            if self._hangs is not None:
-                self._hangs.collect()
+            self._gate.raise_swallowed()
+            if hangs is not None:
+                hangs.collect()
             # Written as the exit is seen, not after the attempt's teardown.
-            self._emit_exits(ctx, info.round, exited_only=True)
-            self._emit_progress(info.round, ranks, final=False)
+            attempt.emit_exits(ctx, info.round, exited_only=True)
+            attempt.emit_progress(info.round, ranks, final=False)
             if time.monotonic() - last_reap > _REAP_EVERY:
-                self._reap_orphans(ctx)
+                attempt.reap_orphans(ctx)
                 last_reap = time.monotonic()
             if time.monotonic() - last_scan > scan_every:
-                self._track_strays(ctx, info.round)
+                attempt.track_strays(ctx, info.round)
                 last_scan = time.monotonic()
             if result is not None:
                 if result.is_failed() and self._completed_without(result, info):
@@ -335,28 +341,28 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                         lr: msgspec.structs.replace(f, node_rank=info.group_rank)
                         for lr, f in result.failures.items()
                     }
-                    if self._hangs is not None:
-                        self._hangs.count_hung_roots(result.failures, info.group_rank)
-                        self._hangs.explain(result.failures)
+                    if hangs is not None:
+                        hangs.count_hung_roots(result.failures, info.group_rank)
+                        hangs.explain(result.failures)
                     rdzv.report_failure(info.round, root_cause(list(result.failures.values())))
                 else:
                     outcome = self._await_peers(rdzv, info.round)
             elif rdzv.failed(info.round):
                 outcome = RoundOutcome.PEER_FAILURE
                 self.events.emit(Event.PEER_FAILURE, attempt=info.round)
-            elif self._hangs is not None and (req := self._hangs.control_request(info.round)):
+            elif hangs is not None and (req := hangs.control_request(info.round)):
                 outcome = self._on_request(rdzv, info, req)
-        self._emit_progress(info.round, ranks, final=True)
+        attempt.emit_progress(info.round, ranks, final=True)
         self.events.emit(Event.WORKERS_STOPPING, attempt=info.round, reason=outcome.value)
-        if self._hangs is not None:
-            self._hangs.end()
+        if hangs is not None:
+            hangs.end()
         ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
-        self._drop_empty_stacks()
+        attempt.drop_empty_stacks()
         if outcome is RoundOutcome.LOCAL_FAILURE and result is not None:
             self._explain_late(rdzv, info.round, result, info.group_rank)
-        self._emit_exits(ctx, info.round)
-        self._reap_orphans(ctx)
-        self._ctx = None
+        attempt.emit_exits(ctx, info.round)
+        attempt.reap_orphans(ctx)
+        attempt.done()
         return outcome, result
 
     def _explain_late(
@@ -364,10 +370,11 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
     ) -> None:
         """A hang report filed after the death was acted on (the teardown did not wait for
         it) still names the hang in this node's failure record, hence in the summary."""
-        if self._hangs is None:
+        hangs = self._res.hangs
+        if hangs is None:
             return
-        added = self._hangs.count_hung_roots(result.failures, node_rank)
-        if result.failures and (self._hangs.explain(result.failures) or added):
+        added = hangs.count_hung_roots(result.failures, node_rank)
+        if result.failures and (hangs.explain(result.failures) or added):
             rdzv.report_failure(round_, root_cause(list(result.failures.values())))
 
     def _on_request(

@@ -18,9 +18,9 @@ from typing import Protocol
 import psutil
 
 from stalwart.base import envvars
-from stalwart.launch.cgroup import JobCgroup
-from stalwart.launch.guardian import Guardian
-from stalwart.launch.warm import WarmPool
+from stalwart.launch.workers.cgroup import JobCgroup
+from stalwart.launch.workers.guardian import Guardian
+from stalwart.launch.workers.warm import WarmPool
 
 
 class _HasPid(Protocol):

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_ring import fetch_order
-from stalwart.launch.replica_segments import Emit, ReplicaHolder
-from stalwart.launch.replica_server import PeerAddress, connect, transfer_deadline
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas.ring import fetch_order
+from stalwart.launch.replicas.segments import Emit, ReplicaHolder
+from stalwart.launch.replicas.server import PeerAddress, connect, transfer_deadline
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from stalwart.base import envvars
-from stalwart.launch.cgroup import JobCgroup
+from stalwart.launch.workers.cgroup import JobCgroup
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Guardian:
 
     def __init__(self, token: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.launch.guardian", token],
+            [sys.executable, "-m", "stalwart.launch.workers.guardian", token],
             stdin=subprocess.PIPE,
             # Not the launcher's streams: a guardian that outlives the launcher (see
             # close) must not keep its console pipes open for whoever reads them.
@@ -148,7 +148,7 @@ class Guardian:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m stalwart.launch.guardian TOKEN", file=sys.stderr)
+        print("usage: python -m stalwart.launch.workers.guardian TOKEN", file=sys.stderr)
         return 2
     token = argv[0]
     # Terminal signals are the launcher's to handle; the guardian only acts on EOF.

@@ -28,7 +28,7 @@ from stalwart.base.sealed import derive_key
 from stalwart.base.sealed import mac as _mac
 from stalwart.base.sealed import mac_ok as mac_ok
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replicawire as wire
+from stalwart.launch.replicas import wire
 
 #: Seconds a peer has to prove itself, from the connection's accept.
 HANDSHAKE_S = 5.0

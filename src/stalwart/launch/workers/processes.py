@@ -30,15 +30,15 @@ from typing import Any
 
 from stalwart.base import envvars, procs
 from stalwart.config.secret import JOB_SECRET_ENV, worker_environ
-from stalwart.launch import posix
-from stalwart.launch.cgroup import JobCgroup
-from stalwart.launch.errors import record
-from stalwart.launch.failures import read_failure
-from stalwart.launch.guardian import Guardian
-from stalwart.launch.logs import Tee, WorkerLogs
-from stalwart.launch.runfiles import APPEND_FLAGS
-from stalwart.launch.strays import StrayScan, children_of
-from stalwart.launch.warm import ForkedProcess, WarmPool
+from stalwart.launch.files.logs import Tee, WorkerLogs
+from stalwart.launch.files.runfiles import APPEND_FLAGS
+from stalwart.launch.workers import posix
+from stalwart.launch.workers.cgroup import JobCgroup
+from stalwart.launch.workers.errors import record
+from stalwart.launch.workers.failures import read_failure
+from stalwart.launch.workers.guardian import Guardian
+from stalwart.launch.workers.strays import StrayScan, children_of
+from stalwart.launch.workers.warm import ForkedProcess, WarmPool
 from stalwart.monitor import stacks
 from stalwart.rendezvous.api import WorkerFailed
 

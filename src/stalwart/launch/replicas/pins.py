@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch.replica_segments import SegmentFile, allocate_segment
+from stalwart.launch.replicas.segments import SegmentFile, allocate_segment
 
 logger = logging.getLogger(__name__)
 

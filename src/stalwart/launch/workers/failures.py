@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.base.records import MESSAGE_LIMIT, TRACEBACK_LIMIT, clip, printable
-from stalwart.launch.errors import signal_name
+from stalwart.launch.workers.errors import signal_name
 from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)

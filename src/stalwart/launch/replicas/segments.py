@@ -20,8 +20,8 @@ import xxhash
 
 from stalwart.base.events import Event
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch import replicawire as wire
-from stalwart.launch.snapshots import reserve
+from stalwart.launch.replicas import wire
+from stalwart.launch.replicas.snapshots import reserve
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Each launcher's replica server: it takes peers' pushes and serves its snapshots to
 a node that fetches them. Its address is published in the job's store, MACed.
 
-Everything a peer sends is hostile until it proved it is of the job (``replica_auth``),
+Everything a peer sends is hostile until it proved it is of the job (``auth``),
 and bounded after: at most ``MAX_CONNECTIONS`` connections at once (``MAX_PER_HOST``
 from one address), each closed when its handshake takes over ``HANDSHAKE_S`` or a
 transfer falls below ``MIN_RATE`` bytes/s; nothing is allocated before the handshake,
@@ -27,10 +27,9 @@ from typing import Protocol
 import msgspec
 
 from stalwart.base.events import Event
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_ring import owner_problem
-from stalwart.launch.replica_segments import Emit, ReplicaHolder, send_slot
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas.ring import owner_problem
+from stalwart.launch.replicas.segments import Emit, ReplicaHolder, send_slot
 from stalwart.rendezvous.kv import listen_socket
 
 logger = logging.getLogger(__name__)
@@ -176,7 +175,7 @@ class ReplicaServer:
         peer_of: Callable[[int, int], PeerAddress | None],
         emit: Emit | None = None,
     ) -> None:
-        """``key``: the job's (``replica_auth.job_key``); ``peer_of(round, node)``: the
+        """``key``: the job's (``auth.job_key``); ``peer_of(round, node)``: the
         verified address a node published in a round (who owns which ranks)."""
         self.holder = holder
         self._key = key

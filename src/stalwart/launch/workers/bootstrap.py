@@ -1,4 +1,4 @@
-"""What a Python worker runs first: ``python -u -m stalwart.launch.bootstrap [-m] TARGET ARGS``.
+"""What a Python worker runs first: ``python -u -m stalwart.launch.workers.bootstrap [-m] TARGET ARGS``.
 
 It makes the worker observable, then runs the user's script or module exactly as
 ``python -u TARGET ARGS`` would (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]``,
@@ -13,7 +13,7 @@ exception's traceback starting at the user's code):
   even when the script has no ``@record``.
 
 Warm workers forked from the template (``zygote.py``) run the same ``run_target``.
-It imports only the standard library, ``setproctitle`` and ``stalwart.launch.errors``.
+It imports only the standard library, ``setproctitle`` and ``stalwart.launch.workers.errors``.
 """
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def run_target(args: list[str]) -> None:
     if as_module:
         args = args[1:]
     if not args:
-        print("usage: python -m stalwart.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -m stalwart.launch.workers.bootstrap [-m] TARGET [ARGS...]",
+            file=sys.stderr,
+        )
         sys.exit(2)
-    from stalwart.launch.errors import write_error_file
+    from stalwart.launch.workers.errors import write_error_file
 
     target = args[0]
     sys.argv = [target, *args[1:]]

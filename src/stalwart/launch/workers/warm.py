@@ -31,7 +31,7 @@ from typing import Any
 
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
-from stalwart.launch.runfiles import APPEND_FLAGS
+from stalwart.launch.files.runfiles import APPEND_FLAGS
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class WarmPool:
             sys.executable,
             "-u",
             "-m",
-            "stalwart.launch.zygote",
+            "stalwart.launch.workers.zygote",
             "--sock",
             str(theirs.fileno()),
             "--preload",

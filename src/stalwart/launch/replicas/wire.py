@@ -5,7 +5,7 @@ One TCP connection per exchange; the client speaks first. Control messages are f
 snapshot's bytes follow its manifest raw, exactly as many as the manifest names.
 
 Every connection starts with a mutual challenge-response over the job's key
-(``replica_auth``; the secret never passes through the store)::
+(``auth``; the secret never passes through the store)::
 
       a. client: Hello(node, nonce)
       b. server: Challenge(nonce, proof)   the server knows the key
@@ -62,7 +62,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]
 
 class Manifest(msgspec.Struct, frozen=True):
     """What a snapshot on the wire is: its commit record, the node it came from, and the
-    MAC of the record by a node of the job (``replica_auth.record_mac``)."""
+    MAC of the record by a node of the job (``auth.record_mac``)."""
 
     record: rl.CommitRecord
     from_node: Annotated[int, msgspec.Meta(ge=-1, le=1 << 48)]  # -1: before its first round

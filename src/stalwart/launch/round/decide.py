@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass
 from enum import Enum
 
-from stalwart.launch.restart_policy import Verdict
+from stalwart.launch.round.restart_policy import Verdict
 from stalwart.rendezvous.api import (
     FailureRecord,
     NodeExcluded,

@@ -18,7 +18,7 @@ from typing import Any
 
 from stalwart.base.events import Event
 from stalwart.base.records import bounded
-from stalwart.launch.runfiles import open_append
+from stalwart.launch.files.runfiles import open_append
 
 
 class EventLog:

@@ -1,6 +1,6 @@
 """The warm template: imports the heavy modules once, then forks workers on request.
 
-Started by the supervisor as ``python -u -m stalwart.launch.zygote --sock FD --preload
+Started by the supervisor as ``python -u -m stalwart.launch.workers.zygote --sock FD --preload
 a,b``.  After importing (torch, torch.distributed, torch._dynamo and the user's list) it
 reports ``{"ready": true, "rss": ...}`` and serves spawn requests on a ``SOCK_SEQPACKET``
 socket: one JSON message with the worker's argv, environment and working directory, and
@@ -411,7 +411,7 @@ def _import_learned(names: list[str]) -> tuple[list[str], list[str], str | None]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m stalwart.launch.zygote")
+    ap = argparse.ArgumentParser(prog="python -m stalwart.launch.workers.zygote")
     ap.add_argument("--sock", type=int, required=True)
     ap.add_argument("--preload", default="")
     ap.add_argument("--learned", action="store_true")
@@ -419,7 +419,7 @@ def main() -> None:
     ns = ap.parse_args()
     # Imported here rather than after the fork: what workers report as their program's
     # modules is what they have beyond the template's.
-    from stalwart.launch.bootstrap import set_title
+    from stalwart.launch.workers.bootstrap import set_title
 
     set_title([sys.executable, *(a for a in sys.orig_argv[1:] if not a.startswith("--title-room"))])
     sock = socket.socket(fileno=ns.sock)
@@ -453,7 +453,7 @@ def main() -> None:
         result = serve(result.sock)
     if result is None:
         return
-    from stalwart.launch.bootstrap import observe, run_target
+    from stalwart.launch.workers.bootstrap import observe, run_target
 
     observe()
     run_target(result)

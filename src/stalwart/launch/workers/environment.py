@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from stalwart.base import envvars as ev
 from stalwart.config import LaunchConfig
-from stalwart.launch.logs import WorkerLogs
+from stalwart.launch.files.logs import WorkerLogs
 from stalwart.rendezvous import RendezvousInfo
 
 
@@ -74,7 +74,7 @@ def program_argv(cfg: LaunchConfig) -> tuple[str, list[str]]:
     """The program and arguments each worker runs."""
     if cfg.no_python:
         return cfg.entrypoint, list(cfg.args)
-    boot = ["-u", "-m", "stalwart.launch.bootstrap"]
+    boot = ["-u", "-m", "stalwart.launch.workers.bootstrap"]
     if cfg.module:
         return sys.executable, [*boot, "-m", cfg.entrypoint, *cfg.args]
     return sys.executable, [*boot, cfg.entrypoint, *cfg.args]

@@ -10,13 +10,13 @@ agreement (``checkpoint.resume``) counts their steps. A replica is committed onl
 all its bytes arrived and their checksums match the manifest's: a torn one is never used.
 
 A node pins its own ranks' snapshot at the step of each replica it commits
-(``replica_pins``), so a lagging replica still shares a step with the survivors.
+(``pins``), so a lagging replica still shares a step with the survivors.
 
 When a node takes over ranks it holds no snapshot of (a spare after a node loss), its
 launcher asks the others for them while its workers start (``fetch_missing``; a
-worker's restore waits for the copy). The parts: ``replica_ring`` (decisions),
-``replica_segments``, ``replica_server``, ``replica_push``, ``replica_fetch``,
-``replica_pins``; the stream's steps are in ``replicawire``; what goes on is in
+worker's restore waits for the copy). The parts: ``ring`` (decisions),
+``segments``, ``server``, ``push``, ``fetch``,
+``pins``; the stream's steps are in ``wire``; what goes on is in
 ``events.jsonl`` (``REPLICA_*`` below). This module is the supervisor's handle and
 names the parts' public names in one place.
 """
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch.replica_auth import AuthError, job_key
-from stalwart.launch.replica_fetch import (
+from stalwart.launch.replicas.auth import AuthError, job_key
+from stalwart.launch.replicas.fetch import (
     LOCAL_PREFIX,
     REPLICA_FETCH_FAILED,
     REPLICA_FETCHED,
@@ -37,8 +37,8 @@ from stalwart.launch.replica_fetch import (
     fetch_missing,
     offer,
 )
-from stalwart.launch.replica_pins import Pins
-from stalwart.launch.replica_push import (
+from stalwart.launch.replicas.pins import Pins
+from stalwart.launch.replicas.push import (
     REPLICA_PEER_LOST,
     REPLICA_REFUSED,
     PeerGone,
@@ -47,8 +47,8 @@ from stalwart.launch.replica_push import (
     SourceChanged,
     push,
 )
-from stalwart.launch.replica_ring import effective_replicas, ring_targets
-from stalwart.launch.replica_segments import (
+from stalwart.launch.replicas.ring import effective_replicas, ring_targets
+from stalwart.launch.replicas.segments import (
     FREE_PREFIX,
     REPLICA_NO_ROOM,
     REPLICA_PREFIX,
@@ -59,7 +59,7 @@ from stalwart.launch.replica_segments import (
     replica_ranks,
     send_slot,
 )
-from stalwart.launch.replica_server import (
+from stalwart.launch.replicas.server import (
     MAX_CONNECTIONS,
     MAX_PER_HOST,
     REPLICA_CONN_REFUSED,
@@ -151,7 +151,7 @@ class NodeReplicas:
         max_nodes: int,
         key: bytes,
     ) -> None:
-        """``key``: the job's (``replica_auth.job_key``): only nodes that hold it are
+        """``key``: the job's (``auth.job_key``): only nodes that hold it are
         served, pushed to or fetched from."""
         self.k = k
         self._key = key
