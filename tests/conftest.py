@@ -15,7 +15,7 @@ from tests import helpers
 
 if TYPE_CHECKING:
     from bench.netns import Network
-    from stalwart.launch.snapshots import SnapshotMemory
+    from stalwart.launch.replicas.snapshots import SnapshotMemory
     from stalwart.rendezvous.kv import C10dKV
 
 
@@ -95,7 +95,7 @@ def kv() -> Iterator[C10dKV]:
 def make_node(tmp_path: Path) -> Iterator[Callable[..., SnapshotMemory]]:
     """Makes a node's snapshot memory (the launcher's own class) in a folder of its own;
     every one made is closed after the test."""
-    from stalwart.launch.snapshots import SnapshotMemory
+    from stalwart.launch.replicas.snapshots import SnapshotMemory
     from tests.multinode.replica_helpers import SLOT
 
     made: list[SnapshotMemory] = []

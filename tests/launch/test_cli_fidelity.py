@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from stalwart.launch.environment import virtual_local_rank
+from stalwart.launch.workers.environment import virtual_local_rank
 from torch.distributed.run import get_args_parser
 
 from stalwart.cli import build_config, run_parser

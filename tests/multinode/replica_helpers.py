@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 import torch
-from stalwart.launch.replica_auth import address_mac
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.auth import address_mac
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots

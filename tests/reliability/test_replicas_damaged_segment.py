@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 from stalwart.checkpoint import complete_steps
 from stalwart.checkpoint import ramlayout as rl
