@@ -1,10 +1,12 @@
 """The stacks a hang report shows are the ones taken when the hang was found (issue 22,
 item 3): a rank waiting on a stopped peer is not shown where it went once the monitor
-continued that peer for its own dump.
+continued that peer for its own dump. And an evaluation pass that waits on slow data
+between batches (little CPU, no optimizer step for seconds) is not a hang (item 2).
 
 One job run (a program without stalwart and without a ``__main__`` guard; rank 1
-SIGSTOPs itself before a barrier rank 0 waits in) serves the event, the dossier and the
-HTML page of ``stalwart report``.
+SIGSTOPs itself before a barrier rank 0 waits in; the restarted attempt evaluates for
+3 s, judged by the rhythm learned before) serves the event, the dossier and the HTML
+page of ``stalwart report``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from tests.helpers import ROOT, STALWART, clean_env, events, run_dir, stalwart_argv
 
-JOB = Path(__file__).parent / "progress_jobs" / "stop_before_barrier.py"
+JOB = Path(__file__).parent / "progress_jobs" / "progressbench_stop_then_eval.py"
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -31,7 +33,12 @@ def test_victims_stacks_are_those_taken_at_detection(tmp_path: Path) -> None:
         env=clean_env(PJ_WORK=str(tmp_path), PJ_STEPS="50", PJ_STOP_AT="40"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
-    hangs = {e["global_rank"]: e for e in events(logs) if e["event"] == "hang_detected"}
+    evs = events(logs)
+    # The evaluation pass of attempt 1 ran to its end, and nothing was killed for it.
+    recs = (tmp_path / "p.jsonl").read_text()
+    assert '"event": "evaluated", "attempt": 1' in recs, recs
+    assert [e["attempt"] for e in evs if e["event"] == "hang_detected"] == [0, 0], evs
+    hangs = {e["global_rank"]: e for e in evs if e["event"] == "hang_detected"}
     assert hangs[1]["waiting_on"] is None and "stopped" in hangs[1]["evidence"], hangs
     # Rank 0 is reported with the stack it had when rank 1's hang was found: in the
     # barrier, never past it (rank 1, continued to dump its stacks, runs on).

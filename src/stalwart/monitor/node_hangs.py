@@ -79,9 +79,7 @@ class NodeHangs(NodeState):
             hang.stderr_offset = asked
             hang.dump_sent_at = time.monotonic()
             step, wait = "await_stacks", STACKS_POLL
-        elif self.config.stack_dump_wait > 0 and procs.catches_signal(
-            target, stacks.STACK_SIGNAL
-        ):
+        elif self.config.stack_dump_wait > 0 and procs.catches_signal(target, stacks.STACK_SIGNAL):
             if rank.stderr is not None:
                 try:
                     hang.stderr_offset = rank.stderr.stat().st_size

@@ -2,6 +2,8 @@
 # rank 1 stops itself (SIGSTOP) at step PJ_STOP_AT while rank 0 waits for it in a
 # barrier; should the two ever get past that barrier in attempt 0 (rank 1 continued),
 # both sit in `resumed_past_the_barrier`, so a stack taken then names that function.
+# In attempt 1, at step PJ_EVAL_AT, every rank runs an evaluation pass of PJ_EVAL_SECONDS
+# whose batches each wait on a slow data source (little CPU, no optimizer step): healthy.
 # p.jsonl (rank 0) gets a line per attempt start and at the end.
 import json
 import os
@@ -15,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 work = os.environ["PJ_WORK"]
 steps = int(os.environ.get("PJ_STEPS", "60"))
 stop_at = int(os.environ.get("PJ_STOP_AT", "40"))
+eval_at = int(os.environ.get("PJ_EVAL_AT", "30"))
+eval_seconds = float(os.environ.get("PJ_EVAL_SECONDS", "3"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -38,6 +42,15 @@ def resumed_past_the_barrier():
         time.sleep(0.05)
 
 
+def evaluate():
+    end = time.monotonic() + eval_seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            time.sleep(0.05)  # the next batch from slow storage
+            model.module(torch.randn(64, 8)).sum().item()
+    note("evaluated")
+
+
 note("start")
 for step in range(steps):
     if attempt == 0 and step == stop_at:
@@ -45,6 +58,8 @@ for step in range(steps):
             os.kill(os.getpid(), signal.SIGSTOP)
         waiting_for_rank_1()
         resumed_past_the_barrier()
+    if attempt == 1 and step == eval_at:
+        evaluate()
     loss = model(torch.randn(4, 8)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
