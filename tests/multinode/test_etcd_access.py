@@ -147,5 +147,8 @@ def test_tls_with_client_certificate(tmp_path: Path) -> None:
         no_cert = _run(endpoint, f"protocol=https,cacert={tmp_path / 'ca.pem'}", tmp_path, "x")
         assert no_cert.returncode == 3 and "Traceback" not in no_cert.stderr, no_cert.stderr
         assert "cannot reach etcd" in no_cert.stderr, no_cert.stderr
+        # Refused over its certificate, the launcher gives up at once: a retry would be
+        # refused again, so waiting out the join timeout only hides the mistake.
+        assert "bad certificate" in no_cert.stderr and "gave up after" not in no_cert.stderr
     finally:
         stop_etcd(server)

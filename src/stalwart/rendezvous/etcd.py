@@ -140,6 +140,7 @@ class EtcdKV:
         # One member that swallows packets must not eat the whole budget (which is as long
         # as the lease): each try gets a share, and the loop moves on to the next member.
         per_try = max(0.5, min(2.0, timeout / len(self.endpoints)))
+        refused: set[int] = set()
         while True:
             for i in range(len(self.endpoints)):
                 idx = (self._current + i) % len(self.endpoints)
@@ -151,6 +152,8 @@ class EtcdKV:
                     data = resp.read()
                 except (OSError, http.client.HTTPException) as err:
                     errors.append(f"{host}:{port}: {err or type(err).__name__}")
+                    if _certificate_refused(err):
+                        refused.add(idx)
                     continue
                 finally:
                     conn.close()
@@ -165,6 +168,10 @@ class EtcdKV:
                     raise RendezvousError(self._refusal(f"{host}:{port}", path, resp.status, data))
                 out: dict[str, Any] = json.loads(data or b"{}")
                 return out
+            if len(refused) == len(self.endpoints):
+                # A certificate refused by every member is refused on every retry: a final
+                # refusal, like bad credentials, not a store that may come back.
+                raise RendezvousError(f"cannot reach etcd at {self}: {errors[-1]}")
             if time.monotonic() > deadline:
                 raise StoreLost(f"cannot reach etcd at {self}: {'; '.join(errors[-3:])}")
             time.sleep(0.1)
@@ -304,3 +311,11 @@ class EtcdKV:
 
 class _TokenRejected(RendezvousError):
     """etcd no longer accepts the token (expired, or the server restarted)."""
+
+
+def _certificate_refused(err: BaseException) -> bool:
+    """A TLS handshake that failed over a certificate (ours untrusted by the server, or
+    the server's by us), as opposed to a connection cut mid-handshake."""
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return True
+    return isinstance(err, ssl.SSLError) and "CERTIFICATE" in str(err.reason or "").upper()
