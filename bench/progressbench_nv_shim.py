@@ -12,8 +12,8 @@ import runpy
 import sys
 from typing import Any
 
-import torch
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 client = RankMonitorClient()
 client.init_workload_monitoring()
@@ -23,7 +23,8 @@ def _beat(*_: Any) -> None:
     client.send_heartbeat()
 
 
-torch.optim.optimizer.register_optimizer_step_post_hook(_beat)
+register_optimizer_step_post_hook(_beat)
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
+client.shutdown_workload_monitoring()
