@@ -112,6 +112,22 @@ def wait_for(
         time.sleep(interval)
 
 
+def wait_listening(port: int, proc: subprocess.Popen[str], what: str, timeout: float = 60) -> None:
+    """Until something accepts on 127.0.0.1:``port``; fails at once, with its output, if
+    ``proc`` (the process meant to listen there) exits first."""
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        if proc.poll() is not None:
+            out = proc.communicate()[0] if proc.stdout is not None else ""
+            raise AssertionError(f"exited with {proc.returncode} before {what}:\n{out[-3000:]}")
+        return False
+
+    wait_for(listening, timeout, what, interval=0.05)
+
+
 def read_events(path: Path) -> list[dict[str, Any]]:
     """The records of one ``events.jsonl``, in order."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

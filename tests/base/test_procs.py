@@ -13,17 +13,9 @@ import pytest
 
 import stalwart.inprocess
 from stalwart.base import procs
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def _until(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if callable(cond) and cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met in time")
 
 
 def test_live_zombie_and_reaped_child() -> None:
@@ -41,7 +33,7 @@ def test_live_zombie_and_reaped_child() -> None:
         assert child.stdin is not None
         child.stdin.close()
     # Exited but not yet waited for: a zombie still has a table entry and runs nothing.
-    _until(lambda: procs.state(child.pid) == "Z")
+    wait_for(lambda: procs.state(child.pid) == "Z", 10, "the child to be a zombie", 0.01)
     assert procs.exists(child.pid)
     assert not procs.is_alive(child.pid)
     child.wait()

@@ -17,6 +17,7 @@ from stalwart.checkpoint import (
     WriterError,
     WriterProcessConfig,
 )
+from tests.helpers import alive, wait_for
 
 
 def _proc(tmp_path: Path, **cfg: float) -> CheckpointProcess:
@@ -27,22 +28,9 @@ def _proc(tmp_path: Path, **cfg: float) -> CheckpointProcess:
     )
 
 
-def _pid_gone(pid: int, deadline_s: float = 10.0) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        # Reaped children vanish; an unreaped zombie still counts as gone.
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().split()[2] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
+def _wait_gone(pid: int) -> None:
+    # Reaped children vanish; an unreaped zombie still counts as gone (helpers.alive).
+    wait_for(lambda: not alive(pid), 10, f"writer {pid} to exit", 0.05)
 
 
 @pytest.mark.timeout(30)
@@ -129,7 +117,7 @@ def test_write_timeout_kills_a_stuck_writer(tmp_path: Path) -> None:
         assert pid is not None
         with pytest.raises(TimeoutError):
             proc.write({"t": torch.ones(3)}, "a.pt", mode="hang").result(timeout=30)
-        assert _pid_gone(pid)
+        _wait_gone(pid)
 
 
 @pytest.mark.timeout(60)
@@ -141,7 +129,7 @@ def test_close_stops_the_child(tmp_path: Path) -> None:
     fut = proc.write({"t": torch.ones(3)}, "a.pt")
     proc.close()  # finishes the queued write first
     assert fut.done() and fut.exception() is None
-    assert _pid_gone(pid)
+    _wait_gone(pid)
     with pytest.raises(RuntimeError, match="closed"):
         proc.write({"t": torch.ones(3)}, "b.pt")
 
@@ -157,4 +145,4 @@ def test_close_kills_a_child_that_does_not_exit_in_time(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc.close()
     assert time.monotonic() - t0 < 10
-    assert _pid_gone(pid)
+    _wait_gone(pid)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from stalwart.checkpoint import (
     StagingMode,
     load_latest,
 )
+from tests.helpers import wait_for
 
 
 def _bn_model() -> torch.nn.Module:
@@ -23,15 +23,6 @@ def _bn_model() -> torch.nn.Module:
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     model.train()
     return model
-
-
-def _poll(cond: object, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return
-        time.sleep(0.01)
-    raise AssertionError("condition not met before the deadline")
 
 
 @pytest.mark.timeout(60)
@@ -95,7 +86,7 @@ def test_first_optimizer_step_sizes_the_buffer_for_model_and_optimizer(tmp_path:
         state = {"model": model.state_dict(), "optim": opt.state_dict()}
         needed = sum(t.numel() * t.element_size() for t in state["model"].values())
         needed += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
-        _poll(lambda: ckpt._process._buffer.capacity >= needed)
+        wait_for(lambda: ckpt._process._buffer.capacity >= needed, 30, "the buffer to grow", 0.01)
         capacity = ckpt._process._buffer.capacity
         ckpt.save(state, step=1).result(timeout=30)
         # The first save found its buffer ready: no growth, and nothing to trim.
@@ -107,7 +98,7 @@ def test_a_provisional_reservation_is_trimmed_to_what_the_first_save_uses(tmp_pa
     model, opt = _adam_model(1024)  # 4 MiB of weights, 8 MiB of Adam state
     with AsyncCheckpointer(tmp_path, keep_last=1, rank=0, world_size=1) as ckpt:
         opt.step()
-        _poll(lambda: ckpt._process._buffer.capacity >= 12 << 20)
+        wait_for(lambda: ckpt._process._buffer.capacity >= 12 << 20, 30, "the buffer to grow", 0.01)
         # A model-only checkpoint needs a third of the estimate.
         ckpt.save({"model": model.state_dict()}, step=1).result(timeout=30)
         assert ckpt._process._buffer.capacity < 8 << 20

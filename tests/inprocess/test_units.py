@@ -141,12 +141,14 @@ def test_async_restart_waits_for_atomic_block_and_wakes_sleep() -> None:
     restore = install_wake_handler()
     main = threading.get_ident()
     entered = threading.Event()
+    held_off = threading.Event()
     order: list[str] = []
 
     def monitor() -> None:
         entered.wait()
         gate.pending = True
         while gate.depth > 0:
+            held_off.set()
             time.sleep(0.001)
         order.append("fire")
         raise_in_thread(main, RankShouldRestart)
@@ -158,7 +160,8 @@ def test_async_restart_waits_for_atomic_block_and_wakes_sleep() -> None:
         with pytest.raises(RankShouldRestart):
             with call.atomic():
                 entered.set()
-                time.sleep(0.3)
+                # The block ends only once the monitor has seen it and been held off.
+                assert held_off.wait(10)
                 order.append("block done")
             time.sleep(30)  # interrupted by the wake signal, not waited out
     finally:

@@ -15,7 +15,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from torch.distributed.run import get_args_parser
 from stalwart.cli import build_config, run_parser
 from stalwart.config import ConfigError, Std
 from stalwart.launch.environment import virtual_local_rank
-from tests.helpers import clean_env, stalwart_argv
+from tests.helpers import clean_env, stalwart_argv, wait_for
 
 from .helpers import SCRIPTS
 
@@ -142,10 +141,12 @@ def _launch(tmp: Path, launcher: str, mode: str, *flags: str, stop: int = 0) -> 
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     if stop:
-        deadline = time.monotonic() + 60
-        while len(list(out.glob("ready_*"))) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, "workers never started"
-            time.sleep(0.05)
+
+        def started() -> bool:
+            assert proc.poll() is None, f"{launcher} exited before its workers started"
+            return len(list(out.glob("ready_*"))) >= 2
+
+        wait_for(started, 60, "both workers to start", 0.05)
         proc.send_signal(stop)
     stdout, stderr = proc.communicate(timeout=90)
     runs = [p.parent for p in logs.glob("*/attempt_0")]

@@ -4,7 +4,6 @@ worker's does (both install ``stalwart.monitor.stacks``)."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -14,18 +13,11 @@ from stalwart.launch.logs import LogSpec
 from stalwart.launch.workers import start_processes
 from stalwart.monitor import envvars as monitor_env
 from stalwart.monitor.stacks import STACK_SIGNAL
+from tests.helpers import wait_for
 
 from . import funcs
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _until(cond: object, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not (callable(cond) and cond()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_function_worker_dumps_stacks_to_the_file_it_is_given(tmp_path: Path) -> None:
@@ -35,9 +27,9 @@ def test_function_worker_dumps_stacks_to_the_file_it_is_given(tmp_path: Path) ->
     ctx = start_processes(funcs.sleep_forever, {0: ()}, {0: env}, logs)
     try:
         pid = ctx.pids()[0]
-        _until(lambda: procs.catches_signal(pid, STACK_SIGNAL), "the stack-dump handler")
+        wait_for(lambda: procs.catches_signal(pid, STACK_SIGNAL), 30, "the stack-dump handler")
         os.kill(pid, STACK_SIGNAL)
-        _until(lambda: stacks.exists() and "sleep_forever" in stacks.read_text(), "the dump")
+        wait_for(lambda: stacks.exists() and "sleep_forever" in stacks.read_text(), 30, "the dump")
         assert ctx.poll() is None  # a dump does not stop the worker
     finally:
         ctx.close()

@@ -1,4 +1,4 @@
-"""Fixtures for monitor tests: a started NodeMonitor and worker subprocesses."""
+"""Fixtures for monitor tests: a started NodeMonitor, worker subprocesses, a timer server."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from stalwart.monitor import MonitorConfig, NodeMonitor
+from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
 from tests.helpers import wait_for
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -96,3 +97,13 @@ def harness(tmp_path: Path) -> Iterator[Harness]:
         yield h
     finally:
         h.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[TimerServer, list[ExpiredTimer]]]:
+    """A real timer server on its pipe, and the timers it found expired."""
+    expired: list[ExpiredTimer] = []
+    srv = TimerServer(tmp_path / "timer.pipe", on_expired=expired.append)
+    srv.open()
+    yield srv, expired
+    srv.stop()

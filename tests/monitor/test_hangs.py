@@ -227,26 +227,17 @@ def test_scanner_looks_when_the_deadline_passes(harness: Harness) -> None:
     mon.end_attempt()
 
 
-def test_scanner_wait_follows_the_nearest_deadline(harness: Harness) -> None:
-    from stalwart.monitor.node import DEADLINE_MIN_WAIT, DEADLINE_SLACK, _Rank
+def test_scanner_wait_follows_the_nearest_deadline() -> None:
+    from stalwart.monitor.node import DEADLINE_MIN_WAIT, DEADLINE_SLACK, scan_wait
 
-    mon = harness.start(fast(hb_timeout=30.0, check_interval=0.5))
-    now = time.monotonic()
-    ranks = {i: _Rank(i, i, 1, None, None) for i in range(4)}
-    ranks[0].due = now + 0.2
-    ranks[1].due = now - 1.0  # past: a rank being handled or gone
-    ranks[2].due, ranks[2].judged = now + 0.05, False  # already reported
-    ranks[3].due = None
-    with mon._lock:
-        mon._ranks = ranks
-    wait = mon._until_next_deadline(0.5)
+    now = 0.0  # exact sums: the bounds below are the same float expressions
+    # Armed ranks only (one already reported is not among them): one due in 0.2 s, one
+    # past (being handled or gone), one with no deadline.
+    wait = scan_wait([now + 0.2, now - 1.0, None], now, 0.5)
     assert 0.2 - 0.05 < wait <= 0.2 + DEADLINE_SLACK
-    ranks[0].due = now + 5.0
-    assert mon._until_next_deadline(0.5) == 0.5  # never longer than the interval
-    ranks[0].due = time.monotonic() + 1e-4
+    assert scan_wait([now + 5.0, now - 1.0, None], now, 0.5) == 0.5  # never past the interval
+    assert scan_wait([], now, 0.5) == 0.5
     # Never more often than DEADLINE_MIN_WAIT; the slack (BLAME_RESOLUTION, so that ranks
     # stale a moment apart are found in one scan) may already be longer.
-    wait = mon._until_next_deadline(0.5)
+    wait = scan_wait([now + 1e-4], now, 0.5)
     assert DEADLINE_MIN_WAIT <= wait <= 1e-4 + DEADLINE_SLACK
-    with mon._lock:
-        mon._ranks = {}

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,19 +50,29 @@ def pipe_fd(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
 
 
+MARKER = "marker"
+
+
+def caught_up(harness: Harness, fd: int, pid: int) -> None:
+    """Until an observe-only timer of ``pid`` written now has expired and been reported:
+    the timer server has read, judged and acted on everything written before it."""
+    os.write(fd, encode(TimerMessage(pid, MARKER, time.time() - 1, 0)))
+    wait_for(
+        lambda: any(e == "timer_expired" and f.get("scope") == MARKER for e, f in harness.events),
+        10,
+        "the timer server to reach a later timer",
+    )
+
+
+def expired(harness: Harness) -> list[dict[str, object]]:
+    """The timer_expired events, the marker's left out."""
+    return [f for e, f in harness.events if e == "timer_expired" and f.get("scope") != MARKER]
+
+
 def fast(**kw: object) -> MonitorConfig:
     return MonitorConfig(
         **{"check_interval": 0.05, "stack_dump_wait": 0.2, "term_grace": 1.0, **kw}
     )  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[TimerServer, list[ExpiredTimer]]]:
-    expired: list[ExpiredTimer] = []
-    srv = TimerServer(tmp_path / "timer.pipe", on_expired=expired.append)
-    srv.open()
-    yield srv, expired
-    srv.stop()
 
 
 # -- who may be signalled ------------------------------------------------------------
@@ -85,9 +94,9 @@ def test_expired_timer_of_a_non_worker_signals_nothing(harness: Harness) -> None
             10,
             "the refusal to be logged",
         )
-        time.sleep(0.3)  # a few more server rounds: still nothing sent
+        caught_up(harness, fd, worker.pid)  # later server rounds: still nothing sent
         assert bystander.poll() is None and worker.poll() is None
-        refused = [f for e, f in harness.events if e == "timer_expired"]
+        refused = expired(harness)
         assert len(refused) == 1 and refused[0]["reaped"] is False
         assert mon.poll_hangs() == []
     finally:
@@ -172,10 +181,10 @@ def test_signal_zero_only_observes(harness: Harness) -> None:
             10,
             "the expiry to be reported",
         )
-        time.sleep(0.3)
+        caught_up(harness, fd, worker.pid)
         assert worker.poll() is None
         assert mon.poll_hangs() == []
-        (ev,) = [f for e, f in harness.events if e == "timer_expired"]
+        (ev,) = expired(harness)
         assert ev["reaped"] is False and ev["signal"] == 0
     finally:
         os.close(fd)
@@ -224,18 +233,21 @@ def test_flood_of_empty_lines_does_not_delay_reaping(tmp_path: Path) -> None:
     stop = threading.Event()
     fd = pipe_fd(srv.path)
 
+    full = threading.Event()
+
     def flood() -> None:
         block = b"\n" * 4096
         while not stop.is_set():
             try:
                 os.write(fd, block)
             except BlockingIOError:
+                full.set()
                 time.sleep(0.0005)
 
     flooder = threading.Thread(target=flood, daemon=True)
     try:
         flooder.start()
-        time.sleep(0.3)  # the pipe is full of empty lines before the timer goes in
+        assert full.wait(10), "the flood never filled the pipe"  # before the timer goes in
         due = time.time() + 0.5
         line = encode(TimerMessage(child.pid, "flooded", due, 9))
         wfd = pipe_fd(srv.path)

@@ -20,8 +20,7 @@ import pytest
 
 from stalwart.monitor import jobsync
 from stalwart.monitor.learned import LearnedTimeouts
-
-from .conftest import wait_for
+from tests.helpers import wait_for, wait_listening
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("node_worker.py")
@@ -54,22 +53,13 @@ def static_args(port: int, run_id: str) -> list[str]:
             "--rdzv-id", run_id]  # fmt: skip
 
 
-def wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
-    def up() -> bool:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        with socket.socket() as s:
-            return s.connect_ex(("127.0.0.1", port)) == 0
-
-    wait_for(up, 60, "node 0 to host the store")
-
-
 def run_two(
     tmp: Path, args: list[str], plan: dict[str, Any], port: int, while_running: Any = None
 ) -> dict[int, str]:
     first = launch(tmp, 0, args, plan)
     procs = {0: first}
     try:
-        wait_listening(port, first)
+        wait_listening(port, first, "node 0 to host the store")
         procs[1] = launch(tmp, 1, args, plan)
         if while_running is not None:
             while_running()
@@ -265,7 +255,10 @@ def test_pool_rhythms_keeps_own_ranks_and_lower_nodes() -> None:
 
 def test_store_sync_is_cheap_when_nothing_changes() -> None:
     """Between changes a node reads one counter per poll, however many nodes."""
-    from stalwart.monitor import MonitorConfig, NodeMonitor
+    from stalwart.monitor import MonitorConfig
+    from stalwart.monitor.node_learned import Learning
+    from stalwart.monitor.node_stragglers import StragglerWatch
+    from stalwart.monitor.node_sync import JobSync
 
     class Store:
         def __init__(self) -> None:
@@ -292,19 +285,17 @@ def test_store_sync_is_cheap_when_nothing_changes() -> None:
     store.add(jobsync.learned_version_key(0), 1)
     store.calls.clear()
     seen: list[tuple[str, dict[str, Any]]] = []
-    mon = NodeMonitor(
-        Path("/nonexistent-not-started"),
-        MonitorConfig(hb_auto=True),
-        1,
-        lambda e, f: seen.append((e, f)),
-    )
+    config = MonitorConfig(hb_auto=True)
+    learning = Learning(config, None, lambda e, f: seen.append((e, f)))
+    watch = StragglerWatch(config, lambda e, f: None, lambda r: None, lambda lr: 0)
+    sync = JobSync(config, learning, watch)
     peers = jobsync.JobPeers(store, round=0, node_rank=0, nnodes=64)
-    mon._sync_once(peers)  # first poll: reads every node's value, applies the maximum
-    assert mon._learned.hb == 3.0 and seen[-1][1]["source"] == "job"
+    sync.sync_once(peers)  # first poll: reads every node's value, applies the maximum
+    assert learning.current.hb == 3.0 and seen[-1][1]["source"] == "job"
     assert store.calls == ["add", "get_many"]
     store.calls.clear()
     for _ in range(5):
-        mon._sync_once(peers)
+        sync.sync_once(peers)
     assert store.calls == ["add"] * 5  # nothing changed: the counter only
 
 

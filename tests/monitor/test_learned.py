@@ -33,10 +33,10 @@ def test_learned_timeouts_agree_across_two_gloo_ranks(harness: Harness, tmp_path
     assert learned["out_of_section"] >= 5 * 0.04
     # Both ranks wrote the agreed values into their slots: the monitor uses them.
     for r in range(2):
-        snap = layout.read_slot(mon._mm, r)
+        snap = layout.read_slot(mon._slots.mapping, r)
         assert snap.hb_override == pytest.approx(learned["heartbeat"]["subsequent"])
         assert snap.oos_override == pytest.approx(learned["out_of_section"])
-        names = layout.read_names(mon._mm, r, snap.name_count)
+        names = layout.read_names(mon._slots.mapping, r, snap.name_count)
         assert snap.limits[names.index("step")] == pytest.approx(learned["sections"]["step"])
 
 

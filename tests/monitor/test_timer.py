@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,6 @@ from stalwart.monitor.wire import PIPE_BUF, MessageTooLarge, TimerMessage, decod
 from tests.helpers import wait_for
 
 from .conftest import Harness
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[TimerServer, list[ExpiredTimer]]]:
-    expired: list[ExpiredTimer] = []
-    srv = TimerServer(tmp_path / "timer.pipe", on_expired=expired.append)
-    srv.open()
-    yield srv, expired
-    srv.stop()
 
 
 @pytest.mark.timeout(60)

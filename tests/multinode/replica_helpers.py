@@ -3,6 +3,7 @@ a recorder of emitted events, and a replica server over a folder."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,9 +20,42 @@ from stalwart.checkpoint.staging import plan
 from stalwart.launch import replicas as rp
 from stalwart.launch.replica_auth import address_mac
 from stalwart.launch.snapshots import SnapshotMemory
+from tests.helpers import ROOT, clean_env, stalwart_argv
 
 SLOT = 1 << 20
 WORLD = 4
+RAM_TRAIN = ROOT / "bench" / "ram_train.py"
+
+
+def start_job(log: Path, *args: str | Path) -> subprocess.Popen[str]:
+    """``stalwart run ARGS`` on this host in a session of its own (a test can kill the
+    launcher's whole group), its output to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            stalwart_argv(*args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+
+
+def ram_job(
+    log_dir: Path,
+    out: Path,
+    steps: int,
+    step_s: float,
+    persist_every: int,
+    save_every: int | None = None,
+) -> list[str | Path]:
+    """The end of a ``stalwart run`` line that trains ``bench/ram_train.py`` with 1 MiB of
+    RAM snapshots a rank: the log folder, then the program and its arguments (a snapshot
+    every ``save_every`` steps, every ``persist_every``-th of them on disk)."""
+    every = ["--save-every", str(save_every)] if save_every is not None else []
+    return ["--ckpt-ram", "1MiB", "--log-dir", log_dir, RAM_TRAIN, str(steps), out,
+            "--step-s", str(step_s), *every, "--persist-every", str(persist_every)]  # fmt: skip
 
 
 class Events:
@@ -67,13 +101,6 @@ def snapshot(mem: SnapshotMemory, lr: int, rank: int, step: int, world: int = WO
 
 def replica_steps(folder: Path, rank: int) -> list[int]:
     return [s.step for s in find_snapshots(folder, rank, WORLD) if "replica" in s.path.name]
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 KEY = rp.job_key(b"replica-tests-secret-0123456789", "job")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 from bench.netns import etcd_binary
 from stalwart.rendezvous.api import StoreLost
 from stalwart.rendezvous.etcd import EtcdKV
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_for, wait_listening
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,15 +51,8 @@ def cluster(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], int]
         )
         members.append((proc, client))
     try:
-        for _, client in members:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", client), timeout=1).close()
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline, "etcd member did not start"
-                    time.sleep(0.05)
+        for proc, client in members:
+            wait_listening(client, proc, f"the etcd member on port {client} to listen", 30)
         yield members
     finally:
         for proc, _ in members:
@@ -70,14 +61,14 @@ def cluster(tmp_path: Path) -> Iterator[list[tuple[subprocess.Popen[bytes], int]
 
 
 def _when_ready(kv: EtcdKV) -> None:
-    deadline = time.monotonic() + 30
-    while True:  # a new cluster elects a leader first
+    def answers() -> bool:
         try:
             kv.get("ready?")
-            return
         except Exception:
-            assert time.monotonic() < deadline, "the etcd cluster did not become ready"
-            time.sleep(0.2)
+            return False  # a new cluster elects a leader first
+        return True
+
+    wait_for(answers, 30, "the etcd cluster to be ready", 0.2)
 
 
 def test_expired_lease_is_taken_again(cluster: list[tuple[subprocess.Popen[bytes], int]]) -> None:

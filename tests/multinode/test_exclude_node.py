@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, events, free_port, kinds, stalwart_argv, wait_for
+from tests.helpers import (
+    ROOT,
+    clean_env,
+    events,
+    free_port,
+    kinds,
+    stalwart_argv,
+    wait_for,
+    wait_listening,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,19 +44,6 @@ def _launch(tmp_path: Path, name: str, node_rank: int, args: list[str]) -> subpr
     )
 
 
-def _wait_listening(port: int, proc: subprocess.Popen[str]) -> None:
-    """Node 0 is started first and hosts the store once it listens."""
-
-    def listening() -> bool:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return True
-        assert proc.poll() is None, "node 0 exited before it hosted the rendezvous store"
-        return False
-
-    wait_for(listening, 60, "node 0 to host the rendezvous store", interval=0.05)
-
-
 def _events(log_dir: Path) -> list[str]:
     return kinds(events(log_dir))
 
@@ -72,7 +67,7 @@ def test_elastic_job_goes_on_without_the_excluded_node(tmp_path: Path, excluder:
         str(excluder),
     ]
     first = _launch(tmp_path, "n0", 0, args)
-    _wait_listening(port, first)
+    wait_listening(port, first, "node 0 to host the rendezvous store")
     second = _launch(tmp_path, "n1", 1, args)
     procs = {0: first, 1: second}
     outs = {n: p.communicate(timeout=150)[0] for n, p in procs.items()}
@@ -110,7 +105,7 @@ def test_excluded_store_host_stops_serving_on_a_signal(tmp_path: Path) -> None:
         )  # fmt: skip
     other = None
     try:
-        _wait_listening(port, host)
+        wait_listening(port, host, "node 0 to host the rendezvous store")
         other = _launch(tmp_path, "n1", 1, args)
 
         def serving() -> bool:

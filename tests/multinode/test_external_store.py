@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from bench.netns import TRAIN
 from tests.helpers import ROOT, clean_env, stalwart_argv
-
-from .conftest import TRAIN
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.netns import rdzv_args
+from bench.netns import TRAIN, Etcd, Host, Network, rdzv_args
 from tests.helpers import clean_env, free_port, read_events, stalwart_argv, wait_for
-
-from .conftest import TRAIN, Etcd, Host, Network
 
 pytestmark = pytest.mark.timeout(240)
 

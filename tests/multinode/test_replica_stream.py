@@ -25,6 +25,7 @@ from stalwart.launch import replicawire as wire
 from stalwart.launch.replica_auth import record_mac
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
+from tests.helpers import wait_for
 
 from .replica_helpers import (
     KEY,
@@ -39,7 +40,6 @@ from .replica_helpers import (
     server,
     snapshot,
     state,
-    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,12 +80,12 @@ def test_newest_snapshot_reaches_the_next_node_and_loads_there(
     with replicating(kv, a, 2, rp.Ring(0, 0, 2, 1), {1: server(b, ev_b, 1)}, ev_a):
         snapshot(a, 0, rank=0, step=3)
         snapshot(a, 1, rank=1, step=3)
-        wait_for(lambda: replica_steps(b.folder, 1) == [3], "rank 1's step 3 on node b")
+        wait_for(lambda: replica_steps(b.folder, 1) == [3], 20, "rank 1's step 3 on node b")
         snapshot(a, 0, rank=0, step=4)
         snapshot(a, 1, rank=1, step=4)
         # The replica keeps two generations, like the local segment.
-        wait_for(lambda: replica_steps(b.folder, 1) == [4, 3], "step 4 after step 3")
-        wait_for(lambda: replica_steps(b.folder, 0) == [4, 3], "rank 0 too")
+        wait_for(lambda: replica_steps(b.folder, 1) == [4, 3], 20, "step 4 after step 3")
+        wait_for(lambda: replica_steps(b.folder, 0) == [4, 3], 20, "rank 0 too")
     (snap,) = [s for s in find_snapshots(b.folder, 1, WORLD) if s.step == 4]
     got = load_snapshot(snap)
     assert got["step"] == 4 and torch.equal(got["w"], state(4, 1)["w"])
@@ -172,14 +172,14 @@ def test_a_lost_peer_moves_replication_to_the_next_node(
     srv_b, srv_c = server(b, Events(), 1), server(c, Events(), 2)
     with replicating(kv, a, 1, rp.Ring(0, 0, 3, 1), {1: srv_b, 2: srv_c}, ev) as rep:
         snapshot(a, 0, rank=0, step=1)
-        wait_for(lambda: replica_steps(b.folder, 0) == [1], "step 1 on node 1")
+        wait_for(lambda: replica_steps(b.folder, 0) == [1], 20, "step 1 on node 1")
         assert replica_steps(c.folder, 0) == []
         srv_b.close()  # node 1 is gone: nothing answers on its port any more
         snapshot(a, 0, rank=0, step=2)
         lost = ev.wait(rp.REPLICA_PEER_LOST)
         assert lost["lost_node"] == 1 and lost["targets"] == [2], lost
         assert "Connection refused" in lost["error"]
-        wait_for(lambda: replica_steps(c.folder, 0) == [2], "step 2 on node 2")
+        wait_for(lambda: replica_steps(c.folder, 0) == [2], 20, "step 2 on node 2")
         assert rep.targets() == [2]
         # A new round forgets the loss: the ring is recomputed from who joined.
         rep.set_ring(rp.Ring(1, 0, 2, 1))
@@ -218,6 +218,7 @@ def test_a_receiver_out_of_room_refuses_with_one_event_and_the_sender_goes_on(
             snapshot(a, 1, rank=1, step=step)
             wait_for(
                 lambda want=2 * step: rep.outcomes["refused"] >= want,
+                20,
                 f"both pushes of step {step} answered",
             )
         no_room = ev_b.wait(rp.REPLICA_NO_ROOM)

@@ -14,30 +14,25 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from bench.netns import rdzv_args
+from bench.netns import Host, Network, rdzv_args
 from stalwart.checkpoint import complete_steps
 from stalwart.launch import replicas as rp
-from tests.helpers import ROOT, clean_env, free_port, stalwart_argv
+from tests.helpers import free_port, wait_for
+from tests.multinode.replica_helpers import ram_job, start_job
 
-from .conftest import Host, Network
 from .test_netns import FAST, assert_matches_reference, events, text, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
 
-RAM_TRAIN = ROOT / "bench" / "ram_train.py"
 STEPS = 40
 
 
 def wait_for_disk_step(out: Path, step: int, world: int) -> None:
-    deadline = time.monotonic() + 60
-    while step not in complete_steps(out / "ckpt", world):
-        assert time.monotonic() < deadline, f"step {step} never reached the disk"
-        time.sleep(0.05)
+    wait_for(lambda: step in complete_steps(out / "ckpt", world), 60, f"step {step} on disk", 0.05)
 
 
 def launch(
@@ -49,22 +44,10 @@ def launch(
         ),
         "--shutdown-timeout",
         "3",
-        "--ckpt-ram",
-        "1MiB",
         *extra,
-        "--log-dir",
-        out / f"logs-{name}",
-        RAM_TRAIN,
-        str(STEPS),
-        out,
-        "--step-s",
-        str(step_s),
         # A snapshot every 2nd step (0.5 s apart: longer than a replica takes, even on a
         # busy machine), every 10th of them on disk: steps 19 and 39.
-        "--save-every",
-        "2",
-        "--persist-every",
-        "10",
+        *ram_job(out / f"logs-{name}", out, STEPS, step_s, persist_every=10, save_every=2),
         log=out / f"{name}.out",
     )
 
@@ -88,10 +71,12 @@ def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
     pb = launch(b, tmp_path, endpoint, "b")
     wait_for_step(tmp_path, 3, [pa, pb])
     pc = launch(c, tmp_path, endpoint, "c")
-    deadline = time.monotonic() + 60
-    while "waiting as a spare" not in text(tmp_path, "c"):
-        assert time.monotonic() < deadline and pc.poll() is None, text(tmp_path, "c")[-2000:]
-        time.sleep(0.05)
+
+    def spare() -> bool:
+        assert pc.poll() is None, text(tmp_path, "c")[-2000:]
+        return "waiting as a spare" in text(tmp_path, "c")
+
+    wait_for(spare, 60, "node c to wait as a spare", 0.05)
     # Past the first step on disk (the 10th snapshot, step 19), complete on both ranks,
     # and a few more steps: RAM is then ahead of the disk (the next disk step is 39).
     wait_for_step(tmp_path, 23, [pa, pb, pc])
@@ -119,29 +104,11 @@ def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path)
     on disk, as without --ckpt-ram."""
 
     def run(name: str) -> subprocess.Popen[str]:
-        log = open(tmp_path / f"{name}.out", "w")  # noqa: SIM115 - closed by the OS at exit
-        return subprocess.Popen(
-            stalwart_argv(
-                "--nproc-per-node",
-                "2",
-                "--ckpt-ram",
-                "1MiB",
-                "--log-dir",
-                tmp_path / f"logs-{name}",
-                RAM_TRAIN,
-                str(STEPS),
-                tmp_path,
-                "--step-s",
-                "0.05",
-                "--persist-every",
-                "5",
-            ),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=clean_env(),
-            cwd=ROOT,
-            start_new_session=True,
+        return start_job(
+            tmp_path / f"{name}.out",
+            "--nproc-per-node",
+            "2",
+            *ram_job(tmp_path / f"logs-{name}", tmp_path, STEPS, 0.05, persist_every=5),
         )
 
     first = run("first")
@@ -158,10 +125,7 @@ def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path)
         assert folder.is_dir()
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
-        deadline = time.monotonic() + 30
-        while folder.exists():
-            assert time.monotonic() < deadline, f"{folder} outlived its launcher"
-            time.sleep(0.05)
+        wait_for(lambda: not folder.exists(), 30, f"{folder} to go with its launcher", 0.05)
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)

@@ -3,6 +3,7 @@ workers on gloo, programs that never import stalwart unless they report steps)."
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,21 +15,29 @@ pytestmark = pytest.mark.timeout(180)
 SCRIPTS = Path(__file__).parent / "crashloop_scripts"
 
 
+def _job(
+    tmp_path: Path, *args: str | Path, restarts: int = 5, timeout: float = 150
+) -> subprocess.CompletedProcess[str]:
+    """``stalwart run ARGS`` (flags, then the program and its arguments) with two ranks
+    and ``restarts`` restarts; its events go under ``tmp_path/l``."""
+    return stalwart(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--log-dir",
+        tmp_path / "l",
+        *args,
+        timeout=timeout,
+    )
+
+
 def _attempts(evs: list[dict[str, object]]) -> list[object]:
     return [e["attempt"] for e in evs if e["event"] == "rendezvous_done"]
 
 
 def test_the_same_error_three_times_stops_with_the_no_requeue_code(tmp_path: Path) -> None:
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "5",
-        "--log-dir",
-        tmp_path / "l",
-        SCRIPTS / "missing_key.py",
-        timeout=150,
-    )
+    proc = _job(tmp_path, SCRIPTS / "missing_key.py")
     assert proc.returncode == 93, proc.stderr
     evs = events(tmp_path / "l")
     assert _attempts(evs) == [0, 1, 2]
@@ -43,37 +52,20 @@ def test_the_same_error_three_times_stops_with_the_no_requeue_code(tmp_path: Pat
 
 
 def test_the_code_and_the_count_are_settings(tmp_path: Path) -> None:
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "5",
+    proc = _job(
+        tmp_path,
         "--max-no-progress-attempts",
         "2",
         "--no-requeue-exit-code",
         "42",
-        "--log-dir",
-        tmp_path / "l",
         SCRIPTS / "missing_key.py",
-        timeout=150,
     )
     assert proc.returncode == 42, proc.stderr
     assert _attempts(events(tmp_path / "l")) == [0, 1]
 
 
 def test_zero_turns_the_verdict_off(tmp_path: Path) -> None:
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "2",
-        "--max-no-progress-attempts",
-        "0",
-        "--log-dir",
-        tmp_path / "l",
-        SCRIPTS / "missing_key.py",
-        timeout=150,
-    )
+    proc = _job(tmp_path, "--max-no-progress-attempts", "0", SCRIPTS / "missing_key.py", restarts=2)
     assert proc.returncode == 1, proc.stderr
     assert _attempts(events(tmp_path / "l")) == [0, 1, 2]
     assert "crash loop" not in proc.stderr
@@ -81,18 +73,7 @@ def test_zero_turns_the_verdict_off(tmp_path: Path) -> None:
 
 def test_an_error_of_stop_on_stops_at_once(tmp_path: Path) -> None:
     # ModuleNotFoundError is an ImportError: the built-in hierarchy counts.
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "5",
-        "--stop-on",
-        "ImportError,SyntaxError",
-        "--log-dir",
-        tmp_path / "l",
-        SCRIPTS / "import_error.py",
-        timeout=150,
-    )
+    proc = _job(tmp_path, "--stop-on", "ImportError,SyntaxError", SCRIPTS / "import_error.py")
     assert proc.returncode == 93, proc.stderr
     assert _attempts(events(tmp_path / "l")) == [0]
     assert "ModuleNotFoundError" in proc.stderr and "--stop-on" in proc.stderr
@@ -100,18 +81,7 @@ def test_an_error_of_stop_on_stops_at_once(tmp_path: Path) -> None:
 
 def test_a_job_that_fails_the_same_way_while_progressing_runs_on(tmp_path: Path) -> None:
     # Three failures with the same cause, each a few steps further than the last.
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "5",
-        "--log-dir",
-        tmp_path / "l",
-        SCRIPTS / "flaky_progress.py",
-        tmp_path,
-        "3",
-        timeout=170,
-    )
+    proc = _job(tmp_path, SCRIPTS / "flaky_progress.py", tmp_path, "3", timeout=170)
     assert proc.returncode == 0, proc.stderr
     evs = events(tmp_path / "l")
     assert _attempts(evs) == [0, 1, 2, 3]
@@ -154,18 +124,7 @@ def test_a_bad_stop_on_is_one_line(value: str) -> None:
 def test_a_syntax_error_of_stop_on_stops_at_once(tmp_path: Path) -> None:
     script = tmp_path / "syntax_error.py"
     script.write_text("# cannot even be compiled, in every attempt\nx = (\n")
-    proc = stalwart(
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "5",
-        "--stop-on",
-        "SyntaxError",
-        "--log-dir",
-        tmp_path / "l",
-        script,
-        timeout=150,
-    )
+    proc = _job(tmp_path, "--stop-on", "SyntaxError", script)
     assert proc.returncode == 93, proc.stderr
     assert _attempts(events(tmp_path / "l")) == [0]
     assert "SyntaxError" in proc.stderr

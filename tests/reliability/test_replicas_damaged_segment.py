@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import psutil
@@ -27,21 +26,22 @@ from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
 from stalwart.launch import replicas as rp
 from stalwart.launch.snapshots import SnapshotMemory
-from tests.helpers import ROOT, clean_env, read_events, stalwart_argv, wait_for
+from tests.helpers import read_events, wait_for
 from tests.multinode.replica_helpers import (
     SLOT,
     Events,
     addr,
     push,
+    ram_job,
     replica_steps,
     server,
     snapshot,
+    start_job,
 )
 from tests.multinode.test_netns import assert_matches_reference, wait_for_step
 
 pytestmark = pytest.mark.timeout(240)
 
-RAM_TRAIN = ROOT / "bench" / "ram_train.py"
 STEPS = 40
 
 
@@ -62,31 +62,13 @@ def _worker_of(launcher: int, local_rank: int) -> psutil.Process | None:
 
 
 def test_half_truncated_segment_falls_back_to_disk(tmp_path: Path) -> None:
-    log = open(tmp_path / "job.out", "w")  # noqa: SIM115 - closed by the OS at exit
-    proc = subprocess.Popen(
-        stalwart_argv(
-            "--nproc-per-node",
-            "2",
-            "--ckpt-ram",
-            "1MiB",
-            "--max-restarts",
-            "2",
-            "--log-dir",
-            tmp_path / "logs",
-            RAM_TRAIN,
-            str(STEPS),
-            tmp_path,
-            "--step-s",
-            "0.1",
-            "--persist-every",
-            "5",
-        ),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=clean_env(),
-        cwd=ROOT,
-        start_new_session=True,
+    proc = start_job(
+        tmp_path / "job.out",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        *ram_job(tmp_path / "logs", tmp_path, STEPS, 0.1, persist_every=5),
     )
     try:
         wait_for_step(tmp_path, 12, [proc])

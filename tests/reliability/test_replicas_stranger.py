@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -31,6 +31,7 @@ from stalwart.launch import replicas as rp
 from stalwart.launch import replicawire as wire
 from stalwart.launch.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
+from tests.helpers import wait_for
 from tests.multinode.replica_helpers import (
     KEY,
     SLOT,
@@ -40,32 +41,9 @@ from tests.multinode.replica_helpers import (
     replica_steps,
     server,
     snapshot,
-    wait_for,
 )
 
 pytestmark = [pytest.mark.reliability, pytest.mark.timeout(90)]
-
-
-@pytest.fixture
-def kv() -> Iterator[C10dKV]:
-    store = C10dKV("127.0.0.1", 0, is_host=True, connect_timeout=10, op_timeout=10)
-    yield store
-    store.close()
-
-
-@pytest.fixture
-def make_node(tmp_path: Path) -> Iterator[Callable[..., SnapshotMemory]]:
-    made: list[SnapshotMemory] = []
-
-    def make(name: str) -> SnapshotMemory:
-        folder = tmp_path / name
-        folder.mkdir(exist_ok=True)
-        made.append(SnapshotMemory(1, SLOT, base=folder))
-        return made[-1]
-
-    yield make
-    for mem in made:
-        mem.close()
 
 
 def raw_frame(obj: object) -> bytes:
@@ -340,7 +318,7 @@ def test_hostile_frames_are_one_line_each_and_the_server_serves_on(
         )
         seg.close()
         assert replica_steps(a.folder, 2) == [3]
-        wait_for(lambda: srv.connections() == 0, "the server connections to end", 10)
+        wait_for(lambda: srv.connections() == 0, 10, "the server connections to end")
     finally:
         srv.close()
 
@@ -380,10 +358,12 @@ def test_idle_and_slow_peers_are_cut_and_a_flood_holds_no_descriptors(
             cut_at.append(time.monotonic() - t0)
 
         threading.Thread(target=drip, daemon=True).start()
-        deadline = time.monotonic() + 20
-        while srv.connections() > rp.MAX_PER_HOST + 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert srv.connections() <= rp.MAX_PER_HOST + 1
+        wait_for(
+            lambda: srv.connections() <= rp.MAX_PER_HOST + 1,
+            20,
+            "the server to hold one host to its cap",
+            0.05,
+        )
         # The server's own descriptors: the cap, not the flood (the test holds the 201).
         assert len(os.listdir("/proc/self/fd")) - own <= 201 + rp.MAX_CONNECTIONS + 5
         # A node of the job, from another address, is served meanwhile.
@@ -393,10 +373,8 @@ def test_idle_and_slow_peers_are_cut_and_a_flood_holds_no_descriptors(
         assert rp.push(peer, seg, slot, rec, rp.Ring(0, 1, 2, 1), KEY) == ""
         seg.close()
         # The trickler is cut at the handshake deadline, long before its hello is whole.
-        wait = time.monotonic() + 20
-        while not cut_at and time.monotonic() < wait:
-            time.sleep(0.1)
-        assert cut_at and cut_at[0] < auth.HANDSHAKE_S + 5, cut_at
+        wait_for(lambda: cut_at, 20, "the trickler to be cut", 0.1)
+        assert cut_at[0] < auth.HANDSHAKE_S + 5, cut_at
     finally:
         for s in idle:
             s.close()

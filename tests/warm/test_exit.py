@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.helpers import clean_env, events, start_stalwart, wait_for
+from tests.helpers import clean_env, events, start_stalwart, wait_for
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.timeout(150)

@@ -45,6 +45,9 @@ RUN_TOKEN = "STALWART_RUN_TOKEN"
 CGROUP = "STALWART_CGROUP"
 #: Fault-injection plan (``--inject``).
 INJECT = "STALWART_INJECT"
+#: A file (mode 0600, in the launcher's private folder) holding the key workers seal
+#: their in-process records with; the job's secret itself never reaches a worker.
+WORKER_KEY_FILE = "STALWART_WORKER_KEY_FILE"
 #: "0": workers do not count optimizer steps as training steps (``--no-auto-progress``).
 AUTO_PROGRESS = "STALWART_AUTO_PROGRESS"
 

@@ -51,6 +51,11 @@ class Event(enum.StrEnum):
     RANKS_LEFT = "ranks_left"
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
+    #: A node was implicated in K of the job's last M failed rounds and is kept out of
+    #: later rounds (``health/quarantine.py``); every node that sees it writes one.
+    NODE_QUARANTINED = "node_quarantined"
+    #: A quarantined node's time is up: it may join rounds again.
+    NODE_RELEASED = "node_released"
     #: The round failed and another starts.
     RESTART = "restart"
     # -- how the job ended -----------------------------------------------------------

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import layout
+from . import layout, manifest
 from .dcp_metadata import read_metadata
 from .dcp_records import (
     COMMIT_NAME,
@@ -185,25 +185,10 @@ def read_record(path: Path, kind: type[_R]) -> _R:
     return record
 
 
-def verify_entries(folder: Path, files: dict[str, FileEntry]) -> None:
-    """Raise CheckpointCorruptError unless every file matches its size and checksum."""
-    for name, entry in files.items():
-        path = folder / name
-        try:
-            size = os.stat(path).st_size
-            if size != entry.size:
-                raise CheckpointCorruptError(
-                    f"{path}: {size} bytes, the commit record says {entry.size}"
-                )
-            _, digest = file_checksum(path, entry.algorithm)
-        except FileNotFoundError as exc:
-            raise CheckpointCorruptError(f"{path} is missing") from exc
-        except OSError as exc:
-            raise CheckpointCorruptError(f"cannot read {path}: {exc.strerror or exc}") from exc
-        if digest != entry.checksum:
-            raise CheckpointCorruptError(
-                f"{path}: {entry.algorithm} {digest}, the commit record says {entry.checksum}"
-            )
+def verify_entries(folder: Path, files: Mapping[str, FileEntry]) -> None:
+    """Raise CheckpointCorruptError unless every file matches the size and checksum that
+    the commit record gives it."""
+    manifest.verify_entries(folder, files, "the commit record")
 
 
 class DcpWriter(FileSystemWriter):

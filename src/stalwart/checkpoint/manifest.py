@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -147,24 +148,30 @@ def verify_files(folder: Path, manifest: Manifest) -> tuple[str, tuple[int, int,
             f"{folder}: manifest format {manifest.format}, expected {FORMAT_VERSION}"
         )
     data = data_file(folder, manifest)
-    checked: tuple[int, int, int, int] = (0, 0, 0, 0)
-    for name, entry in manifest.files.items():
+    identities = verify_entries(folder, manifest.files, "the manifest")
+    return data, identities[data]
+
+
+def verify_entries(
+    folder: Path, files: Mapping[str, FileEntry], record: str
+) -> dict[str, tuple[int, int, int, int]]:
+    """Raise CheckpointCorruptError unless every file in ``files`` (names inside ``folder``)
+    matches its size and checksum; ``record`` names where the entries came from, for the
+    message. Returns each file's identity (:func:`file_identity`) as it was read."""
+    identities: dict[str, tuple[int, int, int, int]] = {}
+    for name, entry in files.items():
         path = folder / name
         try:
-            actual_size = os.stat(path).st_size
-            if actual_size != entry.size:
-                raise CheckpointCorruptError(
-                    f"{path}: size {actual_size} != {entry.size} recorded in the manifest"
-                )
-            _, digest, identity = _checksum(path, entry.algorithm)
+            size = os.stat(path).st_size
+            if size != entry.size:
+                raise CheckpointCorruptError(f"{path}: {size} bytes, {record} says {entry.size}")
+            _, digest, identities[name] = _checksum(path, entry.algorithm)
         except FileNotFoundError as exc:
             raise CheckpointCorruptError(f"{path} is missing") from exc
         except OSError as exc:
             raise CheckpointCorruptError(f"cannot read {path}: {_why(exc)}") from exc
         if digest != entry.checksum:
             raise CheckpointCorruptError(
-                f"{path}: {entry.algorithm} {digest} != {entry.checksum} recorded in the manifest"
+                f"{path}: {entry.algorithm} {digest}, {record} says {entry.checksum}"
             )
-        if name == data:
-            checked = identity
-    return data, checked
+    return identities

@@ -75,6 +75,30 @@ def launcher_secret(path: Path | None, environ: Mapping[str, str], *, multi_node
     return secrets.token_bytes(32)
 
 
+def node_secret(path: Path | None, environ: Mapping[str, str], *, multi_node: bool) -> bytes | None:
+    """The secret that seals this job's store records: the one given; else a fresh one
+    for a job of one node (its store is its own); else None (a multi-node job given no
+    secret: its store is as open as torchrun's)."""
+    given = job_secret(path, environ)
+    if given is not None or multi_node:
+        return given
+    return secrets.token_bytes(32)
+
+
+def worker_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """*environ* without the job's secret: the user's program (and whatever it starts,
+    prints or dumps) never needs it; the launcher keeps it in memory."""
+    return {k: v for k, v in environ.items() if k != JOB_SECRET_ENV}
+
+
+def unauthenticated_store() -> str:
+    return (
+        "no job secret: the records in this job's rendezvous store carry no MAC, so "
+        "anyone who reaches its port can read them and forge a failure or the job's end "
+        f"(as with torchrun); set {JOB_SECRET_ENV} or --job-secret-file PATH on every node"
+    )
+
+
 def missing_secret() -> str:
     return (
         "RAM snapshot replicas between nodes need a job secret the nodes share: set "

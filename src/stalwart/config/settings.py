@@ -51,6 +51,8 @@ from stalwart.config.values import (
     parse_list,
     parse_nnodes,
     parse_nproc,
+    parse_quarantine_after,
+    parse_quarantine_for,
     parse_signals,
     parse_size,
 )
@@ -387,6 +389,33 @@ class LaunchConfig:
             parse=lambda v, _n: Path(str(v)),
             help="file holding the secret every node of the job shares (RAM replicas "
             "between nodes need it; or set STALWART_JOB_SECRET)",
+        ),
+    )
+    # Quarantine (health/quarantine.py).  3 of the last 5: three is the count after which
+    # NVIDIA's ft_launcher stops a job that makes no progress and this launcher stops a
+    # crash loop (--max-no-progress-attempts), and a window of 5 lets one or two
+    # failures elsewhere in between not reset it.  Needs the job secret on multi-node
+    # jobs (the ledger is signed); rounds of a single node blame nobody.
+    quarantine_after: tuple[int, int] | None = setting(
+        (3, 5),
+        flag(
+            "--quarantine-after",
+            parse=one_line(lambda v, _n: parse_quarantine_after(v)),
+            help="keep a node out of later rounds once it is implicated (root cause, hang "
+            "root, straggler, lost) in K of the job's last M failed rounds: K/M (default "
+            "3/5), or off",
+        ),
+    )
+    # Never by default: a node that failed K of M rounds of this job is likely to fail
+    # the next (a bad GPU or link does not heal within a job; NVIDIA's launcher and
+    # DLRover likewise keep an excluded node out until the job is requeued).
+    quarantine_for: float | None = setting(
+        None,
+        flag(
+            "--quarantine-for",
+            parse=one_line(lambda v, _n: parse_quarantine_for(v)),
+            help="seconds until a quarantined node may rejoin, or never (default never: the "
+            "rest of the job)",
         ),
     )
     # YAML or the flag only (no variable was ever read for it).

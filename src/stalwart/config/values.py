@@ -147,3 +147,42 @@ def parse_list(value: Any) -> list[str]:
 def is_false(value: Any) -> bool:
     """``warm: false``, ``STALWART_WARM=0``: the spellings that switch a default-on setting off."""
     return str(value).lower() in ("0", "false", "no")
+
+
+#: The longest quarantine window (failed rounds) and hold (seconds) accepted.
+MAX_QUARANTINE_WINDOW = 10_000
+MAX_QUARANTINE_HOLD = 365 * 86400.0
+
+
+def parse_quarantine_after(value: str) -> tuple[int, int] | None:
+    """``--quarantine-after K/M`` (implicated in K of the last M failed rounds), or
+    ``off``."""
+    if value.strip().lower() == "off":
+        return None
+    k, sep, m = value.partition("/")
+    try:
+        after, window = int(k), int(m)
+    except ValueError:
+        raise ConfigError(f"--quarantine-after {value!r}: expected K/M (e.g. 3/5) or off") from None
+    if not sep or not 1 <= after <= window <= MAX_QUARANTINE_WINDOW:
+        raise ConfigError(
+            f"--quarantine-after {value!r}: expected K/M with 1 <= K <= M <= "
+            f"{MAX_QUARANTINE_WINDOW}, or off"
+        )
+    return after, window
+
+
+def parse_quarantine_for(value: str) -> float | None:
+    """``--quarantine-for SECONDS`` until a quarantined node may rejoin, or ``never``."""
+    if value.strip().lower() == "never":
+        return None
+    try:
+        hold = float(value)
+    except ValueError:
+        hold = -1.0
+    if not 0 < hold <= MAX_QUARANTINE_HOLD:  # also false for nan
+        raise ConfigError(
+            f"--quarantine-for {value!r}: expected seconds > 0 and <= "
+            f"{MAX_QUARANTINE_HOLD:g}, or never"
+        )
+    return hold

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
+from stalwart.base.sealed import worker_seal
 
 from .assignment import assignment_input
 from .asyncexc import clear_pending, install_wake_handler, reraise_if_unraisable
@@ -133,13 +134,15 @@ class Runner:
         self.liveness = CounterWatch[int](opts.heartbeat_timeout)
         call = next(_CALLS)
         store_kwargs = opts.store_kwargs or {}
+        # The launcher's key for this job's records (none under plain torchrun).
+        seal = worker_seal(os.environ)
         main_store = opts.store_factory(is_host=self.is_host, **store_kwargs)
-        self.coord = CoordStore(main_store, rank, self.liveness, call)
+        self.coord = CoordStore(main_store, rank, self.liveness, call, seal)
         self.monitor_coord = CoordStore(
-            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call
+            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call, seal
         )
         heartbeat_coord = CoordStore(
-            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call
+            opts.store_factory(is_host=False, **store_kwargs), rank, self.liveness, call, seal
         )
         port = store_port(main_store)
         self.protected_ports = frozenset([port]) if port is not None else frozenset()

@@ -22,6 +22,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
+from stalwart.base.sealed import WORKER_LABEL, Seal, SealError
 
 from .errors import BarrierTimeout
 from .state import InterruptionRecord
@@ -35,6 +36,45 @@ ITERATION_ENV = "STALWART_INPROCESS_ITERATION"
 _HOSTED: dict[tuple[str, int], Store] = {}
 _POLL_MIN = 0.002
 _POLL_MAX = 0.02
+#: Largest record read back (an interruption record cuts its message to 2,000 chars).
+RECORD_LIMIT = 16 * 1024
+
+
+def parse_port(raw: bytes) -> int | None:
+    """A port as published (decimal, 1..65535), or None for anything else: anyone who
+    reaches the store can write the key, and a forged port steers a rank elsewhere."""
+    if not 1 <= len(raw) <= 5 or not raw.isdigit():
+        return None
+    port = int(raw)
+    return port if 0 < port < 65536 else None
+
+
+def parse_interruption(raw: bytes, iteration: int) -> InterruptionRecord:
+    """An interruption record of *iteration*; ``ValueError`` (one line) for anything else."""
+    if len(raw) > RECORD_LIMIT:
+        raise ValueError(f"a record of {len(raw)} bytes (the limit is {RECORD_LIMIT})")
+    try:
+        record = InterruptionRecord.from_json(raw)
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
+        raise ValueError(f"not an interruption record ({type(err).__name__}: {err})") from None
+    if record.iteration != iteration or record.rank < 0:
+        raise ValueError(
+            f"rank {record.rank} of iteration {record.iteration} under iteration {iteration}"
+        )
+    return record
+
+
+def parse_gone(raw: bytes, participants: Iterable[int]) -> frozenset[int]:
+    """The ranks a barrier's ``done`` record names, kept to its participants."""
+    if len(raw) > RECORD_LIMIT:
+        raise ValueError(f"a record of {len(raw)} bytes (the limit is {RECORD_LIMIT})")
+    try:
+        ranks = json.loads(raw)
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"not a list of ranks ({err})") from None
+    if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+        raise ValueError("not a list of ranks")
+    return frozenset(ranks) & frozenset(participants)
 
 
 def tcp_store(
@@ -104,7 +144,12 @@ class CoordStore:
     """The wrapper's view of the store for one rank (one client per thread)."""
 
     def __init__(
-        self, store: Store, initial_rank: int, liveness: CounterWatch[int], call: int = 0
+        self,
+        store: Store,
+        initial_rank: int,
+        liveness: CounterWatch[int],
+        call: int = 0,
+        seal: Seal | None = None,
     ) -> None:
         # One namespace per wrapped call: a process may run several jobs in turn,
         # and a peer can reach the store before this rank has left the last one.
@@ -113,6 +158,37 @@ class CoordStore:
         self.raw = store
         self.me = initial_rank
         self.liveness = liveness
+        self._warned: set[str] = set()
+        # Under stalwart run, records carry the launcher's key (base.sealed): a stranger
+        # who reaches the store cannot forge a fault, a port, a rank's exit.
+        self._seal = seal if seal is not None else Seal(None, WORKER_LABEL)
+
+    # -- sealed values (counters are not: `add` cannot carry a MAC) ---------------------
+    def _put(self, key: str, value: str) -> None:
+        self.store.set(key, self._seal.close(self.namespace + key, value.encode()).decode())
+
+    def _first(self, key: str, value: str) -> None:
+        """Writes *value* unless *key* holds one already (the first writer wins)."""
+        self.store.compare_set(
+            key, "", self._seal.close(self.namespace + key, value.encode()).decode()
+        )
+
+    def _get(self, key: str) -> bytes | None:
+        """The value at *key*, or None when absent or not the job's (logged once)."""
+        if not self.store.check([key]):
+            return None
+        try:
+            return self._seal.open(self.namespace + key, self.store.get(key))
+        except SealError as err:
+            self._refused(key, err)
+            return None
+
+    def _refused(self, key: str, why: object) -> None:
+        if key not in self._warned and len(self._warned) < 256:
+            self._warned.add(key)
+            log.warning(
+                "rank %d: refused the record at %s%s: %s", self.me, self.namespace, key, why
+            )
 
     # -- heartbeats and liveness -------------------------------------------------
     def heartbeat(self) -> None:
@@ -129,10 +205,10 @@ class CoordStore:
 
     # -- terminated ranks ----------------------------------------------------------
     def record_terminated(self, rank: int, reason: str) -> None:
-        self.store.compare_set(f"term/{rank}", "", reason)
+        self._first(f"term/{rank}", reason[:2000])
 
     def is_terminated(self, rank: int) -> bool:
-        return bool(self.store.check([f"term/{rank}"]))
+        return self._get(f"term/{rank}") is not None
 
     def terminated_ranks(self, ranks: Iterable[int]) -> frozenset[int]:
         return frozenset(r for r in ranks if self.is_terminated(r))
@@ -141,50 +217,57 @@ class CoordStore:
     def record_interruption(self, record: InterruptionRecord) -> None:
         """Store the record and raise the iteration's fault flag (first record wins)."""
         it = record.iteration
-        self.store.set(f"it{it}/int/{record.rank}", record.to_json().decode())
-        self.store.compare_set(f"it{it}/fault", "", record.to_json().decode())
+        self._put(f"it{it}/int/{record.rank}", record.to_json().decode())
+        self._first(f"it{it}/fault", record.to_json().decode())
 
     def fault(self, iteration: int) -> InterruptionRecord | None:
         key = f"it{iteration}/fault"
-        if not self.store.check([key]):
+        raw = self._get(key)
+        if raw is None:
             return None
-        return InterruptionRecord.from_json(self.store.get(key))
+        try:
+            return parse_interruption(raw, iteration)
+        except ValueError as err:
+            self._refused(key, err)
+            return None
 
     def interruptions(self, iteration: int, ranks: Iterable[int]) -> list[InterruptionRecord]:
         out = []
         for r in ranks:
             key = f"it{iteration}/int/{r}"
-            if self.store.check([key]):
-                out.append(InterruptionRecord.from_json(self.store.get(key)))
+            if (raw := self._get(key)) is not None:
+                try:
+                    out.append(parse_interruption(raw, iteration))
+                except ValueError as err:
+                    self._refused(key, err)
         return out
 
     # -- completion and leaving ------------------------------------------------------
     def record_completed(self, iteration: int) -> None:
-        self.store.set(f"it{iteration}/completed/{self.me}", "1")
-        self.store.compare_set(f"it{iteration}/anycompleted", "", str(self.me))
+        self._put(f"it{iteration}/completed/{self.me}", "1")
+        self._first(f"it{iteration}/anycompleted", str(self.me))
 
     def any_completed(self, iteration: int) -> bool:
-        return bool(self.store.check([f"it{iteration}/anycompleted"]))
+        return self._get(f"it{iteration}/anycompleted") is not None
 
     def record_left(self) -> None:
-        self.store.set(f"left/{self.me}", "1")
+        self._put(f"left/{self.me}", "1")
 
     def has_left(self, rank: int) -> bool:
-        return bool(self.store.check([f"left/{rank}"]))
+        return self._get(f"left/{rank}") is not None
 
     # -- rank numbers the assignment gave, for NVIDIA's renumbering -------------------
     def publish_placed_rank(self, iteration: int, rank: int) -> None:
-        self.store.set(f"it{iteration}/placed/{self.me}", str(rank))
+        self._put(f"it{iteration}/placed/{self.me}", str(rank))
 
     def placed_ranks(self, iteration: int, ranks: Iterable[int], world_size: int) -> dict[int, int]:
         """The rank each of ``ranks`` (initial ranks) was given in ``iteration``; a rank
         with no record, or one that is not a rank below ``world_size``, is left out."""
         out: dict[int, int] = {}
         for r in ranks:
-            key = f"it{iteration}/placed/{r}"
-            if not self.store.check([key]):
+            raw = self._get(f"it{iteration}/placed/{r}")
+            if raw is None:
                 continue
-            raw = self.store.get(key)
             # Anyone who reaches the store can write here: a bounded decimal or nothing.
             if len(raw) > 10 or not raw.isdigit():
                 continue
@@ -195,13 +278,17 @@ class CoordStore:
 
     # -- per-iteration port for env:// users -------------------------------------------
     def publish_port(self, iteration: int, port: int) -> None:
-        self.store.set(f"it{iteration}/port", str(port))
+        self._put(f"it{iteration}/port", str(port))
 
     def port(self, iteration: int) -> int | None:
         key = f"it{iteration}/port"
-        if not self.store.check([key]):
+        raw = self._get(key)
+        if raw is None:
             return None
-        return int(self.store.get(key))
+        port = parse_port(raw)
+        if port is None:
+            self._refused(key, "expected a port 1..65535")
+        return port
 
     def user_store(self, iteration: int) -> Store:
         """A store for the wrapped function's own ``init_process_group(store=...)``."""
@@ -226,16 +313,28 @@ class CoordStore:
         """
         base = f"b/{name}"
         done = f"{base}/done"
-        self.store.set(f"{base}/a/{self.me}", "1")
-        if int(self.store.add(f"{base}/n", 1)) >= len(participants):
+        self._put(f"{base}/a/{self.me}", "1")
+        # The counter only says when to look: anyone can add to it, so the arrivals
+        # themselves (sealed) decide.
+        if int(self.store.add(f"{base}/n", 1)) >= len(participants) and all(
+            self._arrived(base, r) for r in participants
+        ):
             self._finish(base, participants)
         start: float | None = time.monotonic() if clock_starts is None else None
         poll = _POLL_MIN
         next_analysis = time.monotonic() + analyse_every
         while True:
             if self.store.check([done]):
-                raw = self.store.get(done)
-                return frozenset(int(r) for r in json.loads(raw))
+                raw = self._get(done)
+                try:
+                    if raw is not None:
+                        return parse_gone(raw, participants)
+                except ValueError as err:
+                    self._refused(done, err)
+                # A stranger's value took the key first and cannot be replaced: each
+                # rank judges alone once everyone arrived or is gone.
+                if all(self._arrived(base, r) or self.is_gone(r) for r in participants):
+                    return self.terminated_ranks(participants)
             now = time.monotonic()
             if start is None and clock_starts is not None and clock_starts():
                 start = now
@@ -253,8 +352,8 @@ class CoordStore:
             poll = min(poll * 2, _POLL_MAX)
 
     def _arrived(self, base: str, rank: int) -> bool:
-        return bool(self.store.check([f"{base}/a/{rank}"]))
+        return self._get(f"{base}/a/{rank}") is not None
 
     def _finish(self, base: str, participants: list[int]) -> None:
         gone = sorted(self.terminated_ranks(participants))
-        self.store.compare_set(f"{base}/done", "", json.dumps(gone))
+        self._first(f"{base}/done", json.dumps(gone))

@@ -52,6 +52,7 @@ class Ending(Enum):
     CRASH_LOOP = "crash_loop"  # a failure no restart can help (``restart_policy``)
     SHUT_DOWN = "shut_down"  # a rank asked to stop the job
     EXCLUDED = "excluded"  # a rank asked to take this node out; the job goes on
+    QUARANTINED = "quarantined"  # it keeps failing (``health.quarantine``): kept out
     INTERRUPTED = "interrupted"  # a termination signal reached the launcher
     NOT_NEEDED = "not_needed"  # a spare: the job ended before admitting it
 
@@ -191,6 +192,17 @@ def interrupted(sig: int, attempt: int) -> Stop:
         exit_code=128 + sig,
         attempts=attempt + 1,
         reason=f"signal {signal.Signals(sig).name}",
+    )
+
+
+def quarantined(line: str, goes_on: bool, attempts: int) -> Stop:
+    """This node is quarantined before it joins another round: it leaves while the job
+    goes on without it (exit 0, as an excluded node), or, when the job cannot, the job
+    stops with *line* on every node."""
+    if goes_on:
+        return Stop(Ending.QUARANTINED, State.SUCCEEDED, 0, attempts, reason=line)
+    return Stop(
+        Ending.QUARANTINED, State.FAILED, 1, attempts, reason=line, tell=JobOver(False, line)
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from stalwart.base.sealed import Seal, derive_key
 from stalwart.config import LaunchConfig, RendezvousConf
 from stalwart.rendezvous.api import RendezvousError, StoreLost
 from stalwart.rendezvous.close_rule import ElasticSettings
@@ -23,6 +24,7 @@ from stalwart.rendezvous.elastic import ElasticRendezvous
 from stalwart.rendezvous.etcd import EtcdAccess, EtcdKV
 from stalwart.rendezvous.kv import (
     KV,
+    STORE_LABEL,
     C10dKV,
     check_run_id,
     is_local_address,
@@ -56,9 +58,20 @@ def elastic_settings(cfg: LaunchConfig) -> ElasticSettings:
     )
 
 
-def rendezvous_for(cfg: LaunchConfig) -> StaticRendezvous | ElasticRendezvous:
-    """The rendezvous *cfg* asks for, connected (or hosting its store)."""
+def store_seal(secret: bytes | None, run_id: str) -> Seal:
+    """What seals the job's records in its rendezvous store: a key derived from the
+    job's secret, or none (values in the clear, as torchrun's) without one."""
+    key = derive_key(secret, STORE_LABEL, run_id) if secret is not None else None
+    return Seal(key, STORE_LABEL)
+
+
+def rendezvous_for(
+    cfg: LaunchConfig, secret: bytes | None = None
+) -> StaticRendezvous | ElasticRendezvous:
+    """The rendezvous *cfg* asks for, connected (or hosting its store); *secret*, the
+    job's, seals the records that steer it."""
     conf = cfg.rdzv_conf
+    seal = store_seal(secret, cfg.run_id)
     if cfg.max_nodes == 1:
         return StaticRendezvous(
             run_id=cfg.run_id,
@@ -69,6 +82,7 @@ def rendezvous_for(cfg: LaunchConfig) -> StaticRendezvous | ElasticRendezvous:
             master_addr=cfg.effective_master_addr,
             join_timeout=conf.join_timeout,
             op_timeout=store_request_timeout(conf, elastic=False),
+            seal=seal,
         )
     if cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
         endpoint = StoreEndpoint(cfg.effective_master_addr, cfg.master_port)
@@ -83,11 +97,12 @@ def rendezvous_for(cfg: LaunchConfig) -> StaticRendezvous | ElasticRendezvous:
             master_addr=endpoint.host,
             join_timeout=conf.join_timeout,
             op_timeout=store_request_timeout(conf, elastic=False),
+            seal=seal,
         )
-    return _elastic(cfg)
+    return _elastic(cfg, seal)
 
 
-def _elastic(cfg: LaunchConfig) -> ElasticRendezvous:
+def _elastic(cfg: LaunchConfig, seal: Seal) -> ElasticRendezvous:
     settings = elastic_settings(cfg)
     conf = cfg.rdzv_conf
     request_timeout = store_request_timeout(conf, elastic=True)
@@ -129,6 +144,7 @@ def _elastic(cfg: LaunchConfig) -> ElasticRendezvous:
         rank_hint=cfg.node_rank,
         backend=cfg.rdzv_backend,
         hosts_store=hosts_store,
+        seal=seal,
     )
 
 

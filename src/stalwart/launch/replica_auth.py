@@ -17,7 +17,6 @@ on the wire is found out by the reader.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 import socket
@@ -25,6 +24,9 @@ import time
 
 import msgspec
 
+from stalwart.base.sealed import derive_key
+from stalwart.base.sealed import mac as _mac
+from stalwart.base.sealed import mac_ok as mac_ok
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.launch import replicawire as wire
 
@@ -39,12 +41,7 @@ class AuthError(wire.WireError):
 
 def job_key(secret: bytes, run_id: str) -> bytes:
     """The key replicas use, derived from the job's secret and run id."""
-    return hmac.new(secret, b"stalwart-replicas/1\0" + run_id.encode(), hashlib.sha256).digest()
-
-
-def _mac(key: bytes, label: str, *parts: object) -> str:
-    msg = msgspec.json.encode([label, *parts])
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+    return derive_key(secret, "stalwart-replicas/1", run_id)
 
 
 def record_mac(key: bytes, rec: rl.CommitRecord) -> str:
@@ -54,10 +51,6 @@ def record_mac(key: bytes, rec: rl.CommitRecord) -> str:
 
 def record_ok(key: bytes, rec: rl.CommitRecord, mac: str) -> bool:
     return mac_ok(mac, record_mac(key, rec))
-
-
-def mac_ok(got: str, want: str) -> bool:
-    return hmac.compare_digest(got.encode(), want.encode())
 
 
 def address_mac(key: bytes, *fields: object) -> str:

@@ -43,6 +43,7 @@ from stalwart.launch.decide import (
     decide,
     interrupted,
     not_needed,
+    quarantined,
 )
 from stalwart.launch.failures import root_cause
 from stalwart.launch.restart_policy import AttemptEnd, LoopPolicy, Verdict, cause_of, verdict
@@ -192,6 +193,10 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
         """join -> run the round -> decide -> act, until a move stops the job."""
         attempt = 0
         while True:
+            if self._quarantine is not None and (kept := self._quarantine.check(rdzv, attempt)):
+                return self._stop(
+                    quarantined(kept.withdrawal.line, kept.withdrawal.goes_on, attempt)
+                )
             try:
                 info = self._join(rdzv, attempt)
             except JobEnded as ended:
@@ -206,9 +211,17 @@ class Supervisor(SupervisorResources, SupervisorAttempt, SupervisorEnding):
                 )
             outcome, result = self._run_round(rdzv, info)
             records = rdzv.failures(info.round) if outcome is not RoundOutcome.SUCCEEDED else []
+            fresh = (
+                self._quarantine.record(rdzv, info.round, info.group_rank, records)
+                if records and self._quarantine is not None
+                else ()
+            )
             loop = None
             if outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE):
                 loop = self._judge_loop(info.round, records)
+            if fresh:
+                # Not a crash loop yet: the next round runs without the quarantined node.
+                loop = None
             view = RoundView(
                 outcome, info.round, self.cfg.max_restarts, tuple(records), self._reason, loop
             )

@@ -46,6 +46,7 @@ class SupervisorAttempt(SupervisorState):
         specs = []
         for lr in range(n):
             env = worker_env(cfg, info, lr, logs[lr])
+            env.update(self._worker_key_env)
             if self._hangs is not None:
                 env.update(self._hangs.worker_env(lr, ranks[lr]))
                 if lr in stacks:

@@ -106,6 +106,10 @@ class SupervisorEnding(SupervisorState):
                 self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
             case Ending.EXCLUDED:
                 self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+            case Ending.QUARANTINED if move.tell is None:
+                self.events.emit(Event.NODE_EXCLUDED, attempt=attempt, reason=move.reason)
+            case Ending.QUARANTINED:
+                self.events.emit(Event.JOB_STOPPED, attempt=attempt, reason=move.reason)
             case Ending.NOT_NEEDED:
                 self.events.emit(Event.JOB_ENDED_WITHOUT_THIS_NODE, reason=move.reason)
         if move.tell is not None and self._rdzv is not None:
@@ -133,6 +137,13 @@ class SupervisorEnding(SupervisorState):
                     f"stalwart: this node left job {cfg.run_id} in attempt {attempt}: "
                     f"{move.reason}; the job goes on with the other nodes"
                 )
+            case Ending.QUARANTINED if move.tell is None:
+                line = (
+                    f"stalwart: this node left job {cfg.run_id} after attempt {attempt}: "
+                    f"{move.reason}"
+                )
+            case Ending.QUARANTINED:
+                line = f"stalwart: job {cfg.run_id} stopped after attempt {attempt}: {move.reason}"
             case Ending.NOT_NEEDED if move.exit_code not in (0, 1):
                 # A peer stopped a crash loop while this node was joining the next round.
                 line = f"stalwart: job {cfg.run_id} stopped by another node: {move.reason}"

@@ -15,7 +15,10 @@ import sys
 
 from stalwart.base import envvars, procs
 from stalwart.base.events import Event
-from stalwart.config.secret import launcher_secret
+from stalwart.base.sealed import write_worker_key
+from stalwart.config import ConfigError
+from stalwart.config.secret import missing_secret, unauthenticated_store, worker_environ
+from stalwart.health.guard import guard_for
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.environment import program_argv
 from stalwart.launch.guardian import Guardian
@@ -51,6 +54,9 @@ class SupervisorResources(SupervisorState):
             # Learned timeouts and hang dossiers live in the run folder.
             state_dir=self.run_dir,
         )
+        if self._secret is not None:
+            # In the monitor's private folder (0700), gone with it.
+            self._worker_key_env = write_worker_key(self._hangs.ipc, self._secret, cfg.run_id)
         self._progress = ProgressBoard(self._hangs.ipc, cfg.nproc_per_node)
         if cfg.ckpt_ram:
             self._snapshots = SnapshotMemory(cfg.nproc_per_node, cfg.ckpt_ram)
@@ -63,8 +69,15 @@ class SupervisorResources(SupervisorState):
                 segment_bytes=self._snapshots.segment_bytes,
             )
         if self._rdzv is None:
-            self._rdzv = rendezvous_for(cfg)
+            self._rdzv = rendezvous_for(cfg, self._secret)
+            # Once the store is reached (an unreachable one stays a one-line error); etcd
+            # has authentication of its own.
+            if self._secret is None and cfg.rdzv_backend != "etcd":
+                logger.warning("%s", unauthenticated_store())
         self._start_replicas(self._rdzv)
+        where = advertised_address(self._rdzv)
+        kv = where[0] if where is not None else None
+        self._quarantine = guard_for(cfg, kv, self.events.emit, os.environ)
         return self._rdzv
 
     def _start_replicas(self, rdzv: Rendezvous) -> None:
@@ -81,13 +94,14 @@ class SupervisorResources(SupervisorState):
                 addr,
                 self.events.emit,
                 max_nodes=self.cfg.max_nodes,
-                key=job_key(
-                    launcher_secret(
-                        self.cfg.job_secret_file, os.environ, multi_node=self.cfg.max_nodes > 1
-                    ),
-                    self.cfg.run_id,
-                ),
+                key=job_key(self._replica_secret(), self.cfg.run_id),
             )
+
+    def _replica_secret(self) -> bytes:
+        # validate() made sure a multi-node job with replicas was given one.
+        if self._secret is None:
+            raise ConfigError(missing_secret())
+        return self._secret
 
     def _stop_workers(self) -> None:
         self._stopping = True
@@ -122,7 +136,7 @@ class SupervisorResources(SupervisorState):
         cfg = self.cfg
         if not cfg.warm or cfg.no_python:
             return None
-        env = dict(os.environ)
+        env = worker_environ(os.environ)
         env[envvars.RUN_TOKEN] = self._token
         # OpenMP reads it when torch loads in the template; with more than one thread the
         # template could not fork.  Workers that should have more get them back after the

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.config import ConfigError, LaunchConfig
+from stalwart.config.secret import node_secret
+from stalwart.health.guard import QuarantineGuard
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.decide import State
 from stalwart.launch.events import EventLog, EventTail
@@ -66,6 +68,9 @@ class SupervisorState:
 
     def __init__(self, cfg: LaunchConfig, rendezvous: Rendezvous | None = None) -> None:
         self.cfg = cfg
+        # Read once and kept in memory: the workers' environment goes without it.
+        self._secret = node_secret(cfg.job_secret_file, os.environ, multi_node=cfg.max_nodes > 1)
+        self._worker_key_env: dict[str, str] = {}  # where workers find their records' key
         # First: a taken port is a one-line error before anything is created.
         try:
             self._metrics = (
@@ -112,6 +117,7 @@ class SupervisorState:
         self._tracked: dict[int, float] = {}  # strays handed to the guardian
         self._snapshots: SnapshotMemory | None = None
         self._replicas: NodeReplicas | None = None
+        self._quarantine: QuarantineGuard | None = None  # None: off (guard_for says when)
         self._round = 0  # the attempt under way, for events written on a signal
         self._exits_seen: set[int] = set()  # local ranks whose worker_exit is written
         self._progress: ProgressBoard | None = None

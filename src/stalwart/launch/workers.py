@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.base import envvars, procs
+from stalwart.config.secret import JOB_SECRET_ENV, worker_environ
 from stalwart.launch import posix
 from stalwart.launch.cgroup import JobCgroup
 from stalwart.launch.errors import record
@@ -107,6 +108,8 @@ def _function_child(
             os.dup2(fd, fdno)
             os.close(fd)
     os.environ.update(env)
+    # Inherited from the launcher at the child's start: not the program's to see.
+    os.environ.pop(JOB_SECRET_ENV, None)
     # After the env: the dump goes where this worker's STALWART_STACKS_FILE says, as a
     # program worker's does.
     stacks.install()
@@ -194,7 +197,7 @@ class ProcessContext(StrayScan):
 
     # -- starting ---------------------------------------------------------------------
     def _env(self, spec: WorkerSpecEntry) -> dict[str, str]:
-        env = dict(os.environ)
+        env = worker_environ(os.environ)
         env.update(spec.env)
         if spec.logs.error_file is not None:
             env[envvars.ERROR_FILE] = str(spec.logs.error_file)

@@ -14,6 +14,7 @@ from stalwart.monitor.client import (
 )
 from stalwart.monitor.config import MonitorConfig, parse_section_timeout
 from stalwart.monitor.node import NodeMonitor
+from stalwart.monitor.nvidia_server import FaultToleranceConfig, RankMonitorServer
 from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
 from stalwart.monitor.timeouts_in_force import HeartbeatTimeouts, SectionTimeouts
 from stalwart.monitor.timer import TimerClient, TimerUnavailableError, expires
@@ -21,6 +22,7 @@ from stalwart.monitor.timer import TimerClient, TimerUnavailableError, expires
 __all__ = [
     "ControlAction",
     "ControlRequest",
+    "FaultToleranceConfig",
     "HangKind",
     "HangReport",
     "HeartbeatTimeouts",
@@ -29,6 +31,7 @@ __all__ = [
     "RankMonitorClient",
     "RankMonitorClientError",
     "RankMonitorError",
+    "RankMonitorServer",
     "SectionTimeouts",
     "TimerClient",
     "TimerUnavailableError",

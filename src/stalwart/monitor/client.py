@@ -13,9 +13,11 @@ Workload control requests cannot be honoured without a launcher and always raise
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
+import multiprocessing.util
 import os
 import sys
 import time
@@ -25,7 +27,7 @@ from typing import Any
 
 from stalwart import progress
 from stalwart.base import envvars as base_env
-from stalwart.monitor import envvars, layout, stacks
+from stalwart.monitor import envvars, layout, nvidia_server, stacks
 from stalwart.monitor.learned import (
     NVIDIA_STATE_KEY,
     STATE_KEY,
@@ -45,6 +47,11 @@ log = logging.getLogger(__name__)
 _monotonic = time.monotonic
 _pack_f64 = layout.F64.pack_into
 _pack_i64 = layout.I64.pack_into
+
+
+def _ema(old: float, new: float) -> float:
+    """NVIDIA's merge of a new timeout estimate into a learned one (alpha 0.5)."""
+    return 0.5 * old + 0.5 * new
 
 
 class RankMonitorError(RuntimeError):
@@ -120,6 +127,22 @@ class RankMonitorClient:
         if self._buf is not None:
             raise RankMonitorError("init_workload_monitoring() was already called")
         found = layout.slot_from_env()
+        nvidia_path = os.environ.get(envvars.NVIDIA_IPC_SOCKET)
+        if found is None and nvidia_path:
+            # A monitor process started with NVIDIA's RankMonitorServer.run_in_subprocess.
+            try:
+                segment, self._configured = nvidia_server.attach(nvidia_path)
+            except (OSError, ValueError, layout.LayoutError) as exc:
+                raise RankMonitorError(
+                    f"{envvars.NVIDIA_IPC_SOCKET}={nvidia_path!r}: no usable rank monitor "
+                    f"there ({exc})"
+                ) from None
+            found = (segment, 0)
+            # NVIDIA's monitor stops watching a rank whose connection closed; here the
+            # rank says so as it exits, so a slow interpreter teardown is no hang. A
+            # multiprocessing child skips atexit, hence its finalizer too.
+            atexit.register(self.shutdown_workload_monitoring)
+            multiprocessing.util.Finalize(None, self.shutdown_workload_monitoring, exitpriority=100)
         if found is None:
             msg = (
                 f"stalwart monitor: {envvars.SHM_FILE} is not set (not started by `stalwart run`?); "
@@ -214,8 +237,10 @@ class RankMonitorClient:
         # The launcher's goodput accounting reads the step from its own slot.
         progress.report(iteration)
 
-    def start_section(self, name: str) -> None:
-        """Opens `name`. Sections may nest or overlap; one name cannot be open twice."""
+    def start_section(self, section: str) -> None:
+        """Opens `section` (NVIDIA's parameter name). Sections may nest or overlap; one
+        name cannot be open twice."""
+        name = section
         buf = self._buf
         if buf is None:
             raise RankMonitorError("call init_workload_monitoring() first")
@@ -234,7 +259,8 @@ class RankMonitorClient:
         _pack_f64(buf, self._off_open + 8 * idx, now)
         _pack_i64(buf, self._off_last, idx)
 
-    def end_section(self, name: str) -> None:
+    def end_section(self, section: str) -> None:
+        name = section
         buf = self._buf
         if buf is None:
             raise RankMonitorError("call init_workload_monitoring() first")
@@ -331,6 +357,11 @@ class RankMonitorClient:
             raise RankMonitorError("not enough heartbeats observed to compute timeouts")
         hb = obs.hb * self.safety_factor
         initial = max(hb, (obs.hb_initial or 0.0) * self.safety_factor)
+        if self.learned.hb is not None:
+            # As NVIDIA's client: a new estimate is averaged into the one already learned
+            # (or restored), so one quick run does not shrink a timeout to its last gaps.
+            initial = _ema(self.learned.hb_initial or self.learned.hb, initial)
+            hb = _ema(self.learned.hb, hb)
         self.learned.hb, self.learned.hb_initial = hb, initial
         self._write_learned()
         log.info("learned heartbeat timeouts: initial %.3f s, subsequent %.3f s", initial, hb)
@@ -348,17 +379,25 @@ class RankMonitorClient:
         """
         self._ready()
         obs = self._agreed_observations()
-        wanted = sorted(obs.sections) if selected_sections is None else sorted(selected_sections)
+        if selected_sections is None:
+            # Every section the config names must have been seen too, as NVIDIA's does.
+            wanted = sorted(set(obs.sections) | set(self._configured.sections))
+        else:
+            wanted = sorted(selected_sections)
         missing = [n for n in wanted if n not in obs.sections]
         if missing or (calc_out_of_section and obs.oos is None):
             if skip_if_not_ready:
                 return False
             what = ", ".join(repr(n) for n in missing) or "out-of-section time"
             raise RankMonitorError(f"not enough data to compute timeouts for {what}")
+        learned = self.learned
         for name in wanted:
-            self.learned.sections[name] = obs.sections[name] * self.safety_factor
+            new = obs.sections[name] * self.safety_factor
+            old = learned.sections.get(name)
+            learned.sections[name] = new if old is None else _ema(old, new)
         if calc_out_of_section and obs.oos is not None:
-            self.learned.oos = obs.oos * self.safety_factor
+            new = obs.oos * self.safety_factor
+            learned.oos = new if learned.oos is None else _ema(learned.oos, new)
         self._write_learned()
         log.info(
             "learned section timeouts: %s, out-of-section %s",
@@ -386,22 +425,28 @@ class RankMonitorClient:
                 _pack_f64(buf, self._base + layout.OFF_LIMIT + 8 * idx, secs)
 
     @property
-    def hb_timeouts(self) -> HeartbeatTimeouts:
-        """Heartbeat timeouts in force: learned ones where there are, else the node's config."""
+    def hb_timeouts(self) -> HeartbeatTimeouts | None:
+        """Heartbeat timeouts in force: learned ones where there are, else the node's config
+        (None before `init_workload_monitoring`, as NVIDIA's client)."""
+        if self._buf is None:
+            return None
         learned, conf = self.learned, self._configured
         if learned.hb is not None:
             return HeartbeatTimeouts(learned.hb_initial or learned.hb, learned.hb, True)
         return HeartbeatTimeouts(conf.hb_initial, conf.hb, False)
 
     @property
-    def section_timeouts(self) -> SectionTimeouts:
-        """Section timeouts in force: the config's, with learned ones taking precedence."""
+    def section_timeouts(self) -> SectionTimeouts | None:
+        """Section timeouts in force: the config's, with learned ones taking precedence
+        (None before `init_workload_monitoring`, as NVIDIA's client)."""
+        if self._buf is None:
+            return None
         learned, conf = self.learned, self._configured
         table: dict[str, float | None] = {**conf.sections, **learned.sections}
         return SectionTimeouts(
             section=table,
             out_of_section=learned.oos if learned.oos is not None else conf.oos,
-            calculated_sections=sorted(learned.sections),
+            calculated_sections=frozenset(learned.sections),
             is_out_of_section_calculated=learned.oos is not None,
         )
 

@@ -25,3 +25,6 @@ TIMEOUTS = "STALWART_MONITOR_TIMEOUTS"
 #: File (in the rank's log folder) where the stack dump goes instead of stderr,
 #: so dumps of several hung ranks never interleave on a shared console.
 STACKS_FILE = "STALWART_STACKS_FILE"
+#: NVIDIA's variable naming the rank's own monitor (RankMonitorServer.run_in_subprocess);
+#: a client outside `stalwart run` attaches to the segment at that path.
+NVIDIA_IPC_SOCKET = "FT_RANK_MONITOR_IPC_SOCKET"

@@ -37,7 +37,13 @@ class Observations:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Observations:
         def num(value: Any) -> float | None:
-            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+            # A peer's JSON may carry Infinity or NaN: neither is an interval.
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+                and value >= 0
+            ):
                 return float(value)
             return None
 

@@ -7,43 +7,59 @@ signal, with SIGCONT in case it is stopped), then sent the terminate signal, the
 grace period; a `HangReport` is queued for the supervisor and a `hang_detected` event
 logged. Never imports the launcher: the supervisor drives it through the methods below.
 
-This module holds the supervisor's calls and the scanner loop; each other concern is a
-part of its own, put together here: `node_state` (fields, records), `node_hangs`,
-`node_requests` (timer pipe), `node_learned` (auto timeouts), `node_stragglers`,
-`node_sync` (the job's store).
+`NodeMonitor` is a thin coordinator: it holds the scanner loop and the supervisor's
+calls, and owns one object per concern, each given only what it acts on:
+`AttemptRanks` and `EventSink` (`node_state`), `Slots` (`node_slots`), `HangHandler`
+(`node_hangs`), `RequestDesk` (`node_requests`, the timer pipe's callbacks), `Learning`
+(`node_learned`, auto timeouts), `StragglerWatch` (`node_stragglers`), `JobSync`
+(`node_sync`, the job's store), and `Suspicions` (evidence mode).
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import json
 import logging
-import os
+import mmap
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.monitor import auto, envvars, layout
+from stalwart.monitor import envvars, layout
+from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.evidence import Reading, Role
 from stalwart.monitor.jobsync import JobPeers
 from stalwart.monitor.judge import (
     BLAME_RESOLUTION,
     Stalled,
     Verdict,
-    blame,
     judge,
     next_deadline,
     problems,
 )
-from stalwart.monitor.node_requests import NodeRequests
-from stalwart.monitor.node_state import SHM_NAME, _ensure_private_dir, _Rank
-from stalwart.monitor.node_sync import NodeSync
+from stalwart.monitor.node_hangs import HangHandler
+from stalwart.monitor.node_learned import Learning
+from stalwart.monitor.node_requests import RequestDesk
+from stalwart.monitor.node_slots import Slots
+from stalwart.monitor.node_state import (
+    LEARNED_NAME,
+    PIPE_NAME,
+    SHM_NAME,
+    AttemptRanks,
+    EventSink,
+    LogEvent,
+    Rank,
+    ask_stacks,
+    ensure_private_dir,
+)
+from stalwart.monitor.node_stragglers import StragglerWatch
+from stalwart.monitor.node_sync import JobSync
 from stalwart.monitor.reports import ControlRequest, HangReport
-from stalwart.monitor.suspicions import Watched
+from stalwart.monitor.suspicions import Suspicions
+from stalwart.monitor.timer_server import TimerServer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +69,6 @@ log = logging.getLogger(__name__)
 #: `blame` compares them all (found alone, the first one would be the root cause).
 DEADLINE_SLACK = 0.002 + BLAME_RESOLUTION
 DEADLINE_MIN_WAIT = 0.005
-#: A rank is named a straggler on the console at most this often (seconds).
 
 
 def _waiting(reading: Reading | None) -> bool | None:
@@ -62,20 +77,78 @@ def _waiting(reading: Reading | None) -> bool | None:
     return reading.role is Role.WAITING
 
 
-class NodeMonitor(NodeRequests, NodeSync):
+def scan_wait(dues: Iterable[float | None], now: float, interval: float) -> float:
+    """How long the scanner may sleep, given the armed ranks' deadlines: the check
+    interval, or less when a deadline passes sooner (then it looks just after it, not up
+    to an interval later). Deadlines already past (a rank being handled, or one that
+    exited) do not count, and the scanner never looks more often than DEADLINE_MIN_WAIT."""
+    ahead = [due for due in dues if due and due > now]
+    if not ahead:
+        return interval
+    return min(interval, max(DEADLINE_MIN_WAIT, min(ahead) - now + DEADLINE_SLACK))
+
+
+class NodeMonitor:
     """One per node. See docs/monitor.md for the supervisor contract."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        config: MonitorConfig,
+        local_world_size: int,
+        log_event: LogEvent,
+        state_dir: Path | None = None,
+    ) -> None:
+        """state_dir: the job's run folder, where timeouts learned with ``auto`` are kept
+        (and read back from at start, so they survive a restart) and hang dossiers are
+        written; None keeps neither."""
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.local_world_size = local_world_size
+        self.shm_path = self.run_dir / SHM_NAME
+        self.pipe_path = self.run_dir / PIPE_NAME
+        self._emit = EventSink(log_event)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._scanner: threading.Thread | None = None
+        self._ranks = AttemptRanks()
+        self._slots = Slots(self.shm_path, local_world_size, self._emit)
+        self._hangs = HangHandler(
+            config, self._ranks, self._slots, self._emit, state_dir, self._wake.set
+        )
+        self._desk = RequestDesk(self._ranks, self._slots, self._emit, self._on_hung_timer)
+        learned_path = state_dir / LEARNED_NAME if state_dir is not None else None
+        self._learning = Learning(config, learned_path, self._emit, self._learned_changed)
+        self._stragglers = StragglerWatch(config, self._emit, self._desk.add, self._ranks.pid_of)
+        self._sync = JobSync(config, self._learning, self._stragglers)
+        # Ranks past a learned deadline, until evidence says they are hung (or not).
+        self._suspicions = Suspicions(ask_stacks)
+        self._timers = TimerServer(
+            self.pipe_path,
+            on_expired=self._desk.on_timer_expired,
+            on_control=self._desk.on_control,
+            log_event=self._emit,
+            max_interval=min(config.check_interval, 0.1),
+        )
+
+    def _on_hung_timer(self, rank: Rank, target: int, verdict: Verdict, signal: int) -> None:
+        self._hangs.begin(rank, target, verdict, signal)
+        self._wake.set()
+
+    def _learned_changed(self) -> None:
+        self._sync.wake()  # the other nodes hear of it without waiting a poll
 
     # -- lifecycle (supervisor thread) -----------------------------------------------
     def start(self) -> None:
-        _ensure_private_dir(self.run_dir)
-        if self.shm_path.exists() or self.shm_path.is_symlink():
-            self.shm_path.unlink()  # left by an earlier monitor of this run: never reuse
-        self._mm = layout.create_segment(self.shm_path, self.local_world_size)
-        self._floor = time.monotonic()
+        ensure_private_dir(self.run_dir)
+        self._slots.create()
         if self.config.any_auto:
-            self._read_learned()
+            self._learning.read()
         self._timers.start()
         self._stop.clear()
+        self._sync.start()
         self._scanner = threading.Thread(
             target=self._scan_loop, name="stalwart-monitor", daemon=True
         )
@@ -87,25 +160,13 @@ class NodeMonitor(NodeRequests, NodeSync):
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._sync_wake.set()
         if self._scanner is not None:
             self._scanner.join(timeout=5)
             self._scanner = None
-        if self._syncer is not None:
-            # A store call that hangs is bounded by the store's own timeout; the thread
-            # is a daemon and cannot hold the launcher's exit.
-            self._syncer.join(timeout=5)
-            self._syncer = None
-        self._run_due(force=True)
+        self._sync.close()
+        self._hangs.run_due(force=True)
         self._timers.stop(remove=True)
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-        for old in self._retired:
-            old.close()
-        self._retired = []
-        self.shm_path.unlink(missing_ok=True)
-        self.shm_path.with_name(SHM_NAME + ".next").unlink(missing_ok=True)
+        self._slots.close()
         with contextlib.suppress(OSError):
             self.run_dir.rmdir()  # only if nothing else lives there
 
@@ -113,8 +174,7 @@ class NodeMonitor(NodeRequests, NodeSync):
         if not 0 <= local_rank < self.local_world_size:
             raise ValueError(f"local_rank {local_rank} outside 0..{self.local_world_size - 1}")
         pipe = str(self.pipe_path)
-        with self._lock:
-            self._global_ranks[local_rank] = global_rank
+        self._ranks.name(local_rank, global_rank)
         return {
             envvars.TIMER_FILE: pipe,
             envvars.TORCHELASTIC_TIMER_FILE: pipe,
@@ -137,17 +197,7 @@ class NodeMonitor(NodeRequests, NodeSync):
         """The job's other nodes for the round about to start (call before its
         begin_attempt): learned timeouts and straggler windows are shared with them
         through `peers.store` from now on. None, or a one-node round: nothing is shared."""
-        if peers is not None and peers.nnodes < 2:
-            peers = None
-        with self._lock:
-            self._peers = peers
-            self._window = None
-        if peers is not None and self._syncer is None and not self._stop.is_set():
-            self._syncer = threading.Thread(
-                target=self._sync_loop, name="stalwart-monitor-sync", daemon=True
-            )
-            self._syncer.start()
-        self._sync_wake.set()
+        self._sync.join(peers)
 
     def begin_attempt(
         self,
@@ -157,32 +207,17 @@ class NodeMonitor(NodeRequests, NodeSync):
         global_ranks: dict[int, int] | None = None,
     ) -> None:
         """Starts judging the workers of a fresh attempt (local_rank -> pid)."""
-        stderr_paths = stderr_paths or {}
-        with self._lock:
-            self._exclusion_asked = False
-            self._refused_pids.clear()
-            self._not_ours.clear()
-            self._stalled = []
-            self._roots = {}
-            self._rhythms = {}
-            self._suspicions.reset()
-            self._dossier = None
-            self._attempt = attempt
-            self._ranks = {
-                lr: _Rank(
-                    local_rank=lr,
-                    global_rank=(global_ranks or self._global_ranks).get(lr, -1),
-                    pid=pid,
-                    start_time=procs.start_time(pid),
-                    stderr=Path(stderr_paths[lr]) if lr in stderr_paths else None,
-                )
-                for lr, pid in pids.items()
-            }
+        self._stragglers.new_attempt()
+        self._desk.new_attempt()
+        self._hangs.new_attempt()
+        self._learning.new_attempt()
+        self._suspicions.reset()
+        self._ranks.begin(attempt, pids, stderr_paths or {}, global_ranks)
         self._emit(
             Event.MONITOR_ATTEMPT_STARTED,
             {"attempt": attempt, "pids": {str(k): v for k, v in pids.items()}},
         )
-        self._resolve_controls()
+        self._desk.resolve()
 
     def end_attempt(self) -> None:
         """Stops judging: the supervisor is tearing the workers down.
@@ -190,60 +225,17 @@ class NodeMonitor(NodeRequests, NodeSync):
         A hang still waiting for its stack dump is reported now, so the supervisor's next
         poll_hangs() sees every hang of the attempt it is ending.
         """
-        with self._lock:
-            for rank in self._ranks.values():
-                self._timers.forget_pid(rank.pid)
-            self._ranks = {}
-            self._suspicions.reset()
-            self._attempt = None
-            self._stalled = []
-            self._roots = {}  # pending hangs below are terminated now, in no order
-            self._rebuild_segment()
-            # The pending hangs below still write the dossier of the attempt they belong to.
-            pending = [item for item in self._schedule if item[2] != "kill"]
-            self._schedule = [item for item in self._schedule if item[2] == "kill"]
-            heapq.heapify(self._schedule)
-        for _, _, _, hang in sorted(pending, key=lambda item: item[:2]):
-            self._terminate(hang)
-
-    def _rebuild_segment(self) -> None:
-        """Gives the next attempt a fresh segment (called with the lock held, before its
-        workers start): nothing a worker of this one scribbled, header included, carries
-        over, and its leftover processes write into a file nobody reads."""
-        if self._mm is None:
-            return
-        fresh = self.shm_path.with_name(SHM_NAME + ".next")
-        try:
-            fresh.unlink(missing_ok=True)
-            mm = layout.create_segment(fresh, self.local_world_size)
-            os.replace(fresh, self.shm_path)
-        except OSError as exc:
-            # E.g. a full tmpfs: reuse the mapping, rewriting what a worker may have scribbled.
-            log.warning("could not make a fresh monitor segment (%s); resetting it in place", exc)
-            with contextlib.suppress(OSError):
-                fresh.unlink(missing_ok=True)
-            layout.reset_segment(self._mm, self.local_world_size)
-            self._floor = time.monotonic()
-            self._bad_fields.clear()
-            return
-        # The scanner may still be reading the old mapping: close it one rebuild later.
-        for old in self._retired:
-            old.close()
-        self._retired = [self._mm]
-        self._mm = mm
-        self._floor = time.monotonic()
-        self._bad_fields.clear()
+        for rank in self._ranks.end():
+            self._timers.forget_pid(rank.pid)
+        self._suspicions.reset()
+        self._slots.rebuild()
+        self._hangs.end_attempt()
 
     def poll_hangs(self) -> list[HangReport]:
-        with self._lock:
-            out, self._hangs = self._hangs, []
-        return out
+        return self._hangs.poll()
 
     def poll_requests(self) -> list[ControlRequest]:
-        self._resolve_controls()
-        with self._lock:
-            out, self._requests = self._requests, []
-        return out
+        return self._desk.poll()
 
     # -- scanner thread --------------------------------------------------------------
     def _scan_loop(self) -> None:
@@ -251,36 +243,24 @@ class NodeMonitor(NodeRequests, NodeSync):
         while not self._stop.is_set():
             try:
                 self.scan_once()
-                self._run_due()
+                self._hangs.run_due()
             except Exception:
                 log.exception("monitor scan failed")
-            wait = self._until_next_deadline(interval)
-            with self._lock:
-                if self._schedule:
-                    wait = max(0.0, min(wait, self._schedule[0][0] - time.monotonic()))
+            now = time.monotonic()
+            wait = scan_wait((r.due for r in self._ranks.armed()), now, interval)
+            due = self._hangs.next_due()
+            if due is not None:
+                wait = max(0.0, min(wait, due - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
 
-    def _until_next_deadline(self, interval: float) -> float:
-        """How long the scanner may sleep: the check interval, or less when a rank's
-        deadline passes sooner (then it looks just after it, not up to an interval
-        later). Deadlines already past (a rank being handled, or one that exited) do
-        not count, and the scanner never looks more often than DEADLINE_MIN_WAIT."""
-        now = time.monotonic()
-        with self._lock:
-            ahead = [r.due for r in self._ranks.values() if r.judged and r.due and r.due > now]
-        if not ahead:
-            return interval
-        return min(interval, max(DEADLINE_MIN_WAIT, min(ahead) - now + DEADLINE_SLACK))
-
     def scan_once(self) -> None:
         """Judges every armed rank once (the scanner thread calls this each interval)."""
-        mm = self._mm
+        mm = self._slots.mapping
         if mm is None:
             return
-        with self._lock:
-            ranks = [r for r in self._ranks.values() if r.judged]
-        found: dict[int, tuple[_Rank, int, Verdict]] = {}
+        ranks = self._ranks.armed()
+        found: dict[int, tuple[Rank, int, Verdict]] = {}
         for rank in ranks:
             verdict, writer = self._judge_rank(mm, rank)
             if verdict is None:
@@ -293,15 +273,15 @@ class NodeMonitor(NodeRequests, NodeSync):
                 continue  # it exited; the supervisor sees the exit, not a hang
             found[rank.local_rank] = (rank, writer, verdict)
         if self.config.any_auto:
-            self._update_learned()
-        self._check_stragglers(ranks)
+            self._learning.update()
+        window = self._stragglers.measure(ranks, self._ranks.attempt, time.monotonic())
+        if window is not None and not self._sync.offer(window):
+            self._stragglers.judge_alone(window)
         readings: dict[int, Reading] = {}
         if self.config.needs_evidence:
             # A missed deadline is a suspicion; only evidence makes it a hang.
-            with self._lock:
-                watched = {lr: Watched(r.pid, r.stderr) for lr, r in self._ranks.items()}
             past = {lr: writer for lr, (_, writer, _) in found.items()}
-            readings = self._suspicions.confirm(past, watched, time.monotonic())
+            readings = self._suspicions.confirm(past, self._ranks.watched(), time.monotonic())
             found = {lr: found[lr] for lr in readings}
         if not found:
             return
@@ -321,19 +301,18 @@ class NodeMonitor(NodeRequests, NodeSync):
             )
             for r, writer, v in found.values()
         ]
-        with self._lock:
-            order = blame(self._stalled + fresh)
+        order = self._hangs.blame(fresh)
         root = order[0]
         for s in order:
             if not any(s is f for f in fresh):
                 continue
             rank, writer, verdict = found[s.local_rank]
             waiting = None if s is root else root.global_rank
-            self._begin_hang(
+            self._hangs.begin(
                 rank, writer, verdict, int(self.config.term_signal), waiting_on=waiting, stalled=s
             )
 
-    def _judge_rank(self, mm: Any, rank: _Rank) -> tuple[Verdict | None, int]:
+    def _judge_rank(self, mm: mmap.mmap, rank: Rank) -> tuple[Verdict | None, int]:
         snap = layout.read_slot(mm, rank.local_rank)
         if snap.pid <= 0:
             return None, 0
@@ -348,9 +327,10 @@ class NodeMonitor(NodeRequests, NodeSync):
             rank.names = layout.read_names(mm, rank.local_rank, snap.name_count)
             rank.names_key = key
         now = time.monotonic()
-        bad = problems(snap, self._floor, now)
+        floor = self._slots.floor
+        bad = problems(snap, floor, now)
         if bad:
-            self._note_bad_fields(rank, snap.pid, bad)
+            self._slots.note_bad_fields(rank.local_rank, snap.pid, bad)
         if (
             not bad
             and snap.iteration >= 0
@@ -359,29 +339,6 @@ class NodeMonitor(NodeRequests, NodeSync):
             rank.progress.append((now, snap.iteration))
         config = self.config
         if config.any_auto and not bad:
-            rhythm = self._rhythms.get(rank.local_rank)
-            if rhythm is None:
-                rhythm = auto.Rhythm(settle=self._auto.warmup_steps // 2)
-                self._rhythms[rank.local_rank] = rhythm
-            warm = rhythm.warm(self._auto.warmup_steps, self._auto.warmup_seconds, now)
-            if rhythm.observe(snap, rank.names, now, relearn=warm):
-                log.info("rank %d opened a new section: learning its rhythm again", rank.local_rank)
-            config = self._config_for(rhythm, now)
-        rank.due = next_deadline(snap, rank.names, config, now, self._floor)
-        return judge(snap, rank.names, config, now, self._floor), snap.pid
-
-    # -- stragglers -------------------------------------------------------------------
-    def _note_bad_fields(self, rank: _Rank, pid: int, fields: list[str]) -> None:
-        new = [f for f in fields if (rank.local_rank, f) not in self._bad_fields]
-        if not new:
-            return
-        self._bad_fields.update((rank.local_rank, f) for f in new)
-        log.warning(
-            "rank %d (pid %d) slot holds out-of-range %s; ignored",
-            rank.local_rank,
-            pid,
-            ", ".join(new),
-        )
-        self._emit(
-            Event.MONITOR_BAD_SLOT, {"local_rank": rank.local_rank, "pid": pid, "fields": new}
-        )
+            config = self._learning.judged_by(rank.local_rank, snap, rank.names, now)
+        rank.due = next_deadline(snap, rank.names, config, now, floor)
+        return judge(snap, rank.names, config, now, floor), snap.pid

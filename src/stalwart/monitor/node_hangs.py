@@ -1,31 +1,34 @@
 """Handling a hang: stacks, the dossier, terminate, kill, the report.
 
-A hung rank is asked for its stacks (`stacks.STACK_SIGNAL`, with SIGCONT in case it is
-stopped); the scanner thread runs the planned steps in due order: wait for the dump to settle, write
-the attempt's hang dossier, queue the `HangReport`, send the terminate signal, then
-SIGKILL after the grace period. A rank found waiting on another one's hang is
-terminated after it, so that the supervisor's first failure is the root cause.
+`HangHandler` owns every hang of the attempt. A hung rank is asked for its stacks
+(`stacks.STACK_SIGNAL`, with SIGCONT in case it is stopped); the scanner thread runs the
+planned steps in due order (`run_due`): wait for the dump to settle, write the attempt's
+hang dossier, queue the `HangReport`, send the terminate signal, then SIGKILL after the
+grace period. A rank found waiting on another one's hang is terminated after it, so that
+the supervisor's first failure is the root cause.
 """
 
 from __future__ import annotations
 
 import contextlib
 import heapq
+import itertools
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.base.files import replace_file
 from stalwart.monitor import dossier, layout, stacks
-from stalwart.monitor.judge import (
-    Stalled,
-    Verdict,
-)
-from stalwart.monitor.node_state import NodeState, _Hang, _Rank
+from stalwart.monitor.config import MonitorConfig
+from stalwart.monitor.judge import Stalled, Verdict, blame
+from stalwart.monitor.node_slots import Slots
+from stalwart.monitor.node_state import AttemptRanks, Hang, LogEvent, Rank, same_process
 from stalwart.monitor.reports import HangReport
 
 log = logging.getLogger(__name__)
@@ -35,26 +38,88 @@ STACKS_POLL = 0.02
 STACKS_MAX_WAIT_FACTOR = 5
 
 
-class NodeHangs(NodeState):
-    """The hang handling of a node monitor."""
+class HangHandler:
+    """The hangs of a node monitor, from the verdict to the report and the kill."""
 
-    def _begin_hang(
+    def __init__(
         self,
-        rank: _Rank,
+        config: MonitorConfig,
+        ranks: AttemptRanks,
+        slots: Slots,
+        emit: LogEvent,
+        state_dir: Path | None,
+        wake: Callable[[], None],
+    ) -> None:
+        """state_dir: where hang dossiers are written (None: none is); wake: tells the
+        scanner a step was planned (it sleeps until the earliest one)."""
+        self.config = config
+        self._ranks = ranks
+        self._slots = slots
+        self._emit = emit
+        self._state_dir = state_dir
+        self._wake = wake
+        self._lock = threading.RLock()
+        # Ranks found hung this attempt, so that one found later is compared with them.
+        self._stalled: list[Stalled] = []
+        self._roots: dict[int, Hang] = {}  # global rank -> its hang, this attempt
+        self._hangs: list[HangReport] = []
+        # (due, seq, step, hang): steps run on the scanner thread, in due order.
+        self._schedule: list[tuple[float, int, str, Hang]] = []
+        self._seq = itertools.count()
+        # The hang dossier of the current attempt: every rank's state and stack offsets.
+        self._dossier: dict[int, dossier.RankEntry] | None = None
+
+    # -- what the coordinator calls -------------------------------------------------
+    def new_attempt(self) -> None:
+        with self._lock:
+            self._stalled = []
+            self._roots = {}
+            self._dossier = None
+
+    def end_attempt(self) -> None:
+        """Terminates every hang still waiting for its stacks (in the order found), so
+        the supervisor's next poll sees every hang of the attempt it is ending."""
+        with self._lock:
+            self._stalled = []
+            self._roots = {}  # pending hangs below are terminated now, in no order
+            # The pending hangs below still write the dossier of the attempt they belong to.
+            pending = [item for item in self._schedule if item[2] != "kill"]
+            self._schedule = [item for item in self._schedule if item[2] == "kill"]
+            heapq.heapify(self._schedule)
+        for _, _, _, hang in sorted(pending, key=lambda item: item[:2]):
+            self._terminate(hang)
+
+    def blame(self, fresh: list[Stalled]) -> list[Stalled]:
+        """`fresh` and the attempt's earlier hung ranks, root cause first."""
+        with self._lock:
+            return blame(self._stalled + fresh)
+
+    def next_due(self) -> float | None:
+        """Monotonic time of the earliest planned step; None when none is planned."""
+        with self._lock:
+            return self._schedule[0][0] if self._schedule else None
+
+    def poll(self) -> list[HangReport]:
+        with self._lock:
+            out, self._hangs = self._hangs, []
+        return out
+
+    def begin(
+        self,
+        rank: Rank,
         target: int,
         verdict: Verdict,
         term_signal: int,
         waiting_on: int | None = None,
         stalled: Stalled | None = None,
     ) -> None:
+        if not self._ranks.claim(rank):
+            return
         with self._lock:
-            if not rank.judged:
-                return
-            rank.judged = False
             if stalled is not None:
                 self._stalled.append(stalled)
-        hang = _Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
-        hang.attempt = self._attempt
+        hang = Hang(rank, target, verdict, term_signal or signal.SIGKILL, None, time.time())
+        hang.attempt = self._ranks.attempt
         hang.waiting_on = waiting_on
         hang.evidence = stalled.why if stalled is not None else None
         with self._lock:
@@ -100,7 +165,7 @@ class NodeHangs(NodeState):
             procs.continue_if_stopped(pid)
         self._plan(time.monotonic() + wait, step, hang)
 
-    def _asked_at_detection(self, rank: _Rank) -> int | None:
+    def _asked_at_detection(self, rank: Rank) -> int | None:
         """Where the dump the dossier asked of *rank* begins in its stacks file, when the
         dossier asked (as another rank's hang was found); else None."""
         with self._lock:
@@ -109,7 +174,7 @@ class NodeHangs(NodeState):
             return None
         return entry.stderr_offset
 
-    def _await_stacks(self, hang: _Hang) -> None:
+    def _await_stacks(self, hang: Hang) -> None:
         """Terminates once the dump is written, polling the rank's stderr file.
 
         On a loaded node the rank may need longer than `stack_dump_wait` to be scheduled
@@ -131,12 +196,13 @@ class NodeHangs(NodeState):
         hang.last_size = size
         self._plan(time.monotonic() + STACKS_POLL, "await_stacks", hang)
 
-    def _plan(self, due: float, step: str, hang: _Hang) -> None:
+    def _plan(self, due: float, step: str, hang: Hang) -> None:
         with self._lock:
             heapq.heappush(self._schedule, (due, next(self._seq), step, hang))
-        self._wake.set()
+        self._wake()
 
-    def _run_due(self, force: bool = False) -> None:
+    def run_due(self, force: bool = False) -> None:
+        """Runs the steps that are due (force: all of them, without waiting)."""
         while True:
             with self._lock:
                 if not self._schedule or (not force and self._schedule[0][0] > time.monotonic()):
@@ -149,13 +215,13 @@ class NodeHangs(NodeState):
             elif step == "kill":
                 self._kill(hang)
 
-    def _targets(self, hang: _Hang) -> list[int]:
+    def _targets(self, hang: Hang) -> list[int]:
         targets = [hang.target]
         if hang.rank.pid != hang.target:
             targets.append(hang.rank.pid)
-        return [p for p in targets if self._same_process(hang.rank, p)]
+        return [p for p in targets if same_process(hang.rank, p)]
 
-    def _terminate(self, hang: _Hang, escalate: bool = True) -> None:
+    def _terminate(self, hang: Hang, escalate: bool = True) -> None:
         with self._lock:
             if hang.terminated:
                 return
@@ -188,7 +254,7 @@ class NodeHangs(NodeState):
         else:
             self._kill(hang)
 
-    def _defer_for(self, hang: _Hang, root: _Hang) -> bool:
+    def _defer_for(self, hang: Hang, root: Hang) -> bool:
         now = time.monotonic()
         if hang.deferred_since is None:
             hang.deferred_since = now
@@ -196,13 +262,13 @@ class NodeHangs(NodeState):
             return False
         return not root.terminated or bool(self._targets(root))
 
-    def _kill(self, hang: _Hang) -> None:
+    def _kill(self, hang: Hang) -> None:
         for pid in self._targets(hang):
             if procs.is_alive(pid):
                 log.warning("pid %d outlived the terminate signal; sending SIGKILL", pid)
                 procs.signal_pid(pid, signal.SIGKILL, group=True)
 
-    def _report(self, hang: _Hang) -> HangReport:
+    def _report(self, hang: Hang) -> HangReport:
         stacks = ""
         path = hang.rank.stderr
         if path is not None and hang.stderr_offset is not None:
@@ -235,7 +301,7 @@ class NodeHangs(NodeState):
     # -- hang dossier ----------------------------------------------------------------
     def _open_dossier(
         self,
-        hung: _Rank,
+        hung: Rank,
         target: int,
         verdict: Verdict,
         waiting_on: int | None,
@@ -257,8 +323,8 @@ class NodeHangs(NodeState):
             first = entries is None
             if entries is None:
                 entries = self._dossier = {}
-            ranks = list(self._ranks.values()) if first else []
-        mm = self._mm
+            ranks = self._ranks.current() if first else []
+        mm = self._slots.mapping
         now = time.monotonic()
         for rank in ranks:
             state = "unknown (no segment)"
@@ -266,7 +332,7 @@ class NodeHangs(NodeState):
             if mm is not None:
                 snap = layout.read_slot(mm, rank.local_rank)
                 names = layout.read_names(mm, rank.local_rank, snap.name_count)
-                state = dossier.describe(snap, names, now, self._floor)
+                state = dossier.describe(snap, names, now, self._slots.floor)
                 if snap.pid > 0 and (snap.pid == rank.pid or snap.pid in rank.verified_pids):
                     pid = snap.pid
             offset = None
@@ -289,7 +355,7 @@ class NodeHangs(NodeState):
             if pipe is not None and dossier.request_flight_recorder_dump(pipe):
                 e.flight_recorder = pipe
             if rank.local_rank == hung.local_rank:
-                continue  # _begin_hang asks the hung rank itself
+                continue  # begin() asks the hung rank itself
             if (
                 self.config.stack_dump_wait > 0
                 and procs.is_alive(e.pid)
@@ -306,7 +372,7 @@ class NodeHangs(NodeState):
             if entry is not None:
                 entry.stacks_signalled = True
 
-    def _write_dossier(self, hang: _Hang) -> Path | None:
+    def _write_dossier(self, hang: Hang) -> Path | None:
         """(Re)writes the attempt's dossier; its path, or None when there is none."""
         with self._lock:
             entries = list((self._dossier or {}).values())

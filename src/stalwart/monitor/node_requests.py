@@ -1,22 +1,25 @@
 """What workers ask of the monitor through the timer pipe: expired timers, control requests.
 
-Both are untrusted: only a worker of this attempt (or a process descending from one) is
-ever signalled for an expired timer or has its request queued for the supervisor; any
-other pid is refused and logged once. A request from a live pid that is not yet a
-registered worker waits, bounded by CONTROL_GRACE, for its attempt to begin.
+`RequestDesk` owns the requests: those queued for the supervisor, those waiting for
+their sender's attempt, the pids refused. Both kinds are untrusted: only a worker of
+this attempt (or a process descending from one) is ever signalled for an expired timer
+or has its request queued; any other pid is refused and logged once. A request from a
+live pid that is not yet a registered worker waits, bounded by CONTROL_GRACE, for its
+attempt to begin.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.monitor import layout
 from stalwart.monitor.judge import Verdict
-from stalwart.monitor.node_hangs import NodeHangs
-from stalwart.monitor.node_state import MAX_REFUSED_LOGGED
+from stalwart.monitor.node_slots import Slots
+from stalwart.monitor.node_state import MAX_REFUSED_LOGGED, AttemptRanks, LogEvent, Rank
 from stalwart.monitor.reports import ControlRequest, HangKind
 from stalwart.monitor.timer_server import ExpiredTimer
 from stalwart.monitor.wire import ControlMessage
@@ -28,12 +31,40 @@ MAX_PENDING_CONTROLS = 64
 #: Seconds a control request from a live, not yet registered pid waits for its attempt.
 CONTROL_GRACE = 5.0
 
+#: Handles a hang: the rank, the process to signal, the verdict, the signal asked for.
+OnHung = Callable[[Rank, int, Verdict, int], None]
 
-class NodeRequests(NodeHangs):
-    """Timer and control-request handling of a node monitor."""
 
-    def _on_timer_expired(self, timer: ExpiredTimer) -> None:
-        rank = self._rank_of_pid(timer.pid)
+class RequestDesk:
+    """The timer server's two callbacks, and the requests queue the supervisor polls."""
+
+    def __init__(self, ranks: AttemptRanks, slots: Slots, emit: LogEvent, on_hung: OnHung) -> None:
+        self._ranks = ranks
+        self._slots = slots
+        self._emit = emit
+        self._on_hung = on_hung
+        self._lock = threading.Lock()
+        self._requests: list[ControlRequest] = []
+        self._pending_controls: list[tuple[ControlMessage, float]] = []
+        self._refused_pids: set[int] = set()
+
+    def new_attempt(self) -> None:
+        with self._lock:
+            self._refused_pids.clear()
+
+    def add(self, request: ControlRequest) -> None:
+        """Queues a request the monitor makes itself (a straggler's node leaving)."""
+        with self._lock:
+            self._requests.append(request)
+
+    def poll(self) -> list[ControlRequest]:
+        self.resolve()
+        with self._lock:
+            out, self._requests = self._requests, []
+        return out
+
+    def on_timer_expired(self, timer: ExpiredTimer) -> None:
+        rank = self._ranks.owner_of(timer.pid)
         if rank is None:
             # Only workers of this attempt (and their children) are ever signalled on
             # request: a timer must not become a way to kill the guardian, the warm
@@ -49,7 +80,7 @@ class NodeRequests(NodeHangs):
                     {"pid": timer.pid, "scope": timer.scope_id, "rank": None, "reaped": False},
                 )
             return
-        snap = layout.read_slot(self._mm, rank.local_rank) if self._mm is not None else None
+        snap = self._slots.read(rank.local_rank)
         hb_age = None
         iteration = None
         if snap is not None and snap.pid == timer.pid:
@@ -59,8 +90,7 @@ class NodeRequests(NodeHangs):
         verdict = Verdict(
             HangKind.TIMER, timer.scope_id, timer.timeout_hint or 0.0, hb_age, iteration
         )
-        self._begin_hang(rank, timer.pid, verdict, timer.signal)
-        self._wake.set()
+        self._on_hung(rank, timer.pid, verdict, timer.signal)
 
     def _note_foreign(self, pid: int) -> bool:
         """True the first time `pid` is refused (so each is logged once, in bounded memory)."""
@@ -72,7 +102,7 @@ class NodeRequests(NodeHangs):
             self._refused_pids.add(pid)
             return True
 
-    def _on_control(self, msg: ControlMessage) -> None:
+    def on_control(self, msg: ControlMessage) -> None:
         # Resolved now while the sender surely runs; one that arrives before its attempt
         # is registered waits (bounded) for begin_attempt or the supervisor's next poll.
         if self._accept_control(msg, time.monotonic()):
@@ -82,7 +112,7 @@ class NodeRequests(NodeHangs):
                 self._pending_controls.pop(0)
             self._pending_controls.append((msg, time.monotonic()))
 
-    def _resolve_controls(self) -> None:
+    def resolve(self) -> None:
         with self._lock:
             pending, self._pending_controls = self._pending_controls, []
         keep = [(msg, t) for msg, t in pending if not self._accept_control(msg, t)]
@@ -92,7 +122,7 @@ class NodeRequests(NodeHangs):
     def _accept_control(self, msg: ControlMessage, received: float) -> bool:
         """Queues the request of a worker; False while a live unknown sender may still turn
         out to be one (within CONTROL_GRACE); refuses (and logs once) anything else."""
-        rank = self._rank_of_pid(msg.pid)
+        rank = self._ranks.owner_of(msg.pid)
         if rank is None:
             if time.monotonic() - received < CONTROL_GRACE and procs.is_alive(msg.pid):
                 return False

@@ -1,17 +1,14 @@
-"""What the parts of a node monitor share: its fields, the records they pass, two helpers.
+"""The node monitor's records and its two smallest parts: the event sink and the ranks.
 
-`NodeState` sets up every field of `NodeMonitor` (locks, the attempt's ranks, the hang
-schedule, learned timeouts, the job-sync round, the timer server) and owns emitting an
-event and telling whether a pid is one of this attempt's workers. The parts built on it
-(`node_learned`, `node_stragglers`, `node_sync`, `node_hangs`, `node_requests`) add the
-methods of one concern each; `node.NodeMonitor` puts them together.
+`Rank`, `Window` and `Hang` are the records the parts hand each other. `EventSink` is
+the one way a part logs an event (serialised, and never raising into a scanner).
+`AttemptRanks` owns the attempt's ranks: which pid is which rank (or descends from one),
+which ranks are still judged, the attempt number; it calls no other part.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -22,18 +19,10 @@ from typing import Any
 from stalwart.base import procs
 from stalwart.base.events import Event
 from stalwart.base.files import untrusted
-from stalwart.monitor import auto, dossier, jobsync, stacks
-from stalwart.monitor.config import MonitorConfig
-from stalwart.monitor.jobsync import JobPeers, NodeRhythm
-from stalwart.monitor.judge import (
-    Stalled,
-    Verdict,
-)
-from stalwart.monitor.learned import LearnedTimeouts
-from stalwart.monitor.reports import ControlRequest, HangReport
-from stalwart.monitor.suspicions import Suspicions
-from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
-from stalwart.monitor.wire import ControlMessage
+from stalwart.monitor import stacks
+from stalwart.monitor.jobsync import NodeRhythm
+from stalwart.monitor.judge import Verdict
+from stalwart.monitor.suspicions import Watched
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +36,7 @@ LEARNED_NAME = "learned_timeouts.json"
 
 
 @dataclasses.dataclass
-class _Rank:
+class Rank:
     local_rank: int
     global_rank: int
     pid: int
@@ -66,7 +55,7 @@ class _Rank:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Window:
+class Window:
     """A straggler window of this node, waiting to be compared with the job's."""
 
     rhythm: NodeRhythm
@@ -75,10 +64,10 @@ class _Window:
 
 
 @dataclasses.dataclass
-class _Hang:
+class Hang:
     """A hang being handled: stacks requested, then terminate, then kill."""
 
-    rank: _Rank
+    rank: Rank
     target: int  # the process that writes the slot (or holds the timer)
     verdict: Verdict
     term_signal: int
@@ -95,14 +84,14 @@ class _Hang:
     evidence: str | None = None  # what its processes and stack showed (evidence mode)
 
 
-def _ask_stacks(pid: int) -> bool:
+def ask_stacks(pid: int) -> bool:
     """Asks a rank for its stacks, only where it has the handler (else the signal kills)."""
     return procs.catches_signal(pid, stacks.STACK_SIGNAL) and procs.signal_pid(
         pid, stacks.STACK_SIGNAL
     )
 
 
-def _ensure_private_dir(path: Path) -> None:
+def ensure_private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     problem = untrusted(os.lstat(path), "folder", private=False)
     if problem is not None:
@@ -110,113 +99,97 @@ def _ensure_private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-class NodeState(abc.ABC):
-    """The fields every part of `NodeMonitor` reads and writes."""
+class EventSink:
+    """Logs the monitor's events one at a time from any of its threads."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        config: MonitorConfig,
-        local_world_size: int,
-        log_event: LogEvent,
-        state_dir: Path | None = None,
-    ) -> None:
-        """state_dir: the job's run folder, where timeouts learned with ``auto`` are kept
-        (and read back from at start, so they survive a restart) and hang dossiers are
-        written; None keeps neither."""
-        if local_world_size < 1:
-            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
-        self.run_dir = Path(run_dir)
-        self.config = config
-        self.local_world_size = local_world_size
+    def __init__(self, log_event: LogEvent) -> None:
         self._log_event = log_event
-        self.shm_path = self.run_dir / SHM_NAME
-        self.pipe_path = self.run_dir / PIPE_NAME
-        self._mm: Any = None
-        self._retired: list[Any] = []
-        self._floor = 0.0  # monotonic time the segment was made: no slot time is older
-        self._bad_fields: set[tuple[int, str]] = set()  # (local rank, field) logged once
-        self._lock = threading.RLock()
-        self._event_lock = threading.Lock()
-        self._ranks: dict[int, _Rank] = {}
-        self._global_ranks: dict[int, int] = {}
-        self._attempt: int | None = None
-        # Ranks found hung this attempt, so that one found later is compared with them.
-        self._stalled: list[Stalled] = []
-        self._roots: dict[int, _Hang] = {}  # global rank -> its hang, this attempt
-        self._hangs: list[HangReport] = []
-        self._requests: list[ControlRequest] = []
-        self._pending_controls: list[tuple[ControlMessage, float]] = []
-        self._refused_pids: set[int] = set()
-        # pid -> start time of processes found not to descend from a worker (this attempt).
-        self._not_ours: dict[int, int] = {}
-        # (due, seq, step, hang): steps run on the scanner thread, in due order.
-        self._schedule: list[tuple[float, int, str, _Hang]] = []
-        self._seq = itertools.count()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._scanner: threading.Thread | None = None
-        self._state_dir = state_dir
-        self._straggler_due = 0.0
-        self._straggler_logged: dict[int, float] = {}  # global rank -> last console line
-        self._learned_path = state_dir / LEARNED_NAME if state_dir is not None else None
-        # The hang dossier of the current attempt: every rank's state and stack offsets.
-        self._dossier: dict[int, dossier.RankEntry] | None = None
-        self._learned = LearnedTimeouts()
-        self._learned_lock = threading.Lock()  # one writer of the learned-timeouts file
-        # Sharing with the job's other nodes (see monitor.jobsync): set per round.
-        self._peers: JobPeers | None = None
-        self._sync_wake = threading.Event()
-        self._syncer: threading.Thread | None = None
-        # Sync thread only: the round it shares in, what the job's store is known to hold
-        # in it (ours and others' values; ours is published only when it adds to that),
-        # and the store's change counter when last read.
-        self._sync_round: int | None = None
-        self._job_known = LearnedTimeouts()
-        self._seen_version = -1
-        self._window_seq = 0
-        self._freshness = jobsync.Freshness(2 * config.straggler_window)
-        self._window: _Window | None = None  # the last window, for the sync thread
-        self._sync_warned: set[str] = set()
-        self._exclusion_asked = False  # --straggler-restart: once per attempt
-        self._rhythms: dict[int, auto.Rhythm] = {}
-        # Ranks past a learned deadline, until evidence says they are hung (or not).
-        self._suspicions = Suspicions(_ask_stacks)
-        self._auto = auto.AutoSettings(
-            hb=config.hb_auto,
-            sections=config.section_auto,
-            oos=config.oos_auto,
-            warmup_steps=config.auto_warmup_steps,
-            warmup_seconds=config.auto_warmup_seconds,
-            percentile=config.auto_percentile,
-            factor=config.safety_factor,
-            floor=config.auto_floor,
-        )
-        self._timers = TimerServer(
-            self.pipe_path,
-            on_expired=self._on_timer_expired,
-            on_control=self._on_control,
-            log_event=self._emit,
-            max_interval=min(config.check_interval, 0.1),
-        )
+        self._lock = threading.Lock()
 
-    @abc.abstractmethod
-    def _on_timer_expired(self, timer: ExpiredTimer) -> None:
-        """The timer server's callback for an expired timer (see node_requests)."""
-
-    @abc.abstractmethod
-    def _on_control(self, msg: ControlMessage) -> None:
-        """The timer server's callback for a worker's control request (see node_requests)."""
-
-    # -- helpers ---------------------------------------------------------------------
-    def _emit(self, event: Event, fields: dict[str, Any]) -> None:
+    def __call__(self, event: Event, fields: dict[str, Any]) -> None:
         try:
-            with self._event_lock:
+            with self._lock:
                 self._log_event(event, fields)
         except Exception:  # a broken sink must not stop hang detection
             log.exception("log_event(%s) failed", event)
 
-    def _rank_of_pid(self, pid: int) -> _Rank | None:
+
+class AttemptRanks:
+    """The ranks of the attempt being judged, and which process belongs to which."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[int, Rank] = {}
+        self._global_ranks: dict[int, int] = {}  # from worker_env, until the attempt says
+        self._attempt: int | None = None
+        # pid -> start time of processes found not to descend from a worker (this attempt).
+        self._not_ours: dict[int, int] = {}
+
+    @property
+    def attempt(self) -> int | None:
+        return self._attempt
+
+    def name(self, local_rank: int, global_rank: int) -> None:
+        with self._lock:
+            self._global_ranks[local_rank] = global_rank
+
+    def begin(
+        self,
+        attempt: int,
+        pids: dict[int, int],
+        stderr_paths: dict[int, Path],
+        global_ranks: dict[int, int] | None,
+    ) -> None:
+        with self._lock:
+            self._not_ours.clear()
+            self._attempt = attempt
+            self._ranks = {
+                lr: Rank(
+                    local_rank=lr,
+                    global_rank=(global_ranks or self._global_ranks).get(lr, -1),
+                    pid=pid,
+                    start_time=procs.start_time(pid),
+                    stderr=Path(stderr_paths[lr]) if lr in stderr_paths else None,
+                )
+                for lr, pid in pids.items()
+            }
+
+    def end(self) -> list[Rank]:
+        """Forgets the attempt; the ranks it had."""
+        with self._lock:
+            ended = list(self._ranks.values())
+            self._ranks = {}
+            self._attempt = None
+        return ended
+
+    def current(self) -> list[Rank]:
+        with self._lock:
+            return list(self._ranks.values())
+
+    def armed(self) -> list[Rank]:
+        """The ranks still judged (no hang handled yet this attempt)."""
+        with self._lock:
+            return [r for r in self._ranks.values() if r.judged]
+
+    def watched(self) -> dict[int, Watched]:
+        with self._lock:
+            return {lr: Watched(r.pid, r.stderr) for lr, r in self._ranks.items()}
+
+    def pid_of(self, local_rank: int) -> int:
+        """The worker pid of `local_rank` this attempt; 0 when there is none."""
+        with self._lock:
+            rank = self._ranks.get(local_rank)
+        return rank.pid if rank is not None else 0
+
+    def claim(self, rank: Rank) -> bool:
+        """True once per rank and attempt: the caller handles its hang."""
+        with self._lock:
+            if not rank.judged:
+                return False
+            rank.judged = False
+            return True
+
+    def owner_of(self, pid: int) -> Rank | None:
         """The rank `pid` is, or descends from; None for any other process."""
         with self._lock:
             for rank in self._ranks.values():
@@ -238,9 +211,11 @@ class NodeState(abc.ABC):
                 self._not_ours[pid] = started
         return None
 
-    def _same_process(self, rank: _Rank, pid: int) -> bool:
-        if pid != rank.pid:
-            if pid in rank.verified_pids:
-                return procs.start_time(pid) == rank.verified_pids[pid] and procs.is_alive(pid)
-            return procs.is_alive(pid)
-        return rank.start_time is None or procs.start_time(pid) == rank.start_time
+
+def same_process(rank: Rank, pid: int) -> bool:
+    """Whether `pid` is still the process `rank` knew by it (not a reused pid)."""
+    if pid != rank.pid:
+        if pid in rank.verified_pids:
+            return procs.start_time(pid) == rank.verified_pids[pid] and procs.is_alive(pid)
+        return procs.is_alive(pid)
+    return rank.start_time is None or procs.start_time(pid) == rank.start_time

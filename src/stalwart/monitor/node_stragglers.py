@@ -1,22 +1,26 @@
 """Stragglers: ranks measurably slower per step than the others.
 
-Every ``straggler_window`` the scanner measures each rank's seconds per step; alone on
-its node it compares them here, in a job of several nodes the sync thread compares
-them with the job's (`node_sync`). A straggler is named (an event each window, a
-console line at most every STRAGGLER_LOG_EVERY) and, with ``straggler_restart``, its
-node asks to leave the job.
+`StragglerWatch` owns the straggler windows: every ``straggler_window`` it measures each
+rank's seconds per step (`measure`, over the pure `step_times`); alone on its node the
+coordinator has it compare them here (`judge_alone`), in a job of several nodes the
+job-sync part compares them with the job's and hands the verdicts back (`report`). A
+straggler is named (an event each window, a console line at most every
+STRAGGLER_LOG_EVERY) and, with ``straggler_restart``, its node asks to leave the job.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
+from collections.abc import Callable, Sequence
 
 from stalwart.base.events import Event
+from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
 from stalwart.monitor.judge import stragglers
-from stalwart.monitor.node_state import NodeState, _Rank, _Window
+from stalwart.monitor.node_state import LogEvent, Rank, Window
 from stalwart.monitor.reports import ControlAction, ControlRequest
 
 log = logging.getLogger(__name__)
@@ -24,52 +28,82 @@ log = logging.getLogger(__name__)
 STRAGGLER_LOG_EVERY = 60.0
 
 
-class NodeStragglers(NodeState):
-    """Straggler windows of a node monitor."""
+def step_times(
+    progress: Sequence[tuple[float, int]], now: float, window: float
+) -> tuple[float | None, list[tuple[float, int]]]:
+    """Seconds per step over the window ending `now` from (time, iteration) points, or
+    None where the rank did not move in it; and the points the next window starts from
+    (the window's last one)."""
+    recent = [p for p in progress if p[0] >= now - window]
+    if len(recent) >= 2 and recent[-1][1] > recent[0][1]:
+        per_step = (recent[-1][0] - recent[0][0]) / (recent[-1][1] - recent[0][1])
+        return per_step, recent[-1:]
+    return None, recent[-1:]
 
-    def _check_stragglers(self, ranks: list[_Rank]) -> None:
-        """Every straggler_window: measures the ranks' seconds per step over the window
-        just ended; compares them with the node's other ranks, or, when the job has
-        other nodes, hands them to the sync thread to compare with the job's."""
-        now = time.monotonic()
+
+class StragglerWatch:
+    """Straggler windows of a node monitor, and what it does about a straggler."""
+
+    def __init__(
+        self,
+        config: MonitorConfig,
+        emit: LogEvent,
+        ask: Callable[[ControlRequest], None],
+        pid_of: Callable[[int], int],
+        host: str | None = None,
+    ) -> None:
+        """ask: queues a request for the supervisor; pid_of: a local rank's worker pid
+        (0: none); host: this node's name in windows (default: the host name)."""
+        self.config = config
+        self._emit = emit
+        self._ask = ask
+        self._pid_of = pid_of
+        self._host = host
+        self._lock = threading.Lock()
+        self._due = 0.0
+        self._logged: dict[int, float] = {}  # global rank -> last console line
+        self._exclusion_asked = False  # --straggler-restart: once per attempt
+
+    def new_attempt(self) -> None:
+        with self._lock:
+            self._exclusion_asked = False
+
+    def measure(self, ranks: list[Rank], attempt: int | None, now: float) -> Window | None:
+        """The window just ended, once every straggler_window (else None); each rank's
+        progress points are trimmed to start the next one."""
         window = self.config.straggler_window
-        if self._straggler_due == 0.0:
-            self._straggler_due = now + window
-        if now < self._straggler_due:
-            return
-        self._straggler_due = now + window
-        step_times: dict[int, float] = {}
+        if self._due == 0.0:
+            self._due = now + window
+        if now < self._due:
+            return None
+        self._due = now + window
+        times: dict[int, float] = {}
         local: dict[int, int] = {}
         for rank in ranks:
-            recent = [p for p in rank.progress if p[0] >= now - window]
-            rank.progress = recent[-1:]  # the window's last point starts the next one
-            if len(recent) >= 2 and recent[-1][1] > recent[0][1]:
-                step_times[rank.global_rank] = (recent[-1][0] - recent[0][0]) / (
-                    recent[-1][1] - recent[0][1]
-                )
+            per_step, rank.progress = step_times(rank.progress, now, window)
+            if per_step is not None:
+                times[rank.global_rank] = per_step
                 local[rank.global_rank] = rank.local_rank
-        mine = NodeRhythm(socket.gethostname(), window, step_times)
-        with self._lock:
-            shared = self._peers is not None
-            if shared:
-                self._window = _Window(mine, local, self._attempt)
-        if shared:
-            self._sync_wake.set()
-            return
-        self._report_stragglers(
-            stragglers(step_times, self.config.straggler_factor),
-            step_times,
-            dict.fromkeys(step_times, mine.host),
-            _Window(mine, local, self._attempt),
+        host = self._host if self._host is not None else socket.gethostname()
+        return Window(NodeRhythm(host, window, times), local, attempt)
+
+    def judge_alone(self, mine: Window) -> None:
+        """Compares the node's ranks with each other (a job of one node)."""
+        times = mine.rhythm.step_times
+        self.report(
+            stragglers(times, self.config.straggler_factor),
+            times,
+            dict.fromkeys(times, mine.rhythm.host),
+            mine,
             None,
         )
 
-    def _report_stragglers(
+    def report(
         self,
         verdicts: dict[int, float],
         step_times: dict[int, float],
         hosts: dict[int, str],
-        mine: _Window,
+        mine: Window,
         peers: JobPeers | None,
         nodes: int = 1,
     ) -> None:
@@ -93,9 +127,9 @@ class NodeStragglers(NodeState):
                 "nodes_compared": nodes,
             }
             self._emit(Event.STRAGGLER, fields)
-            last = self._straggler_logged.get(global_rank)
+            last = self._logged.get(global_rank)
             if last is None or now - last >= STRAGGLER_LOG_EVERY:
-                self._straggler_logged[global_rank] = now
+                self._logged[global_rank] = now
                 log.warning(
                     "rank %d on %s is a straggler: %.1fx slower per step than %s other "
                     "ranks over the last %.0f s",
@@ -117,7 +151,6 @@ class NodeStragglers(NodeState):
             if self._exclusion_asked:
                 return
             self._exclusion_asked = True
-            rank = self._ranks.get(local_rank)
         if peers is None or not peers.elastic:
             log.warning(
                 "rank %d is a straggler, but only a job of elastic membership (--nnodes "
@@ -133,10 +166,9 @@ class NodeStragglers(NodeState):
             action=ControlAction.EXCLUDE_NODE,
             global_rank=global_rank,
             local_rank=local_rank,
-            pid=rank.pid if rank is not None else 0,
+            pid=self._pid_of(local_rank),
             received_at=time.time(),
             reason=reason,
         )
-        with self._lock:
-            self._requests.append(req)
+        self._ask(req)
         log.warning("%s: asking to restart the job without this node", reason)

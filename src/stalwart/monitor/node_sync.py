@@ -1,53 +1,122 @@
 """The sync thread: a node monitor's share of the job's store.
 
-Through `JobPeers.store` (see `monitor.jobsync` for the keys and encodings) it publishes
-this node's learned timeouts and straggler windows, reads the other nodes', folds their
-learned timeouts into this node's and compares the job's windows. A lost store is
-logged once per key and left to the supervisor.
+`JobSync` owns the node's membership of the job (the round's `JobPeers`) and the sync
+thread. Through `JobPeers.store` (see `monitor.jobsync` for the keys and encodings) it
+publishes this node's learned timeouts (from the `Learning` part) and straggler windows
+(handed over by `offer`), reads the other nodes', folds their learned timeouts into
+`Learning` and hands the job's straggler verdicts to the `StragglerWatch`. A lost store
+is logged once per key and left to the supervisor.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 import msgspec
 
 from stalwart.monitor import auto, jobsync
+from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.jobsync import JobPeers, NodeRhythm
 from stalwart.monitor.judge import stragglers
 from stalwart.monitor.learned import LearnedTimeouts
-from stalwart.monitor.node_learned import NodeLearning
-from stalwart.monitor.node_state import _Window
-from stalwart.monitor.node_stragglers import NodeStragglers
+from stalwart.monitor.node_learned import Learning
+from stalwart.monitor.node_state import Window
+from stalwart.monitor.node_stragglers import StragglerWatch
 
 log = logging.getLogger(__name__)
 
 
-class NodeSync(NodeLearning, NodeStragglers):
-    """The job-sync thread of a node monitor."""
+class JobSync:
+    """This node's exchange with the job's other nodes, on a thread of its own."""
 
-    def _sync_loop(self) -> None:
+    def __init__(self, config: MonitorConfig, learning: Learning, watch: StragglerWatch) -> None:
+        self.config = config
+        self._learning = learning
+        self._watch = watch
+        self._lock = threading.Lock()
+        self._peers: JobPeers | None = None
+        self._window: Window | None = None  # the last window offered, for the sync thread
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Sync thread only: the round it shares in, what the job's store is known to hold
+        # in it (ours and others' values; ours is published only when it adds to that),
+        # and the store's change counter when last read.
+        self._round: int | None = None
+        self._job_known = LearnedTimeouts()
+        self._seen_version = -1
+        self._window_seq = 0
+        self._freshness = jobsync.Freshness(2 * config.straggler_window)
+        self._warned: set[str] = set()
+
+    def start(self) -> None:
+        self._stop.clear()
+
+    def join(self, peers: JobPeers | None) -> None:
+        """The job's other nodes for the round about to start; None, or a one-node
+        round: nothing is shared."""
+        if peers is not None and peers.nnodes < 2:
+            peers = None
+        with self._lock:
+            self._peers = peers
+            self._window = None
+            starts = peers is not None and self._thread is None and not self._stop.is_set()
+            if starts:
+                self._thread = threading.Thread(
+                    target=self._loop, name="stalwart-monitor-sync", daemon=True
+                )
+        if starts and self._thread is not None:
+            self._thread.start()
+        self._wake.set()
+
+    def offer(self, window: Window) -> bool:
+        """Hands a straggler window over to be compared with the job's; False when the
+        node is alone in its round (the caller compares it)."""
+        with self._lock:
+            if self._peers is None:
+                return False
+            self._window = window
+        self._wake.set()
+        return True
+
+    def wake(self) -> None:
+        """Shares without waiting for the next poll (something changed)."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            # A store call that hangs is bounded by the store's own timeout; the thread
+            # is a daemon and cannot hold the launcher's exit.
+            thread.join(timeout=5)
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
                 peers = self._peers
             if peers is not None:
                 try:
-                    self._sync_once(peers)
+                    self.sync_once(peers)
                 except Exception as exc:  # a lost store is the supervisor's to act on
-                    self._sync_warn("store", "could not share monitor state with the job: %s", exc)
-            self._sync_wake.wait(jobsync.SYNC_EVERY)
-            self._sync_wake.clear()
+                    self._warn("store", "could not share monitor state with the job: %s", exc)
+            self._wake.wait(jobsync.SYNC_EVERY)
+            self._wake.clear()
 
-    def _sync_warn(self, key: str, fmt: str, *args: Any) -> None:
-        if key not in self._sync_warned:
-            self._sync_warned.add(key)
+    def _warn(self, key: str, fmt: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
             log.warning(fmt, *args)
 
-    def _sync_once(self, peers: JobPeers) -> None:
-        if peers.round != self._sync_round:  # a new round's keys: publish again, read again
-            self._sync_round, self._job_known, self._seen_version = (
+    def sync_once(self, peers: JobPeers) -> None:
+        """One poll of the job's store (the sync thread's; tests call it directly)."""
+        if peers.round != self._round:  # a new round's keys: publish again, read again
+            self._round, self._job_known, self._seen_version = (
                 peers.round,
                 LearnedTimeouts(),
                 -1,
@@ -62,7 +131,7 @@ class NodeSync(NodeLearning, NodeStragglers):
         if window is not None:
             self._sync_window(peers, window)
 
-    def _sync_window(self, peers: JobPeers, window: _Window) -> None:
+    def _sync_window(self, peers: JobPeers, window: Window) -> None:
         """Publishes this node's straggler window, compares it with the other nodes'
         latest ones, and names this node's stragglers. A window in which no rank of
         this node moved (finished, or hung: the hang checks' business) is not published:
@@ -85,17 +154,16 @@ class NodeSync(NodeLearning, NodeStragglers):
                 if self._freshness.fresh(node, other.seq, now):
                     others.append((node, other))
             except ValueError as exc:
-                self._sync_warn(key, "ignoring a straggler window at store key %s: %s", key, exc)
+                self._warn(key, "ignoring a straggler window at store key %s: %s", key, exc)
         steps, hosts = jobsync.pool_rhythms(window.rhythm, peers.node_rank, others)
         verdicts = stragglers(steps, self.config.straggler_factor)
-        self._report_stragglers(verdicts, steps, hosts, window, peers, 1 + len(others))
+        self._watch.report(verdicts, steps, hosts, window, peers, 1 + len(others))
 
     def _sync_learned(self, peers: JobPeers) -> None:
         """Publishes this node's learned timeouts when they changed; reads the others'
         when any changed (one counter read per poll otherwise) and applies the maximum."""
         store, r = peers.store, peers.round
-        with self._lock:
-            mine = self._learned
+        mine = self._learning.current
         if auto.merge(self._job_known, mine) != self._job_known:
             store.set(jobsync.learned_key(r, peers.node_rank), jobsync.encode_learned(mine))
             store.add(jobsync.learned_version_key(r), 1)
@@ -112,6 +180,6 @@ class NodeSync(NodeLearning, NodeStragglers):
             try:
                 job = auto.merge(job, jobsync.decode_learned(raw))
             except ValueError as exc:
-                self._sync_warn(key, "ignoring learned timeouts at store key %s: %s", key, exc)
+                self._warn(key, "ignoring learned timeouts at store key %s: %s", key, exc)
         self._job_known = auto.merge(self._job_known, job)
-        self._fold_learned(job, "job")
+        self._learning.fold(job, "job")

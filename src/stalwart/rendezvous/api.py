@@ -157,6 +157,20 @@ class Rendezvous(Protocol):
         """The failure records of every node that reported one in *round_*."""
         ...
 
+    @property
+    def name(self) -> str:
+        """This node as the quarantine ledger names it (``node_names`` names the others)."""
+        ...
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        """The nodes of *round_* by node rank, named as ``name`` names this one."""
+        ...
+
+    def withdraw(self) -> int:
+        """This node leaves the job for good before its next round (it is quarantined);
+        returns how many other nodes remain in the job to go on without it."""
+        ...
+
     def report_done(self, round_: int) -> None:
         """This node's workers all succeeded in *round_*."""
         ...

@@ -36,6 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from stalwart.base.sealed import Seal
 from stalwart.rendezvous import close_rule as rule
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
@@ -48,8 +49,15 @@ from stalwart.rendezvous.api import (
     StoreLost,
     bounded_failure,
 )
-from stalwart.rendezvous.kv import KV, host_store, parse_address, read_failures
-from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none
+from stalwart.rendezvous.kv import (
+    KV,
+    STORE_LABEL,
+    SealedKV,
+    host_store,
+    parse_address,
+    read_failures,
+)
+from stalwart.rendezvous.members import JobEnd, Liveness, Member, decode_or_none, node_name
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +93,10 @@ class ElasticRendezvous:
         rank_hint: int | None = None,
         backend: str = "c10d",
         hosts_store: bool = False,
+        seal: Seal | None = None,
     ) -> None:
-        self.kv = kv
+        # Job end, failures, members, closes, addresses, keep-alives: sealed.
+        self.kv: KV = SealedKV(kv, seal if seal is not None else Seal(None, STORE_LABEL))
         self.settings = settings
         self.run_id = run_id
         self.backend = backend
@@ -380,6 +390,27 @@ class ElasticRendezvous:
 
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, len(self._members_of(round_)), self._warned)
+
+    @property
+    def name(self) -> str:
+        return node_name(socket.gethostname(), self.local_addr)
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        return tuple(node_name(m.host, m.addr) for m in self._members_of(round_))
+
+    def withdraw(self) -> int:
+        """Leaves the job for good before the next round: says so in the store at once
+        (the next round closes without waiting for this node) and, hosting the c10d
+        store, keeps serving it on ``leave``.  Returns how many other nodes are still in
+        the job: alive, not left, spares waiting included."""
+        self._excluded = True
+        self.kv.set(keys.left(self.id), "1")
+        others = [i for i in self._registered() if i != self.id]
+        self._live.observe(others)
+        gone = self.kv.get_many([keys.left(i) for i in others])
+        return sum(
+            1 for i, g in zip(others, gone, strict=True) if g is None and self._live.lost(i) is None
+        )
 
     def report_done(self, round_: int) -> None:
         # One key per node, not a counter: a retried etcd transaction could count twice.

@@ -5,7 +5,7 @@ Job-wide keys:
 * ``run_id``: the job this store belongs to (the host, or the first node, writes it);
 * ``job/ended``: written once when the job is over, so spares waiting to join stop;
 * ``hb/<node id>``: a node's keep-alive counter (elastic);
-* ``left/<node id>``: a node left the job (elastic); ``left``: how many did (static);
+* ``left/<node id>``: a node left the job (elastic; static: ``<node id>`` is its rank);
 * ``node_counter``: hands out node ranks in order of arrival (static, no ``--node-rank``).
 
 Per-round keys, under ``r<n>/`` (``Round``):
@@ -16,8 +16,11 @@ Per-round keys, under ``r<n>/`` (``Round``):
 * ``master``: where the workers' store of the round listens;
 * ``failure/<node rank>`` then ``failed``: a node's account of a failed round, then the
   flag every node polls;
-* ``done/<node rank>`` (elastic) or the ``done`` counter (static): a node's workers
-  all succeeded.
+* ``done/<node rank>``: a node's workers all succeeded (a key per node, never a
+  counter: a counter carries no MAC, and a non-number written to one makes the store
+  drop the next client that adds to it);
+* ``implicated/<node rank>``: which node a failed round points at, as the node of that
+  rank saw it (the quarantine ledger, ``health/ledger.py``; MACed by the job's key).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from dataclasses import dataclass
 
 RUN_ID = "run_id"
 JOB_ENDED = "job/ended"
-LEFT_COUNT = "left"
 NODE_COUNTER = "node_counter"
 
 
@@ -64,10 +66,6 @@ class Round:
     def failed(self) -> str:
         return f"{self._p}failed"
 
-    @property
-    def done_count(self) -> str:
-        return f"{self._p}done"
-
     def node(self, slot: int) -> str:
         return f"{self._p}node/{slot}"
 
@@ -79,3 +77,6 @@ class Round:
 
     def done(self, node_rank: int) -> str:
         return f"{self._p}done/{node_rank}"
+
+    def implicated(self, node_rank: int) -> str:
+        return f"{self._p}implicated/{node_rank}"

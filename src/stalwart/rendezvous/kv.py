@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import msgspec
 
+from stalwart.base.sealed import Seal, SealError
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import FailureRecord, RendezvousError, StoreLost, decode_failure
 
@@ -159,6 +160,71 @@ class C10dKV:
 
     def close(self) -> None:
         """The store object goes with this launcher; nothing to release early."""
+
+
+#: The use the store's seal is derived for (``base.sealed.derive_key``).
+STORE_LABEL = "stalwart-store/1"
+#: Keys written in the clear: the run id is what a node compares before anything else,
+#: so a node of another job (or with another secret) is told so in one line.
+UNSEALED = frozenset({keys.RUN_ID})
+#: Keys whose refused value is logged (once each); later ones only count.
+_MAX_WARNED = 256
+
+
+class SealedKV:
+    """A ``KV`` whose values carry the job's MAC (``base.sealed``): every value written
+    is sealed, every value read back opened, and one a stranger wrote (no MAC, a wrong
+    one, or too large) reads as absent, logged once per key. Counters (``add``) cannot
+    be sealed: what they steer is bounded by the sealed records they count."""
+
+    def __init__(self, inner: KV, seal: Seal) -> None:
+        self._inner = inner
+        self._seal = seal
+        self._warned: set[str] = set()
+        self.refused = 0
+
+    def __str__(self) -> str:
+        return str(self._inner)
+
+    def _open(self, key: str, raw: bytes | None) -> bytes | None:
+        if raw is None or key in UNSEALED:
+            return raw
+        try:
+            return self._seal.open(key, raw)
+        except SealError as err:
+            self.refused += 1
+            if key not in self._warned and len(self._warned) < _MAX_WARNED:
+                self._warned.add(key)
+                logger.warning("refused the value at rendezvous store key %s: %s", key, err)
+            return None
+
+    def _close(self, key: str, value: str) -> str:
+        if key in UNSEALED:
+            return value
+        return self._seal.close(key, value.encode()).decode()
+
+    def get(self, key: str) -> bytes | None:
+        return self._open(key, self._inner.get(key))
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        return [self._open(k, v) for k, v in zip(keys, self._inner.get_many(keys), strict=True)]
+
+    def set(self, key: str, value: str, *, leased: bool = False) -> None:
+        self._inner.set(key, self._close(key, value), leased=leased)
+
+    def create(self, key: str, value: str) -> bytes:
+        # A stranger's value taken first reads as empty: the caller reads the key again
+        # (and finds it absent) rather than acting on it.
+        return self._open(key, self._inner.create(key, self._close(key, value))) or b""
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def refresh(self) -> None:
+        self._inner.refresh()
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 class MemoryStore:

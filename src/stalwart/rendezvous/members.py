@@ -37,6 +37,12 @@ class Member(msgspec.Struct, frozen=True):
         return msgspec.json.encode(self).decode()
 
 
+def node_name(host: str, addr: str) -> str:
+    """A node as the quarantine ledger names it: its host and the address it advertises
+    (simulated hosts on one machine share a host name, never an address)."""
+    return f"{host}@{addr}"
+
+
 class JobEnd(msgspec.Struct, frozen=True):
     succeeded: bool
     reason: str = ""

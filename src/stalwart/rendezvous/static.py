@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from stalwart.base.sealed import Seal
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -27,7 +28,9 @@ from stalwart.rendezvous.api import (
     bounded_failure,
 )
 from stalwart.rendezvous.kv import (
+    STORE_LABEL,
     C10dKV,
+    SealedKV,
     check_run_id,
     host_store,
     parse_address,
@@ -82,6 +85,7 @@ class StaticRendezvous:
         join_timeout: float = 600.0,
         exit_barrier_timeout: float = 30.0,
         op_timeout: float = OP_TIMEOUT,
+        seal: Seal | None = None,
     ) -> None:
         self.run_id = run_id
         self.nnodes = nnodes
@@ -92,14 +96,16 @@ class StaticRendezvous:
         self._master_addr = master_addr
         self._worker_stores: dict[int, TCPStore] = {}
         self._warned: set[str] = set()
-        self.kv = C10dKV(
+        store = C10dKV(
             endpoint.host,
             endpoint.port,
             is_host=host_store,
             connect_timeout=join_timeout,
             op_timeout=op_timeout,
         )
-        self.endpoint = StoreEndpoint(endpoint.host, self.kv.port)
+        self.endpoint = StoreEndpoint(endpoint.host, store.port)
+        # Job end, failures, addresses, worker counts: what steers the job is sealed.
+        self.kv = SealedKV(store, seal if seal is not None else Seal(None, STORE_LABEL))
         check_run_id(self.kv, run_id, host_store, join_timeout, str(self.endpoint))
 
     # -- helpers -----------------------------------------------------------------------
@@ -184,11 +190,32 @@ class StaticRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
+    @property
+    def name(self) -> str:
+        # Fixed membership: a node keeps its rank for the whole job.
+        return f"node rank {self.node_rank}"
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        return tuple(f"node rank {i}" for i in range(self.nnodes))
+
+    def withdraw(self) -> int:
+        """No other node can take this one's place in a fixed membership."""
+        return 0
+
+    # Done and left are a sealed key per node, not counters: a counter carries no MAC,
+    # and a stranger who writes a non-number to one makes the store drop the next
+    # client that adds to it (the job then reads as having lost its store).
     def report_done(self, round_: int) -> None:
-        self.kv.add(keys.Round(round_).done_count, 1)
+        self.kv.set(keys.Round(round_).done(self._rank()), "1")
 
     def all_done(self, round_: int) -> bool:
-        return self.kv.add(keys.Round(round_).done_count, 0) >= self.nnodes
+        names = [keys.Round(round_).done(i) for i in range(self.nnodes)]
+        return all(v is not None for v in self.kv.get_many(names))
+
+    def _rank(self) -> int:
+        if self.node_rank is None:
+            raise RuntimeError("used before join()")
+        return self.node_rank
 
     def finish(self, succeeded: bool, reason: str, exit_code: int | None = None) -> None:
         """Static membership has no spares, but a peer that decided to restart may be
@@ -205,10 +232,12 @@ class StaticRendezvous:
     def leave(self) -> None:
         """Exit barrier: the host keeps the store up until every node has left."""
         try:
-            self.kv.add(keys.LEFT_COUNT, 1)
+            if self.node_rank is not None:
+                self.kv.set(keys.left(str(self.node_rank)), "1")
             if self.is_host and self.nnodes > 1:
                 deadline = time.monotonic() + self.exit_barrier_timeout
-                while self.kv.add(keys.LEFT_COUNT, 0) < self.nnodes:
+                names = [keys.left(str(i)) for i in range(self.nnodes)]
+                while not all(v is not None for v in self.kv.get_many(names)):
                     if time.monotonic() > deadline:
                         logger.warning("not every node left within %ss", self.exit_barrier_timeout)
                         break

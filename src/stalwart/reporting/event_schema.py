@@ -63,6 +63,9 @@ class EventFields(msgspec.Struct, kw_only=True):
     save_s: Seconds | None = None
     stall_s: Seconds | None = None
     root_cause: RootCause | None = None
+    # node_quarantined / node_released (reporting/quarantine.py)
+    node: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    since_attempt: Attempt | None = None
 
 
 # Kinds whose readers index a field without a default: the field must be there.
@@ -70,6 +73,8 @@ _REQUIRED = {
     "worker_spawn": ("rank",),
     "hang_detected": ("global_rank",),
     "progress": ("step",),
+    "node_quarantined": ("node",),
+    "node_released": ("node",),
 }
 
 

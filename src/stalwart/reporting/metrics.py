@@ -57,6 +57,8 @@ class RunState:
         self.step_rate = 0.0
         self.saves: list[float] = []
         self.newest_commit: float | None = None
+        self.quarantines = 0
+        self.quarantined: set[str] = set()
         self._kept: list[dict[str, Any]] = []
         self._progress: dict[tuple[int, int], tuple[dict[str, Any], dict[str, Any]]] = {}
         self._rate_from: tuple[float, int] | None = None
@@ -78,6 +80,11 @@ class RunState:
         elif kind == Event.HANG_DETECTED:
             why = str(ev.get("kind") or "unknown")
             self.hangs[why] = self.hangs.get(why, 0) + 1
+        elif kind == Event.NODE_QUARANTINED and isinstance(ev.get("node"), str):
+            self.quarantines += 1
+            self.quarantined.add(ev["node"])
+        elif kind == Event.NODE_RELEASED and isinstance(ev.get("node"), str):
+            self.quarantined.discard(ev["node"])
         elif kind == Event.RENDEZVOUS_DONE:
             self.attempt = _int(ev.get("attempt"), self.attempt)
             self.world_size = int(ev.get("world_size") or 0)
@@ -190,6 +197,14 @@ def _families(s: RunState, now: float) -> Iterator[Metric]:
     for kind, n in sorted(s.hangs.items()):
         c.add_metric([kind], n)
     yield c
+    c = CounterMetricFamily(
+        "stalwart_node_quarantines", "Nodes quarantined for failing K of the last M rounds"
+    )
+    c.add_metric([], s.quarantines)
+    yield c
+    yield GaugeMetricFamily(
+        "stalwart_nodes_quarantined", "Nodes kept out of the job now", len(s.quarantined)
+    )
     yield GaugeMetricFamily("stalwart_attempt", "Current attempt (restart count)", s.attempt)
     yield GaugeMetricFamily("stalwart_world_size", "Workers in the current attempt", s.world_size)
     yield GaugeMetricFamily("stalwart_step", "Latest training step reported", s.step)

@@ -23,6 +23,7 @@ from stalwart.base.events import Event
 from stalwart.base.files import replace_file
 from stalwart.base.records import printable
 from stalwart.reporting.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.quarantine import quarantine_lines, quarantines
 from stalwart.reporting.read import last_run_start, read_events
 
 
@@ -114,6 +115,10 @@ def run_record(path: Path) -> dict[str, Any]:
         "outcome": _outcome(events),
         "breakdown": b.to_dict(),
         "attempts": summarise(events),
+        "quarantined": [
+            {"node": k.node, "since_attempt": k.since_attempt, "released": k.released}
+            for k in quarantines(events)
+        ],
         "exit_code": next(
             (e.get("exit_code") for e in reversed(events) if e["event"] == Event.LAUNCHER_EXIT),
             None,
@@ -186,6 +191,8 @@ def _print_run(console: Console, path: Path, events: list[dict[str, Any]]) -> No
     console.print(table)
     for attempt, cause in causes:
         console.print(_cell(f"root cause of attempt {attempt}: {cause}"))
+    for line in quarantine_lines(events):
+        console.print(_cell(line))
     breakdown = Table(title=f"where the time went (goodput {100 * b.goodput:.1f}%)")
     breakdown.add_column("category")
     breakdown.add_column("seconds", justify="right")

@@ -11,6 +11,7 @@ from typing import Any
 from stalwart import inject
 from stalwart.base.events import Event
 from stalwart.reporting.goodput import CATEGORIES, Breakdown, account
+from stalwart.reporting.quarantine import quarantine_lines
 
 
 def never_fired(spec: str, events: list[dict[str, Any]], ranks: set[int]) -> list[str]:
@@ -30,7 +31,13 @@ def _secs(value: float) -> str:
 
 
 def format_block(
-    b: Breakdown, *, run_id: str, outcome: str, attempts: int, run_dir: str | None
+    b: Breakdown,
+    *,
+    run_id: str,
+    outcome: str,
+    attempts: int,
+    run_dir: str | None,
+    quarantined: list[str] | None = None,
 ) -> str:
     """One short block: outcome, faults and their cost, steps lost, goodput, run folder."""
     lines = [
@@ -47,6 +54,7 @@ def format_block(
             f"  fault in attempt {f.attempt}: {who} {f.kind} ({f.detail}), "
             f"cost {_secs(f.cost)}{lost}{back}"
         )
+    lines.extend(f"  {q}" for q in quarantined or [])
     if b.steps_known or b.faults:
         costs = [
             f"{cat.replace('_', ' ')} {_secs(b.seconds[cat])}"
@@ -77,4 +85,12 @@ def end_block(
     run_dir: str | None,
 ) -> tuple[str, Breakdown]:
     b = account(events, now=now)
-    return format_block(b, run_id=run_id, outcome=outcome, attempts=attempts, run_dir=run_dir), b
+    block = format_block(
+        b,
+        run_id=run_id,
+        outcome=outcome,
+        attempts=attempts,
+        run_dir=run_dir,
+        quarantined=quarantine_lines(events),
+    )
+    return block, b
