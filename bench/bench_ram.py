@@ -180,7 +180,7 @@ def bench_restore(mib: int, repeats: int, work: Path, dlrover: Path | None) -> l
     from stalwart.checkpoint.ram import RamSegment
     from stalwart.checkpoint.resume import restore
     from stalwart.checkpoint.staging import plan
-    from stalwart.launch.snapshots import SnapshotMemory
+    from stalwart.launch.replicas.snapshots import SnapshotMemory
 
     state = make_state(mib)
     into = {k: torch.empty_like(v).fill_(-1.0) for k, v in state.items()}
@@ -481,7 +481,7 @@ def bench_stall(
     mib: int, blocks: int, per_block: int, work: Path, dlrover: Path | None
 ) -> list[list[str]]:
     from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig, StagingMode
-    from stalwart.launch.snapshots import SnapshotMemory
+    from stalwart.launch.replicas.snapshots import SnapshotMemory
 
     model, opt, step = make_model(mib)
     total = state_mib(model, opt)

@@ -218,8 +218,8 @@ def fetch_only(state_mb: int, repeats: int) -> list[float]:
     from stalwart.checkpoint import ramlayout as rl
     from stalwart.checkpoint.ram import RamSegment
     from stalwart.checkpoint.staging import plan
-    from stalwart.launch import replicas as rp
-    from stalwart.launch.snapshots import SnapshotMemory
+    from stalwart.launch.replicas import node as rp
+    from stalwart.launch.replicas.snapshots import SnapshotMemory
 
     def quiet(*_: object, **__: object) -> None:
         return None

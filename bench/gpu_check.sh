@@ -58,4 +58,11 @@ print(("PASS" if ok else "FAIL") + f" hang blame: roots {roots}, restart blamed 
       f"timeout {[round(e['timeout'], 2) for e in hangs]} s")
 sys.exit(0 if ok else 1)
 PYEOF
+# The stock GPU node check (docs/health.md), alone and as a one-node job's health check.
+check health_gpu 120 bash -c "$PY -m stalwart.health.gpu --device $DEV && echo 'gpu_check health_gpu ok'"
+check health_run 240 bash -c '"$@" && echo "gpu_check health_run ok"' _ "${run[@]}" \
+  --node-health-timeout 150 --node-health-check "$PY -m stalwart.health.gpu --device $DEV" \
+  bench/gpu_check.py env --device "$DEV"
+grep -q '"event": *"node_excluded"' "$RES"/runs/*/events.jsonl 2>/dev/null \
+  && { echo "FAIL health_run: a healthy GPU node was kept out"; failed=1; }
 exit $failed

@@ -43,8 +43,8 @@ NVIDIA_MODULES = (
 # 003 have not been run against these yet (issue 26 item 4): torch's tests reach into
 # names (Std, MultiprocessContext, FileTimerServer) stalwart does not spell torch's way.
 TORCH_MODULES = (
-    ("torch.distributed.elastic.multiprocessing.errors", "stalwart.launch.errors"),
-    ("torch.distributed.elastic.multiprocessing", "stalwart.launch.workers"),
+    ("torch.distributed.elastic.multiprocessing.errors", "stalwart.launch.workers.errors"),
+    ("torch.distributed.elastic.multiprocessing", "stalwart.launch.workers.processes"),
     ("torch.distributed.elastic.timer", "stalwart.timer"),
 )
 

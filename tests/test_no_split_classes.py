@@ -122,10 +122,6 @@ def test_no_class_outside_launch_is_split_across_modules() -> None:
     assert bad == [], "\n".join(bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Supervisor and its parts in launch/ are being recomposed on branch h/launchparts",
-)
 def test_no_class_in_launch_is_split_across_modules() -> None:
     bad = [c for c in split_classes(SRC / PACKAGE) if c.startswith(LAUNCH)]
     assert bad == [], "\n".join(bad)

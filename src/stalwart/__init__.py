@@ -36,7 +36,7 @@ def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"stalwart.{name}")
     if name == "record":
-        from stalwart.launch.errors import record
+        from stalwart.launch.workers.errors import record
 
         return record
     raise AttributeError(f"module 'stalwart' has no attribute {name!r}")

@@ -13,13 +13,12 @@ import argparse
 import gc
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from stalwart.launch import signals
+from stalwart.launch.round import signals
 
 if TYPE_CHECKING:
     from stalwart.config import LaunchConfig
-    from stalwart.monitor.config import MonitorConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,17 +45,6 @@ def run_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _monitor_config(data: dict[str, Any]) -> MonitorConfig:
-    from stalwart.config import ConfigError
-    from stalwart.monitor.config import MonitorConfig
-
-    try:
-        # No timeout configured: hang detection learned from the job's own steps.
-        return MonitorConfig.from_mapping(data).defaulted()
-    except ValueError as err:
-        raise ConfigError(f"hang detection: {err}") from None
-
-
 def _check_visible_devices(cfg: LaunchConfig, visible: str | None) -> None:
     """``--virtual-local-rank`` gives each worker one entry of CUDA_VISIBLE_DEVICES."""
     from stalwart.config import ConfigError
@@ -74,7 +62,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
     (and whether to log verbosely); the reading happens here, the rules in config."""
     from stalwart import cluster, inject
     from stalwart.base import envvars as ev
-    from stalwart.config import ConfigError, LaunchConfig, layers
+    from stalwart.config import ConfigError, LaunchConfig, hang, layers
 
     ns = run_parser().parse_args(argv)
     given = layers.from_namespace(vars(ns))
@@ -84,7 +72,7 @@ def build_config(argv: list[str]) -> tuple[LaunchConfig, bool]:
         cluster.detect(os.environ)[1], layers.from_yaml(yaml), torch_env, our_env, given
     )
     kw = layers.launch_kwargs(merged, given)
-    monitor = _monitor_config(layers.monitor_settings(yaml, os.environ, given, merged))
+    monitor = hang.monitor_config(layers.monitor_settings(yaml, os.environ, given, merged))
     cfg = LaunchConfig(monitor=monitor, **kw)
     _check_visible_devices(cfg, os.environ.get(ev.CUDA_VISIBLE_DEVICES))
     if cfg.inject:
@@ -128,9 +116,9 @@ def cmd_run(argv: list[str]) -> int:
         format="[stalwart %(levelname)s %(asctime)s] %(message)s",
         stream=sys.stderr,
     )
-    from stalwart.launch.environment import OMP_NOTICE, sets_omp_threads
-    from stalwart.launch.runfiles import RunFolderError
-    from stalwart.launch.supervisor import Supervisor
+    from stalwart.launch.files.runfiles import RunFolderError
+    from stalwart.launch.round.supervisor import Supervisor
+    from stalwart.launch.workers.environment import OMP_NOTICE, sets_omp_threads
 
     if sets_omp_threads(cfg, os.environ):
         print(OMP_NOTICE, file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpoint import ramlayout as rl
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 
 def _mount(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -30,7 +30,12 @@ from stalwart.checkpoint.resume import choose_step
 from stalwart.checkpoint.staging import plan
 from stalwart.checkpoint.writer import SaveResult
 from stalwart.config import ConfigError, parse_size
-from stalwart.launch.snapshots import SnapshotMemory, SnapshotMemoryError, is_stale, sweep_stale
+from stalwart.launch.replicas.snapshots import (
+    SnapshotMemory,
+    SnapshotMemoryError,
+    is_stale,
+    sweep_stale,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -306,7 +311,7 @@ def test_the_next_launcher_removes_folders_of_a_dead_one(tmp_path: Path) -> None
             sys.executable,
             "-c",
             "from pathlib import Path; import sys\n"
-            "from stalwart.launch.snapshots import SnapshotMemory\n"
+            "from stalwart.launch.replicas.snapshots import SnapshotMemory\n"
             "m = SnapshotMemory(1, 1 << 20, base=Path(sys.argv[1]))\n"
             "print(m.folder)",  # exits without close(), like a SIGKILLed launcher
             str(base),

@@ -24,7 +24,7 @@ from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.inplace import StateMismatchError, bind, key_path
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,7 +28,7 @@ from stalwart.checkpoint import (
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots, load_snapshot
 from stalwart.checkpoint.staging import _copy_pool, _run_copies, plan
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ import torch
 from stalwart.checkpoint import AsyncCheckpointer
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment
-from stalwart.launch.snapshots import SnapshotMemory, default_base
+from stalwart.launch.replicas.snapshots import SnapshotMemory, default_base
 
 pytestmark = pytest.mark.timeout(120)
 SLOT = 256 << 20

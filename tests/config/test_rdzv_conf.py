@@ -17,7 +17,7 @@ from stalwart.config import (
     parse_endpoint,
     parse_endpoints,
 )
-from stalwart.launch.membership import elastic_settings, store_request_timeout
+from stalwart.launch.round.membership import elastic_settings, store_request_timeout
 from stalwart.rendezvous.static import OP_TIMEOUT
 
 pytestmark = pytest.mark.timeout(60)

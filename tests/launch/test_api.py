@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.logs import LogSpec, Std
-from stalwart.launch.posix import ExitWatcher
-from stalwart.launch.workers import start_processes
+from stalwart.launch.files.logs import LogSpec, Std
+from stalwart.launch.workers.posix import ExitWatcher
+from stalwart.launch.workers.processes import start_processes
 from tests.helpers import alive
 
 from . import funcs

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.launch.cgroup import _own_path, _parent_dir, _v2_mount
+from stalwart.launch.workers.cgroup import _own_path, _parent_dir, _v2_mount
 from tests.helpers import alive, clean_env, stalwart, start_stalwart, wait_for, warm_and_cold
 
 from .helpers import SCRIPTS

@@ -8,7 +8,7 @@ import pytest
 
 from stalwart.cli import build_config
 from stalwart.config import DEFAULT_PREFIX, ConfigError
-from stalwart.launch.logs import Std
+from stalwart.launch.files.logs import Std
 from tests.helpers import clean_env, stalwart
 
 from .helpers import SCRIPTS

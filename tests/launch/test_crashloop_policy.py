@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.decide import Ending, RoundOutcome, RoundView, Stop, decide, not_needed
-from stalwart.launch.restart_policy import (
+from stalwart.launch.round.decide import Ending, RoundOutcome, RoundView, Stop, decide, not_needed
+from stalwart.launch.round.restart_policy import (
     AttemptEnd,
     Cause,
     LoopPolicy,

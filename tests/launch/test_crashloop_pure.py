@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.decide import (
+from stalwart.launch.round.decide import (
     Asked,
     ControlAsk,
     RoundOutcome,
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.timeout(60)
 
 SRC = ROOT / "src" / "stalwart"
 PURE = [
-    SRC / "launch" / "decide.py",
-    SRC / "launch" / "restart_policy.py",
+    SRC / "launch" / "round" / "decide.py",
+    SRC / "launch" / "round" / "restart_policy.py",
     SRC / "rendezvous" / "close_rule.py",
 ]
 # What a pure decision may import: the standard library's plain data and the records it
@@ -39,7 +39,7 @@ ALLOWED = {
     "re",
     "signal",
     "typing",
-    "stalwart.launch.restart_policy",
+    "stalwart.launch.round.restart_policy",
     "stalwart.rendezvous.api",
 }
 # Calls that read the world: the host, a clock, a file, the environment.
@@ -48,7 +48,7 @@ IMPURE = {"gethostname", "getfqdn", "time", "monotonic", "time_ns", "open", "get
 
 def test_importing_the_decisions_loads_no_monitor_code() -> None:
     code = (
-        "import sys, stalwart.launch.decide, stalwart.launch.restart_policy;"
+        "import sys, stalwart.launch.round.decide, stalwart.launch.round.restart_policy;"
         "print(sorted(m for m in sys.modules if m.startswith('stalwart.monitor')))"
     )
     out = subprocess.run(

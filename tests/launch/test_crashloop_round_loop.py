@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.config import LaunchConfig
-from stalwart.launch.decide import RoundOutcome
-from stalwart.launch.supervisor import Supervisor
-from stalwart.launch.workers import RunResult
+from stalwart.launch.round.decide import RoundOutcome
+from stalwart.launch.round.supervisor import Supervisor
+from stalwart.launch.workers.processes import RunResult
 from stalwart.monitor import MonitorConfig
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -111,7 +111,7 @@ class TableSupervisor(Supervisor):
     ) -> tuple[RoundOutcome, RunResult | None]:
         row = self.rounds[info.round]
         rdzv.records[info.round] = row.records
-        self._furthest_step = row.step
+        self._attempt.furthest_step = row.step
         return row.outcome, None
 
 

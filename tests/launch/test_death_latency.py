@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.hangs import annotate
+from stalwart.launch.round.hangs import annotate
 from stalwart.monitor import HangKind, HangReport
 from stalwart.rendezvous.api import WorkerFailed
 from tests.helpers import events, stalwart, warm_and_cold

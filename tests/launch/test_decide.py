@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from stalwart.launch.decide import (
+from stalwart.launch.round.decide import (
     Ending,
     JobOver,
     Move,

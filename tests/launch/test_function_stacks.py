@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.base import procs
-from stalwart.launch.logs import LogSpec
-from stalwart.launch.workers import start_processes
+from stalwart.launch.files.logs import LogSpec
+from stalwart.launch.workers.processes import start_processes
 from stalwart.monitor import envvars as monitor_env
 from stalwart.monitor.stacks import STACK_SIGNAL
 from tests.helpers import wait_for

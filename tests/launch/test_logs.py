@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.logs import MAX_BACKLOG, Tee
+from stalwart.launch.files.logs import MAX_BACKLOG, Tee
 from tests.helpers import events, run_dir, stalwart, warm_and_cold
 
 from .helpers import SCRIPTS

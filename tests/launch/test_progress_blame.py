@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from stalwart.launch.failures import root_cause
-from stalwart.launch.hangs import HangWatch
+from stalwart.launch.round.hangs import HangWatch
+from stalwart.launch.workers.failures import root_cause
 from stalwart.monitor import HangReport, MonitorConfig
 from stalwart.monitor.reports import HangKind
 from stalwart.rendezvous.api import WorkerFailed

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.failures import describe_exit, read_failure, root_cause
+from stalwart.launch.workers.failures import describe_exit, read_failure, root_cause
 from tests.helpers import events, kinds, stalwart, warm_and_cold
 
 from .helpers import SCRIPTS

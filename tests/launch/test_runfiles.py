@@ -57,7 +57,7 @@ def test_run_id_with_a_slash_is_refused(tmp_path: Path) -> None:
 
 
 def test_run_folder_is_private_and_reopened(tmp_path: Path) -> None:
-    from stalwart.launch.runfiles import make_run_dir, open_append
+    from stalwart.launch.files.runfiles import make_run_dir, open_append
 
     run = tmp_path / "job"
     run.mkdir(mode=0o777)
@@ -72,7 +72,7 @@ def test_run_folder_is_private_and_reopened(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder of another user")
 def test_run_folder_of_another_user_is_refused(tmp_path: Path) -> None:
-    from stalwart.launch.runfiles import RunFolderError, make_run_dir
+    from stalwart.launch.files.runfiles import RunFolderError, make_run_dir
 
     run = tmp_path / "job"
     run.mkdir(mode=0o700)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.launch.cgroup import _parent_dir
+from stalwart.launch.workers.cgroup import _parent_dir
 from tests.helpers import (
     ROOT,
     alive,

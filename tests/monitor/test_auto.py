@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from stalwart.config.hang import monitor_config
 from stalwart.monitor import HangKind, HangReport, MonitorConfig, NodeMonitor
 from stalwart.monitor.auto import (
     AutoSettings,
@@ -115,7 +116,7 @@ def test_from_rhythms_pools_ranks_and_merge_only_grows() -> None:
     ],
 )
 def test_config_auto_values(data: dict[str, Any], expected: dict[str, Any]) -> None:
-    cfg = MonitorConfig.from_mapping(data)
+    cfg = monitor_config(data)
     for key, value in expected.items():
         assert getattr(cfg, key) == value
     assert cfg.enabled
@@ -134,8 +135,8 @@ def test_config_auto_values(data: dict[str, Any], expected: dict[str, Any]) -> N
 )
 def test_config_auto_errors(data: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError) as err:
-        MonitorConfig.from_mapping(data)
-    assert str(err.value) == message
+        monitor_config(data)
+    assert str(err.value) == f"hang detection: {message}"
 
 
 def auto_config(**kw: Any) -> MonitorConfig:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.failures import root_cause
-from stalwart.launch.hangs import _blame_first
+from stalwart.launch.round.hangs import _blame_first
+from stalwart.launch.workers.failures import root_cause
 from stalwart.monitor import HangKind, HangReport, MonitorConfig
 from stalwart.monitor.judge import Stalled, blame, judge
 from stalwart.rendezvous.api import WorkerFailed

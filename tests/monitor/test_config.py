@@ -6,7 +6,8 @@ import signal
 
 import pytest
 
-from stalwart.monitor import MonitorConfig, parse_section_timeout
+from stalwart.config.hang import monitor_config, parse_section_timeout
+from stalwart.monitor import MonitorConfig
 
 
 def test_defaults_disable_everything() -> None:
@@ -57,17 +58,18 @@ def test_bad_values_are_named(kwargs: dict[str, object], message: str) -> None:
 )
 def test_factors_are_not_seconds(data: dict[str, object], message: str) -> None:
     """A factor or percentile has no unit: its error must not speak of seconds (numbers
-    go to the constructor, strings through from_mapping as YAML/env/flags do)."""
+    go to the constructor, strings through config.hang as YAML/env/flags do)."""
+    text = isinstance(next(iter(data.values())), str)
     with pytest.raises(ValueError) as info:
-        if isinstance(next(iter(data.values())), str):
-            MonitorConfig.from_mapping(data)
+        if text:
+            monitor_config(data)
         else:
             MonitorConfig(**data)  # type: ignore[arg-type]
-    assert str(info.value) == message
+    assert str(info.value) == (f"hang detection: {message}" if text else message)
 
 
 def test_inf_hb_timeout_is_accepted_and_never_fires() -> None:
-    cfg = MonitorConfig.from_mapping({"hb_timeout": "inf"})
+    cfg = monitor_config({"hb_timeout": "inf"})
     assert cfg.hb_timeout == float("inf") and cfg.enabled
 
 
@@ -81,7 +83,7 @@ def test_parse_section_timeout() -> None:
 
 
 def test_from_mapping_accepts_yaml_and_env_shapes() -> None:
-    cfg = MonitorConfig.from_mapping(
+    cfg = monitor_config(
         {
             "hb_timeout": "2",
             "hb_initial_timeout": 30,
@@ -98,18 +100,16 @@ def test_from_mapping_accepts_yaml_and_env_shapes() -> None:
     assert cfg.out_of_section_timeout == 4.5 and cfg.safety_factor == 3.0
     assert cfg.check_interval == 0.1 and cfg.term_signal is signal.SIGKILL
     assert cfg.stack_dump_wait == 0.0
-    assert MonitorConfig.from_mapping({"section_timeouts": ["a=1"]}).section_timeouts == {"a": 1.0}
-    assert MonitorConfig.from_mapping({"section_timeouts": {"a": "1"}}).section_timeouts == {
-        "a": 1.0
-    }
-    assert MonitorConfig.from_mapping({"term_signal": 15}).term_signal is signal.SIGTERM
+    assert monitor_config({"section_timeouts": ["a=1"]}).section_timeouts == {"a": 1.0}
+    assert monitor_config({"section_timeouts": {"a": "1"}}).section_timeouts == {"a": 1.0}
+    assert monitor_config({"term_signal": 15}).term_signal is signal.SIGTERM
     assert cfg.to_dict()["term_signal"] == "SIGKILL"
 
 
 def test_from_mapping_errors() -> None:
     with pytest.raises(ValueError, match=r"unknown monitor setting.*hb_timout"):
-        MonitorConfig.from_mapping({"hb_timout": 2})
+        monitor_config({"hb_timout": 2})
     with pytest.raises(ValueError, match="hb_timeout must be a number of seconds, got 'soon'"):
-        MonitorConfig.from_mapping({"hb_timeout": "soon"})
+        monitor_config({"hb_timeout": "soon"})
     with pytest.raises(ValueError, match="name=seconds"):
-        MonitorConfig.from_mapping({"section_timeouts": "fwd"})
+        monitor_config({"section_timeouts": "fwd"})

@@ -43,7 +43,7 @@ os.write(fd, encode(ControlMessage(gone.pid, 0, ControlAction.SHUTDOWN_WORKLOAD)
 def is_template(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"stalwart.launch.zygote" in f.read()
+            return b"stalwart.launch.workers.zygote" in f.read()
     except OSError:
         return False
 

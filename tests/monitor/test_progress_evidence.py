@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from stalwart import autostep, progress
+from stalwart.config.hang import monitor_config
 from stalwart.monitor import envvars, evidence, layout
 from stalwart.monitor.auto import Rhythm
-from stalwart.monitor.config import RHYTHM_WARMUP_STEPS, MonitorConfig
+from stalwart.monitor.config import RHYTHM_WARMUP_STEPS
 from stalwart.monitor.evidence import ProcSample, Role
 from stalwart.monitor.judge import Stalled, blame
 
@@ -212,7 +213,7 @@ def test_blame_on_evidence_table(ranks: list[Stalled], root: int) -> None:
 def test_defaulted_config_table(
     given: dict[str, object], hb_auto: bool, warmup: int, needs_evidence: bool
 ) -> None:
-    cfg = MonitorConfig.from_mapping(given).defaulted()
+    cfg = monitor_config(given).defaulted()
     assert (cfg.hb_auto, cfg.auto_warmup_steps, cfg.needs_evidence) == (
         hb_auto,
         warmup,
@@ -222,7 +223,7 @@ def test_defaulted_config_table(
 
 def test_bad_evidence_value_is_one_clear_error() -> None:
     with pytest.raises(ValueError, match="evidence must be true or false, got 'maybe'"):
-        MonitorConfig.from_mapping({"evidence": "maybe"})
+        monitor_config({"evidence": "maybe"})
 
 
 def test_rhythm_counts_steps_by_iteration_when_no_heartbeat_count_is_kept() -> None:

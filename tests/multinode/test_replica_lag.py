@@ -25,10 +25,10 @@ from torch.distributed import TCPStore
 from stalwart.checkpoint import AsyncCheckpointer, CheckpointerConfig
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import find_snapshots
-from stalwart.launch import replicas as rp
-from stalwart.launch.replica_pins import PinPlan, pin_is_stale, plan_pin
-from stalwart.launch.replica_ring import fetch_order
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.pins import PinPlan, pin_is_stale, plan_pin
+from stalwart.launch.replicas.ring import fetch_order
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 from tests.helpers import ROOT
 

@@ -20,10 +20,10 @@ from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import find_snapshots, load_snapshot
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
-from stalwart.launch import replicas as rp
-from stalwart.launch import replicawire as wire
-from stalwart.launch.replica_auth import record_mac
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas import wire
+from stalwart.launch.replicas.auth import record_mac
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 from tests.helpers import wait_for
 

@@ -20,7 +20,7 @@ import pytest
 
 from bench.netns import Host, Network, rdzv_args
 from stalwart.checkpoint import complete_steps
-from stalwart.launch import replicas as rp
+from stalwart.launch.replicas import node as rp
 from tests.helpers import free_port, wait_for
 from tests.multinode.replica_helpers import ram_job, start_job
 

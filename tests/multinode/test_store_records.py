@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from torch.distributed import TCPStore
 
-from stalwart.launch.decide import Asked, RoundOutcome, control_outcome
+from stalwart.launch.round.decide import Asked, RoundOutcome, control_outcome
 from stalwart.rendezvous.api import (
     FailureRecord,
     NodeExcluded,

@@ -5,7 +5,7 @@ argv: OUT
 
 import os
 
-from stalwart.launch.errors import record
+from stalwart.launch.workers.errors import record
 
 
 @record

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from stalwart.launch.cgroup import _parent_dir
+from stalwart.launch.workers.cgroup import _parent_dir
 from tests.helpers import ROOT, STALWART, clean_env, wait_for
 from tests.launch.helpers import SCRIPTS
 
@@ -144,7 +144,7 @@ def test_sigkill_when_guardian_exits(tmp_path: Path) -> None:
         for p in _tree(proc.pid):
             with contextlib.suppress(psutil.Error):
                 child = psutil.Process(p)
-                if "stalwart.launch.guardian" in child.cmdline():
+                if "stalwart.launch.workers.guardian" in child.cmdline():
                     return child
         return None
 

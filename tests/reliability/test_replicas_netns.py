@@ -34,7 +34,7 @@ from bench.netns import TRAIN, Host, Network, rdzv_args
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment
 from stalwart.checkpoint.staging import plan
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 from tests.helpers import free_port, wait_for
 from tests.multinode.replica_helpers import ram_job

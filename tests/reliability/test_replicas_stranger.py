@@ -26,10 +26,9 @@ from stalwart.checkpoint import ramlayout as rl
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.config.secret import JOB_SECRET_ENV
-from stalwart.launch import replica_auth as auth
-from stalwart.launch import replicas as rp
-from stalwart.launch import replicawire as wire
-from stalwart.launch.snapshots import SnapshotMemory
+from stalwart.launch.replicas import auth, wire
+from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
 from tests.helpers import wait_for
 from tests.multinode.replica_helpers import (

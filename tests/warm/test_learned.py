@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.launch.zygote import HIGH_FD, SETTLE_S, learn_fd_floor, learned_modules, report_due
+from stalwart.launch.workers.zygote import (
+    HIGH_FD,
+    SETTLE_S,
+    learn_fd_floor,
+    learned_modules,
+    report_due,
+)
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -26,7 +26,7 @@ class Event(enum.StrEnum):
     #: A replica server refused a connection or a request (not of the job, over a
     #: limit, malformed); rate-limited, one line per kind.
     REPLICA_CONN_REFUSED = "replica_conn_refused"
-    # -- snapshot replicas on peer nodes (launch/replicas.py) ---------------------------
+    # -- snapshot replicas on peer nodes (launch/replicas/node.py) ---------------------------
     #: A peer to replicate to stopped answering; replication moved on to the next node.
     REPLICA_PEER_LOST = "replica_peer_lost"
     #: This node could not reserve memory for a peer's replica (the peer's push is refused).
@@ -51,6 +51,8 @@ class Event(enum.StrEnum):
     RANKS_LEFT = "ranks_left"
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"
+    #: A node ran its health checks before a round (health/admission.py).
+    HEALTH_CHECKED = "health_checked"
     #: A node was implicated in K of the job's last M failed rounds and is kept out of
     #: later rounds (``health/quarantine.py``); every node that sees it writes one.
     NODE_QUARANTINED = "node_quarantined"

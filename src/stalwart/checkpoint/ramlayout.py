@@ -1,6 +1,6 @@
 """The launcher-owned snapshot memory: its environment variable, files and commit records.
 
-Both sides import this module: the launcher (``stalwart.launch.snapshots``) creates the
+Both sides import this module: the launcher (``stalwart.launch.replicas.snapshots``) creates the
 segments, the worker (``stalwart.checkpoint.ram``) writes and reads snapshots in them.
 It imports neither torch nor the launcher, so the launcher stays torch-free.
 

@@ -1,4 +1,7 @@
-"""The launcher's settings: the bottom layer, importing nothing else of stalwart.
+"""The launcher's settings: the layer under the launcher, importing nothing of it.
+
+Its one import of another package is `hang`'s: it builds the monitor's own typed record
+(`MonitorConfig`) from text, so the monitor is handed checked values and parses nothing.
 
 Every setting is declared once (`settings.LaunchConfig`: a field and its `Flag`); the
 command-line parser, the ``STALWART_*`` variables, the YAML keys and the precedence

@@ -178,7 +178,7 @@ def torch_list(value: Any, _name: str) -> list[str]:
 
 
 def hang_flag(*names: str, **kw: Any) -> Flag:
-    # Values stay as given: MonitorConfig.from_mapping parses (and names) them.
+    # Values stay as given: config.hang parses (and names) them, once.
     return flag(*names, yaml=False, parse=as_given, **kw)
 
 

@@ -1,5 +1,5 @@
 """Where worker output goes, as settings: ``--redirects``/``--tee`` values, the console's
-rank filter and its line-prefix templates (``launch.logs`` acts on them)."""
+rank filter and its line-prefix templates (``launch.files.logs`` acts on them)."""
 
 from __future__ import annotations
 

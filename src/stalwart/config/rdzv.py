@@ -1,6 +1,6 @@
 """``--rdzv-conf``: torch's rendezvous keys, parsed once into a frozen, typed record.
 
-The launcher (``launch/membership.py``) turns it into the rendezvous backends' own
+The launcher (``launch/round/membership.py``) turns it into the rendezvous backends' own
 settings; nothing downstream reads the ``key=value`` text again.
 """
 

@@ -7,7 +7,7 @@ parser from text (or a YAML value), the ``STALWART_<KEY>`` environment name and 
 key.  ``config.layers`` derives the argparse parser, the precedence merge and the typed
 values from these declarations; the fields are in ``--help`` order.  Hang detection's
 flags are declared in `flags.HANG_FLAGS`: their values make the monitor's own ``MonitorConfig``,
-which the command line builds and hands in (this layer imports nothing of the monitor).
+which `config.hang` parses from text once and the command line hands in here.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from stalwart.config.output import (
     parse_std,
 )
 from stalwart.config.rdzv import EtcdAccessConf, RendezvousConf, etcd_access
-from stalwart.config.secret import launcher_secret
+from stalwart.config.secret import job_secret, launcher_secret
 from stalwart.config.values import (
     ConfigError,
     is_false,
@@ -175,7 +175,7 @@ class LaunchConfig:
             check=checked(lambda n: n >= 0, "expected >= 0"),
         ),
     )
-    # The crash-loop verdict (``launch.restart_policy``): restarts that cannot help.
+    # The crash-loop verdict (``launch.round.restart_policy``): restarts that cannot help.
     max_no_progress_attempts: int = setting(
         3,
         flag(
@@ -391,6 +391,46 @@ class LaunchConfig:
             "between nodes need it; or set STALWART_JOB_SECRET)",
         ),
     )
+    # Node health checks before each round (stalwart.health; docs/health.md).
+    node_health: bool = setting(
+        False,
+        flag(
+            "--node-health",
+            action="store_const",
+            const=True,
+            parse=lambda v, _n: not is_false(v),
+            help="check each node before every round (compute, memory, disk, interface, "
+            "links to its peers) and keep a failing node out of it",
+        ),
+    )
+    node_health_check: str = setting(
+        "",
+        flag(
+            "--node-health-check",
+            help="your own node check, run before every round (implies --node-health): "
+            "exit 0 passes; else the first line of its output says why "
+            '(e.g. {"reason": "GPU 3 clock low"})',
+        ),
+    )
+    node_health_timeout: float = setting(
+        30.0,
+        flag(
+            "--node-health-timeout",
+            **A_FLOAT,
+            help="seconds --node-health-check may take before it is killed and fails",
+            check=checked(lambda s: 0 < s <= 3600, "expected seconds > 0 and <= 3600"),
+        ),
+    )
+    node_health_min_free: int = setting(
+        256 * 2**20,
+        flag(
+            "--node-health-min-free",
+            parse=parse_size,
+            help="memory available and disk free in the log folder a node needs to pass "
+            "its health check (default 256MiB)",
+            check=checked(lambda n: n >= 0, "expected a size >= 0"),
+        ),
+    )
     # Quarantine (health/quarantine.py).  3 of the last 5: three is the count after which
     # NVIDIA's ft_launcher stops a job that makes no progress and this launcher stops a
     # crash loop (--max-no-progress-attempts), and a window of 5 lets one or two
@@ -494,6 +534,24 @@ class LaunchConfig:
         return "localhost" if self.max_nodes == 1 else "127.0.0.1"
 
     @property
+    def health_checks(self) -> bool:
+        return self.node_health or bool(self.node_health_check)
+
+    def _check_health_across_nodes(self) -> None:
+        flag_ = "--node-health-check" if self.node_health_check else "--node-health"
+        if self.rdzv_backend == "static" or not self.rdzv_endpoint:
+            raise ConfigError(
+                f"{flag_} with --nnodes {self.max_nodes}: expected --rdzv-backend c10d or "
+                "etcd with an endpoint (a node kept out needs a round that can close "
+                "without it)"
+            )
+        if job_secret(self.job_secret_file, os.environ) is None:
+            raise ConfigError(
+                f"{flag_} across nodes signs each node's report with the job secret: set "
+                "STALWART_JOB_SECRET or --job-secret-file (the same on every node)"
+            )
+
+    @property
     def join_timeout(self) -> float:
         return self.rdzv_conf.join_timeout
 
@@ -518,6 +576,8 @@ class LaunchConfig:
             )
         if self.ckpt_ram and self.max_nodes >= 2 and self.ckpt_replicas != 0:
             launcher_secret(self.job_secret_file, os.environ, multi_node=True)
+        if self.health_checks and self.max_nodes > 1:
+            self._check_health_across_nodes()
         if self.monitor.straggler_restart and self.min_nodes == self.max_nodes:
             raise ConfigError(
                 f"--straggler-restart with --nnodes {self.max_nodes}: expected an elastic "

@@ -21,11 +21,11 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("ProcessContext", "RunResult", "start_processes"):
-        from stalwart.launch import workers
+        from stalwart.launch.workers import processes as workers
 
         return getattr(workers, name)
     if name == "record":
-        from stalwart.launch.errors import record
+        from stalwart.launch.workers.errors import record
 
         return record
     if name == "ProcessFailure":
@@ -35,11 +35,11 @@ def __getattr__(name: str) -> Any:
 
         return WorkerFailed
     if name == "Std":
-        from stalwart.launch.logs import Std
+        from stalwart.launch.files.logs import Std
 
         return Std
     if name == "Supervisor":
-        from stalwart.launch.supervisor import Supervisor
+        from stalwart.launch.round.supervisor import Supervisor
 
         return Supervisor
     raise AttributeError(name)

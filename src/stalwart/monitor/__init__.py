@@ -12,7 +12,7 @@ from stalwart.monitor.client import (
     RankMonitorClientError,
     RankMonitorError,
 )
-from stalwart.monitor.config import MonitorConfig, parse_section_timeout
+from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.node import NodeMonitor
 from stalwart.monitor.nvidia_server import FaultToleranceConfig, RankMonitorServer
 from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
@@ -36,5 +36,4 @@ __all__ = [
     "TimerClient",
     "TimerUnavailableError",
     "expires",
-    "parse_section_timeout",
 ]

@@ -1,8 +1,8 @@
-"""Hang-detection settings: the `MonitorConfig` dataclass, its validation and parsers.
+"""Hang-detection settings: the typed `MonitorConfig` record and its invariants.
 
-The launcher maps CLI flags, YAML and environment values onto this one dataclass; every
-check that can reject a setting lives here so that errors read the same wherever they
-come from.
+Text (flags, YAML, environment) is parsed once, in `stalwart.config.hang`, which builds
+this record; the monitor receives it typed and checked.  The checks below hold for a
+record built in code as well (the NVIDIA-compatible client, tests).
 """
 
 from __future__ import annotations
@@ -40,35 +40,6 @@ def _positive_number(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if math.isnan(value) or value <= 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
-
-
-def parse_number(name: str, text: str | float | int) -> float:
-    """Parses a positive plain number (no unit), naming `name` in the error."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {text!r}") from None
-    _positive_number(name, value)
-    return value
-
-
-def parse_seconds(name: str, text: str | float | int) -> float:
-    """Parses a positive number of seconds, naming `name` in the error."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
-    _positive(name, value)
-    return value
-
-
-def parse_section_timeout(spec: str) -> tuple[str, float]:
-    """Parses one ``name=secs`` section timeout, as given to ``--section-timeout``."""
-    name, sep, secs = spec.partition("=")
-    name = name.strip()
-    if not sep or not name or not secs.strip():
-        raise ValueError(f"section timeout must look like name=seconds, got {spec!r}")
-    return name, parse_seconds(f"section timeout {name!r}", secs.strip())
 
 
 def parse_signal(value: str | int | signal.Signals) -> signal.Signals:
@@ -263,104 +234,9 @@ class MonitorConfig:
             or self.any_auto
         )
 
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> MonitorConfig:
-        """Builds a config from YAML/env style values (strings accepted everywhere).
-
-        ``section_timeouts`` may be a mapping, a list of ``name=secs`` strings or one
-        comma-separated string of them. Unknown keys are an error, named in the message.
-        """
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown monitor setting(s): {', '.join(map(str, unknown))}")
-        kwargs: dict[str, Any] = {}
-        for key, raw in data.items():
-            if raw is None:
-                continue
-            if key in _AUTO_OF and isinstance(raw, str) and raw.strip().lower() == AUTO:
-                kwargs[_AUTO_OF[key]] = True
-            elif key == "section_timeouts":
-                kwargs[key], auto = _parse_sections(raw)
-                if auto:
-                    kwargs["section_auto"] = True
-            elif key in (
-                "hb_auto",
-                "section_auto",
-                "oos_auto",
-                "straggler_restart",
-                "auto_progress",
-                "evidence",
-            ):
-                kwargs[key] = _parse_bool(key, raw)
-            elif key == "auto_warmup_steps":
-                try:
-                    kwargs[key] = int(str(raw))
-                except ValueError:
-                    raise ValueError(
-                        f"auto_warmup_steps must be a whole number, got {raw!r}"
-                    ) from None
-            elif key == "auto_warmup_seconds":
-                try:
-                    kwargs[key] = float(raw)
-                except (TypeError, ValueError):
-                    raise ValueError(
-                        f"auto_warmup_seconds must be a number of seconds, got {raw!r}"
-                    ) from None
-            elif key in _PLAIN_NUMBERS:
-                kwargs[key] = parse_number(key, raw)
-            elif key == "term_signal":
-                kwargs[key] = parse_signal(raw)
-            elif key == "stack_dump_wait":
-                try:
-                    kwargs[key] = float(raw)
-                except (TypeError, ValueError):
-                    raise ValueError(
-                        f"stack_dump_wait must be a number of seconds, got {raw!r}"
-                    ) from None
-            else:
-                kwargs[key] = parse_seconds(key, raw)
-        return cls(**kwargs)
-
     def to_dict(self) -> dict[str, Any]:
         """Plain-data form (JSON-safe), e.g. for events."""
         out = dataclasses.asdict(self)
         out["term_signal"] = self.term_signal.name
         out["section_timeouts"] = dict(self.section_timeouts)
         return out
-
-
-#: Settings that are numbers without a unit (not seconds).
-_PLAIN_NUMBERS = ("safety_factor", "auto_percentile", "straggler_factor")
-
-#: The value that asks for a learned timeout instead of a number.
-AUTO = "auto"
-_AUTO_OF = {"hb_timeout": "hb_auto", "out_of_section_timeout": "oos_auto"}
-
-
-def _parse_bool(name: str, raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name} must be true or false, got {raw!r}")
-
-
-def _parse_sections(raw: Any) -> tuple[dict[str, float], bool]:
-    """Section timeouts and whether ``auto`` (learn every other section) was among them."""
-    if isinstance(raw, str) and raw.strip().lower() == AUTO:
-        return {}, True
-    if isinstance(raw, Mapping):
-        return {str(k): parse_seconds(f"section timeout {k!r}", v) for k, v in raw.items()}, False
-    if isinstance(raw, str):
-        items = [part for part in raw.split(",") if part.strip()]
-    elif isinstance(raw, list | tuple):
-        items = [str(part) for part in raw]
-    else:
-        raise ValueError(f"section_timeouts must be a mapping or name=secs list, got {raw!r}")
-    auto = any(item.strip().lower() == AUTO for item in items)
-    given = [item for item in items if item.strip().lower() != AUTO]
-    return dict(parse_section_timeout(item) for item in given), auto

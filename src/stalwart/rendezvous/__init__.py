@@ -5,7 +5,7 @@ membership through node 0's c10d ``TCPStore`` (`StaticRendezvous`), or elastic
 ``MIN:MAX`` membership with keep-alive on a ``TCPStore`` or an etcd cluster
 (`ElasticRendezvous`).  Rounds are job-wide: round *n* is attempt *n* on every node, so
 ``TORCHELASTIC_RESTART_COUNT`` and the restart budget agree across nodes.  This package
-knows nothing of the launcher's settings: ``launch/membership.py`` translates them.
+knows nothing of the launcher's settings: ``launch/round/membership.py`` translates them.
 """
 
 from stalwart.rendezvous.api import (

@@ -35,6 +35,7 @@ class Joiner:
     hint: int | None  # previous group rank, or --node-rank
     alive: bool = True  # its keep-alive counter moves
     left: bool = False  # it said it left the job
+    refused: bool = False  # the admission gate keeps it out of this round (health)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,16 @@ class TimedOut:
     live: int
 
 
-CloseAction = Wait | WatchRunning | Close | TimedOut
+@dataclass(frozen=True)
+class TooFewAdmitted:
+    """The round would close, but the gate keeps out so many joiners that fewer than MIN
+    remain: the job cannot form without them."""
+
+    admitted: int
+    refused: tuple[str, ...]
+
+
+CloseAction = Wait | WatchRunning | Close | TimedOut | TooFewAdmitted
 
 
 def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
@@ -84,16 +94,24 @@ def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
     It closes once the previous round is over and, among the live joiners, either MAX
     are there, or at least MIN and every live member of the previous round is back, or
     at least MIN and nobody new arrived for ``last_call_timeout``.  Survivors keep their
-    order (their hint), newcomers follow in order of arrival; beyond MAX, spares."""
+    order (their hint), newcomers follow in order of arrival; beyond MAX, spares.  A
+    joiner the admission gate refuses counts for nothing; when the round would close
+    but for the refused, and fewer than MIN remain, it cannot form (`TooFewAdmitted`)."""
     if view.previous_running:
         return WatchRunning()
     live = [j for j in view.joiners if j.alive and not j.left]
-    back = view.expected is not None and view.expected <= {j.id for j in live}
-    if len(live) >= s.max_nodes or (
-        len(live) >= s.min_nodes and (back or view.quiet_for >= s.last_call_timeout)
-    ):
-        ranked = sorted(live, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
+    # A refused joiner neither counts nor is waited for (it is not coming in).
+    ok = [j for j in live if not j.refused]
+    out = {j.id for j in live if j.refused}
+    back = view.expected is not None and (view.expected - out) <= {j.id for j in ok}
+    # Every place is taken (the refused included): nobody else is on the way.
+    full = len(live) >= s.max_nodes
+    ready = back or full or view.quiet_for >= s.last_call_timeout
+    if len(ok) >= s.max_nodes or (len(ok) >= s.min_nodes and ready):
+        ranked = sorted(ok, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
         return Close(tuple(j.slot for j in ranked[: s.max_nodes]))
+    if out and (full or (len(live) >= s.min_nodes and ready)):
+        return TooFewAdmitted(len(ok), tuple(j.id for j in live if j.refused))
     if view.open_for > s.join_timeout:
         return TimedOut(len(live))
     return Wait()

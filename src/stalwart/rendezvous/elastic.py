@@ -49,6 +49,7 @@ from stalwart.rendezvous.api import (
     StoreLost,
     bounded_failure,
 )
+from stalwart.rendezvous.gate import AdmissionGate
 from stalwart.rendezvous.kv import (
     KV,
     STORE_LABEL,
@@ -76,6 +77,7 @@ class _Opening:
     opened: float | None = None  # when the previous round ended (this one opened)
     members: dict[int, Member] = field(default_factory=dict)  # by slot, read so far
     spare_logged: bool = False
+    refused: dict[str, str] = field(default_factory=dict)  # by node id: why (the gate)
 
 
 class ElasticRendezvous:
@@ -94,9 +96,12 @@ class ElasticRendezvous:
         backend: str = "c10d",
         hosts_store: bool = False,
         seal: Seal | None = None,
+        gate: AdmissionGate | None = None,
     ) -> None:
         # Job end, failures, members, closes, addresses, keep-alives: sealed.
         self.kv: KV = SealedKV(kv, seal if seal is not None else Seal(None, STORE_LABEL))
+        # Asked before this node takes a slot and before a round closes (health checks).
+        self._gate = gate
         self.settings = settings
         self.run_id = run_id
         self.backend = backend
@@ -201,11 +206,22 @@ class ElasticRendezvous:
             prev = self._members.get(r - 1, [])
             hint = next((i for i, m in enumerate(prev) if m.id == self.id), self._hint)
             me = Member(self.id, socket.gethostname(), self.local_addr, local_world_size, hint)
+            if self._gate is not None:
+                self._gate.before_join(self.kv, r, self.id, self.local_addr, self._joined_ids(r))
             slot = self.kv.add(keys.Round(r).joined, 1) - 1
             self.kv.set(keys.Round(r).node(slot), me.encode())
             order = self._await_close(r)
+            out = None if self._gate is None else self._gate.closed(self.kv, r, self.id)
             if slot not in order:
-                logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
+                if out is not None:
+                    logger.warning(
+                        "this node is kept out of round %d (%s); it checks again before "
+                        "the next round",
+                        r,
+                        out,
+                    )
+                else:
+                    logger.info("round %d is full (%d nodes); waiting as a spare", r, len(order))
                 r += 1
                 continue
             members = self._members_of(r)
@@ -236,6 +252,13 @@ class ElasticRendezvous:
             duration=time.monotonic() - t0,
             left=left,
         )
+
+    def _joined_ids(self, r: int) -> list[str]:
+        """The nodes that took a slot in round *r* so far."""
+        k = keys.Round(r)
+        names = [k.node(i) for i in range(self.kv.add(k.joined, 0))]
+        recs = [self._member(n, x) for n, x in zip(names, self.kv.get_many(names), strict=True)]
+        return [m.id for m in recs if m is not None]
 
     def _await_master(self, r: int, members: list[Member]) -> bytes | None:
         """The workers' store address node 0 publishes; None if node 0 was lost first."""
@@ -297,8 +320,18 @@ class ElasticRendezvous:
             self._check_ended()
             match rule.close_rule(self._close_view(r, opening), self.settings):
                 case rule.Close(slots):
+                    if self._gate is not None:
+                        ids = [m.id for _, m in sorted(opening.members.items())]
+                        self._gate.closing(self.kv, r, ids)
                     # Create-if-absent: the first closer wins, and everyone reads its list.
                     self.kv.create(k.closed, json.dumps(list(slots)))
+                case rule.TooFewAdmitted(admitted, refused):
+                    why = "; ".join(f"{n}: {opening.refused.get(n, '?')}" for n in refused)
+                    raise RendezvousError(
+                        f"rendezvous {self.run_id}: round {r} cannot form: {admitted} node(s) "
+                        f"passed the admission checks, at least {self.settings.min_nodes} "
+                        f"needed; kept out: {why}"
+                    )
                 case rule.TimedOut(live):
                     raise RendezvousError(
                         f"rendezvous {self.run_id}: only {live} of at least "
@@ -331,8 +364,17 @@ class ElasticRendezvous:
         members = sorted(opening.members.items())
         self._live.observe([m.id for _, m in members])
         gone = self.kv.get_many([keys.left(m.id) for _, m in members])
+        if self._gate is not None:
+            opening.refused = dict(self._gate.refused(self.kv, r, [m.id for _, m in members]))
         joiners = tuple(
-            rule.Joiner(slot, m.id, m.hint, alive=self._live.lost(m.id) is None, left=g is not None)
+            rule.Joiner(
+                slot,
+                m.id,
+                m.hint,
+                alive=self._live.lost(m.id) is None,
+                left=g is not None,
+                refused=m.id in opening.refused,
+            )
             for (slot, m), g in zip(members, gone, strict=True)
         )
         expected = self._expected(r)

@@ -11,8 +11,8 @@ from typing import Any
 import psutil
 
 from stalwart.cli import build_config
-from stalwart.launch.membership import rendezvous_for
-from stalwart.launch.supervisor import Supervisor
+from stalwart.launch.round.membership import rendezvous_for
+from stalwart.launch.round.supervisor import Supervisor
 
 
 class LeaveRaises:

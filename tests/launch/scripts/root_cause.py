@@ -3,7 +3,7 @@
 import os
 import time
 
-from stalwart.launch.errors import record
+from stalwart.launch.workers.errors import record
 
 
 @record

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 from stalwart import cli
-from stalwart.launch.supervisor import Supervisor
+from stalwart.launch.round.attempt import AttemptWorkers
 
 caught = {"Exception": Exception, "BaseException": BaseException}[sys.argv[1]]
 out = Path(sys.argv[2])
-original = Supervisor._emit_progress
+original = AttemptWorkers.emit_progress
 fired = []
 
 
@@ -40,5 +40,5 @@ def swallowing(self, *args, **kwargs):
         (out / "swallowed").touch()
 
 
-Supervisor._emit_progress = swallowing
+AttemptWorkers.emit_progress = swallowing
 sys.exit(cli.main(sys.argv[3:]))

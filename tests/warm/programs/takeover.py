@@ -19,7 +19,7 @@ import psutil
 
 from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.launch.warm import WarmPool
+from stalwart.launch.workers.warm import WarmPool
 
 procs.set_child_subreaper()  # as the launcher: forked templates are re-parented to us
 hold_s = float(sys.argv[2])

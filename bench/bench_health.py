@@ -1,0 +1,138 @@
+"""What node health checks add to a round, on simulated hosts (network namespaces).
+
+N = 2, 4, 8 nodes start at once, each a ``stalwart run`` of a worker that stamps the
+moment its process group and DDP model are up (``rdzv_stamp.py``); once without and once
+with ``--node-health``, side by side in each repeat. Printed per N: each node's check
+time (its own checks and the link timing, from its ``health_checked`` event; the round
+waits for the slowest node), and the time from the start until every worker is up, with
+and without the checks. No anchor runs such a check (torchrun has none; NVIDIA's
+ft_launcher 0.4.1, the newest here, neither), so the baseline is stalwart without it.
+
+Needs root. ``python bench/bench_health.py [--repeats 3] [--nodes 2,4,8] [--markdown]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from common import fmt, kill_leftovers, machine, med, ratio, show, spread  # noqa: E402
+from netns import JOB_SECRET, Host, Network, free_port, netns_usable, rdzv_args  # noqa: E402
+
+STAMP = HERE / "rdzv_stamp.py"
+CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=30,join_timeout=120"
+
+
+def once(hosts: list[Host], work: Path, health: bool) -> tuple[float | None, list[float]]:
+    """(seconds until every worker is up, each node's check seconds)."""
+    n = len(hosts)
+    endpoint = f"{hosts[0].addr}:{free_port()}"
+    stamps = work / "stamps"
+    stamps.mkdir(parents=True)
+    rdzv_id = f"bh{time.monotonic_ns()}"
+    t0 = time.time()
+    procs = []
+    for i, h in enumerate(hosts):
+        args = rdzv_args(
+            backend="c10d", endpoint=endpoint, nnodes=str(n), run_id=rdzv_id, conf=CONF
+        )
+        procs.append(
+            h.spawn(
+                sys.executable, "-m", "stalwart.cli", "run", *args,
+                *(["--node-health"] if health else []),
+                "--log-dir", work / f"logs{i}", STAMP, stamps,
+                log=work / f"n{i}.out", extra_env={"STALWART_JOB_SECRET": JOB_SECRET},
+            )
+        )  # fmt: skip
+    ok = True
+    try:
+        deadline = time.monotonic() + 240
+        for p in procs:
+            try:
+                ok &= p.wait(max(1.0, deadline - time.monotonic())) == 0
+            except subprocess.TimeoutExpired:
+                ok = False
+    finally:
+        for h in hosts:
+            h.stop()
+        kill_leftovers(work)
+    got = [float(f.read_text()) for f in stamps.glob("stamp_*")]
+    checks = []
+    for f in work.glob("logs*/*/events.jsonl"):
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            if e["event"] == "health_checked":
+                checks.append(float(e["seconds"]) + float(e.get("links_s", 0.0)))
+            if e["event"] == "node_excluded":
+                print(f"  FALSE EXCLUSION in a healthy run: {e['reasons']}", flush=True)
+    if not ok or len(got) != n:
+        print(f"  a run failed; logs: {work}", flush=True)
+        return None, checks
+    return max(got) - t0, checks
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--nodes", default="2,4,8")
+    ap.add_argument("--markdown", action="store_true")
+    ns = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    why = netns_usable()
+    if why:
+        print(f"skipped: {why}")
+        return 0
+    print(machine())
+    rows = []
+    for n in [int(x) for x in ns.nodes.split(",")]:
+        net = Network(f"{os.getpid() % 10000}")
+        base = Path(tempfile.mkdtemp(prefix="bench_health_"))
+        plain: list[float] = []
+        checked: list[float] = []
+        per_node: list[float] = []
+        slowest: list[float] = []
+        loads = []
+        try:
+            hosts = [net.add_host() for _ in range(n)]
+            for r in range(ns.repeats):
+                loads.append(os.getloadavg()[0])
+                up, _ = once(hosts, base / f"plain{r}", health=False)
+                up_h, checks = once(hosts, base / f"health{r}", health=True)
+                if up is not None:
+                    plain.append(up)
+                if up_h is not None:
+                    checked.append(up_h)
+                per_node += checks
+                if checks:
+                    slowest.append(max(checks))
+                print(f"  N={n} #{r}: up {fmt(up)} -> {fmt(up_h)} with checks; "
+                      f"slowest check {fmt(max(checks) if checks else None)}; "
+                      f"load {loads[-1]:.1f}", flush=True)  # fmt: skip
+        finally:
+            net.close()
+            shutil.rmtree(base, ignore_errors=True)
+        rows.append([
+            str(n), spread(per_node), spread(slowest), fmt(med(plain)), fmt(med(checked)),
+            ratio(med(checked), med(plain)), f"{min(loads):.1f}-{max(loads):.1f}",
+        ])  # fmt: skip
+    show(
+        "node health checks: what they add to a round (netns hosts, gloo on CPU)",
+        ["nodes", "check per node (min/med/max)", "slowest node per round", "all workers up, no checks",
+         "with --node-health", "ratio", "load (1 min)"],
+        rows, ns.markdown,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""The gate a round asks before it closes: which of its joiners may not join.
+
+`HealthGate` is the one object the rendezvous calls (through the `AdmissionGate`
+protocol of ``rendezvous/gate.py``): before a node takes a slot it runs the node's
+checks and leaves a signed report in the store (`before_join`); while the round is
+open the closing node asks which joiners are refused (`refused`), writes the verdict
+(`closing`), and after the close every node reads that verdict, logs and records each
+exclusion, and learns whether it is out itself (`closed`). A second reason to refuse a
+node (a quarantine, say) composes into `refused` and the verdict.
+
+A job of one node has no store and no peers: `check_alone` runs its own checks and
+nothing is compared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from stalwart.base.events import Event
+from stalwart.config import LaunchConfig
+from stalwart.config.secret import job_secret
+from stalwart.health import local, probe
+from stalwart.health.judge import Limits, judge, slow_links
+from stalwart.health.records import (
+    ID_LIMIT,
+    MAX_LINKS,
+    MAX_PROBLEMS,
+    BadRecord,
+    Exclusion,
+    Link,
+    NodeReport,
+    Verdict,
+    checked_count,
+    checked_node,
+    health_key,
+    open_report,
+    open_verdict,
+    report_key,
+    sign,
+    verdict_key,
+)
+from stalwart.health.usercheck import run_user_check
+
+logger = logging.getLogger(__name__)
+
+
+class Store(Protocol):
+    """What the gate needs of the rendezvous' key-value store."""
+
+    def get(self, key: str) -> bytes | None: ...
+    def get_many(self, keys: list[str]) -> list[bytes | None]: ...
+    def set(self, key: str, value: str, *, leased: bool = False) -> None: ...
+    def create(self, key: str, value: str) -> bytes: ...
+    def add(self, key: str, amount: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    """This node's checks, as the launcher's settings give them."""
+
+    command: str | None = None
+    timeout: float = 30.0
+    min_free: int = 256 * 2**20
+    folders: tuple[Path, ...] = ()
+    limits: Limits = field(default_factory=Limits)
+    # Measure compute and links (off: only the floors and the user's check).
+    measure: bool = True
+
+
+@dataclass(frozen=True)
+class OwnChecks:
+    """What this node found of itself."""
+
+    compute: float
+    problems: tuple[str, ...]
+    seconds: float
+
+
+def own_checks(s: HealthSettings, addr: str | None) -> OwnChecks:
+    """This node's checks; the user's command runs side by side with the compute burst."""
+    t0 = time.monotonic()
+    user: list[str | None] = [None]
+    worker = None
+    if s.command:
+        cmd = s.command
+
+        def run() -> None:
+            user[0] = run_user_check(cmd, s.timeout)
+
+        worker = threading.Thread(target=run, name="stalwart-health-check", daemon=True)
+        worker.start()
+    problems = local.disk_problems(s.folders, s.min_free)
+    if (mem := local.memory_problem(s.min_free)) is not None:
+        problems.append(mem)
+    if addr is not None and (nic := local.interface_problem(addr)) is not None:
+        problems.append(nic)
+    rate = local.compute_rate() if s.measure else 0.0
+    if worker is not None:
+        worker.join()  # bounded: run_user_check kills the command at its timeout
+        if user[0] is not None:
+            problems.append(user[0])
+    return OwnChecks(rate, tuple(problems[:MAX_PROBLEMS]), time.monotonic() - t0)
+
+
+Emit = Callable[..., Any]
+
+
+class HealthGate:
+    """This node's side of the admission gate, over the rendezvous' store."""
+
+    def __init__(
+        self, settings: HealthSettings, key: bytes, run_id: str, emit: Emit | None = None
+    ) -> None:
+        self._s = settings
+        self._key = key
+        self._run_id = run_id
+        self._emit = emit
+        self._host = socket.gethostname()
+        self._probe: probe.ProbeServer | None = None
+        self._announced: set[int] = set()
+        self._cache: dict[tuple[int, tuple[str, ...]], dict[str, NodeReport]] = {}
+        self._dropped: set[str] = set()
+
+    # -- one node ----------------------------------------------------------------------
+    def check_alone(self, round_: int) -> Exclusion | None:
+        """A node with no peers: its own checks only (nothing to compare compute with)."""
+        own = own_checks(self._s, None)
+        self._checked(round_, own, log=False)  # the launcher's one-line error says it
+        return Exclusion("this node", self._host, own.problems) if own.problems else None
+
+    # -- before the node takes a slot --------------------------------------------------
+    def before_join(
+        self, kv: Store, round_: int, node: str, addr: str, peers: Sequence[str]
+    ) -> None:
+        """Runs the checks, times the links to the nodes that published before this one,
+        and leaves the signed report for the node that closes the round.
+
+        The report goes out twice: first without links, then this node takes its place
+        in the round's order, then it times a link to every node before it and publishes
+        again. Each pair is timed by its later node, even when both check at once."""
+        listen_problem = None
+        if self._probe is None and self._s.measure:
+            try:
+                self._probe = probe.ProbeServer(addr)
+            except OSError as err:  # peers could not reach its workers either
+                listen_problem = f"cannot listen on {addr}, its advertised address: {err}"
+        own = own_checks(self._s, addr)
+        if listen_problem is not None:
+            problems = (listen_problem, *own.problems)[:MAX_PROBLEMS]
+            own = OwnChecks(own.compute, problems, own.seconds)
+        mine = NodeReport(
+            run_id=self._run_id,
+            round=round_,
+            node=node,
+            host=self._host,
+            probe=self._probe.address if self._probe is not None else "",
+            compute=own.compute,
+            problems=own.problems,
+        )
+        kv.set(report_key(round_, node), sign(self._key, mine))
+        t0 = time.monotonic()
+        links: tuple[Link, ...] = ()
+        if self._s.measure:
+            i = kv.add(checked_count(round_), 1) - 1
+            kv.set(checked_node(round_, i), node)
+            first = max(0, i - MAX_LINKS)  # a forged count costs a bounded read
+            names = kv.get_many([checked_node(round_, j) for j in range(first, i)])
+            earlier = [n.decode(errors="replace")[:ID_LIMIT] for n in names if n is not None]
+            others = [p for p in dict.fromkeys([*earlier, *peers]) if p != node]
+            reports = self._reports(kv, round_, others)
+            targets = [(p, r.probe) for p, r in reports.items() if r.probe]
+            times = probe.time_links([a for _, a in targets])
+            links = tuple(Link(p, t) for (p, _), t in zip(targets, times, strict=True))
+            mine = msgspec.structs.replace(mine, links=links)
+            kv.set(report_key(round_, node), sign(self._key, mine))
+        self._checked(
+            round_, own, node=node, links=len(links), links_s=round(time.monotonic() - t0, 4)
+        )
+
+    def _checked(self, round_: int, own: OwnChecks, log: bool = True, **more: object) -> None:
+        if own.problems and log:
+            logger.warning("health check before round %d: %s", round_, "; ".join(own.problems))
+        if self._emit is not None:
+            self._emit(
+                Event.HEALTH_CHECKED,
+                attempt=round_,
+                seconds=round(own.seconds, 4),
+                compute=round(own.compute, 1),
+                problems=list(own.problems),
+                **more,
+            )
+
+    # -- while the round is open -------------------------------------------------------
+    def _reports(self, kv: Store, round_: int, nodes: Sequence[str]) -> dict[str, NodeReport]:
+        """The valid reports of *nodes* for *round_*; forged, replayed or oversized ones
+        are dropped (logged once per key)."""
+        ids = tuple(nodes)
+        cached = self._cache.get((round_, ids))
+        if cached is not None:
+            return cached
+        keys = [report_key(round_, n) for n in ids]
+        found: dict[str, NodeReport] = {}
+        for n, k, raw in zip(ids, keys, kv.get_many(keys), strict=True):
+            if raw is None:
+                continue
+            try:
+                found[n] = open_report(self._key, raw, self._run_id, round_, n)
+            except BadRecord as err:
+                if k not in self._dropped:
+                    self._dropped.add(k)
+                    logger.warning("dropped the health report at %s: %s", k, err)
+        if len(found) == len(ids):  # written once each: complete means final
+            self._cache = {(round_, ids): found}
+        return found
+
+    def _judged(self, kv: Store, round_: int, nodes: Sequence[str]) -> tuple[Exclusion, ...]:
+        reports = self._reports(kv, round_, nodes)
+        return judge([reports[n] for n in nodes if n in reports], self._s.limits)
+
+    def refused(self, kv: Store, round_: int, nodes: Sequence[str]) -> Mapping[str, str]:
+        """Which of *nodes* may not join *round_*, and why (one line each)."""
+        return {e.node: "; ".join(e.reasons) for e in self._judged(kv, round_, nodes)}
+
+    def closing(self, kv: Store, round_: int, nodes: Sequence[str]) -> None:
+        """Before this node closes *round_* with the joiners *nodes*: the verdict every
+        node will read (the first closer's wins, as with the round's slots)."""
+        reports = self._reports(kv, round_, nodes)
+        out = self._judged(kv, round_, nodes)
+        slow = slow_links(reports.values(), [e.node for e in out], self._s.limits)
+        verdict = Verdict(run_id=self._run_id, round=round_, excluded=out, slow_links=slow)
+        kv.create(verdict_key(round_), sign(self._key, verdict))
+
+    # -- after the close ---------------------------------------------------------------
+    def closed(self, kv: Store, round_: int, node: str) -> str | None:
+        """Reads the verdict of the closed *round_*: logs and records (once) every node
+        it keeps out; returns why *node* is out, or None when it is in."""
+        raw = kv.get(verdict_key(round_))
+        if raw is None:
+            return None  # closed by a node that checks nothing
+        try:
+            verdict = open_verdict(self._key, raw, self._run_id, round_)
+        except BadRecord as err:
+            logger.warning("dropped the health verdict of round %d: %s", round_, err)
+            return None
+        if round_ not in self._announced:
+            self._announced.add(round_)
+            for e in verdict.excluded:
+                logger.warning(
+                    "node %s (%s) is kept out of round %d: %s",
+                    e.node,
+                    e.host,
+                    round_,
+                    "; ".join(e.reasons),
+                )
+                if self._emit is not None:
+                    self._emit(
+                        Event.NODE_EXCLUDED,
+                        attempt=round_,
+                        node=e.node,
+                        host=e.host,
+                        reason="; ".join(e.reasons),  # as the other node_excluded events
+                        reasons=list(e.reasons),
+                        by="health_check",
+                        this_node=e.node == node,
+                    )
+            for link in verdict.slow_links:
+                logger.warning("slow link in round %d: %s", round_, link)
+        return next(("; ".join(e.reasons) for e in verdict.excluded if e.node == node), None)
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+
+def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> HealthGate | None:
+    """The gate *cfg* asks for (None: no health checks)."""
+    if not cfg.health_checks:
+        return None
+    folders = tuple(p for p in (cfg.log_dir, run_dir) if p is not None) or (Path.cwd(),)
+    settings = HealthSettings(
+        command=cfg.node_health_check or None,
+        timeout=cfg.node_health_timeout,
+        min_free=cfg.node_health_min_free,
+        folders=folders,
+        # One node has no peers to compare a rate with: nothing to measure.
+        measure=cfg.max_nodes > 1,
+    )
+    # Validated with the config: several nodes share a secret; one keeps its own.
+    secret = job_secret(cfg.job_secret_file, os.environ) or secrets.token_bytes(32)
+    return HealthGate(settings, health_key(secret, cfg.run_id), cfg.run_id, emit)

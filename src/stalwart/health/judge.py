@@ -1,0 +1,123 @@
+"""Which nodes are kept out of a round: a pure function of the nodes' reports.
+
+A node is out when its own checks found a problem (a full disk, a failed user check),
+when its compute is far below its peers', or when every one of its links is far slower
+than its peers' links. Peers, not constants: on a busy shared host every node is slow
+together, and nobody is out for it. Each node is compared with the median of the
+*others* (itself left out), so with two nodes the slower one is measured against the
+faster, and one slow node cannot drag the reference down to its own pace.
+
+Links: a node's best link is its fastest echo to any peer. A node whose *best* link is
+slow sits behind a slow interface (every path through it is slow); a link slow while
+both of its ends have fast links elsewhere is a slow link, reported but excluding
+nobody (either end could be at fault). Telling these apart needs a third node: with two
+there is one link and nothing to compare it with.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from stalwart.health.records import MAX_PROBLEMS, Exclusion, NodeReport
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How far from its peers a node may be before it is kept out."""
+
+    # Compute below this fraction of the peers' median is slow.
+    slow_compute: float = 0.3
+    # A best link time above this multiple of the peers' median (plus the slack) is slow.
+    slow_link: float = 4.0
+    # Seconds of scheduling noise a link may add on a busy host before it counts.
+    link_slack: float = 0.02
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _pairs(reports: Sequence[NodeReport]) -> dict[frozenset[str], float]:
+    """The best time seen for each link, measured from either end (inf: unreachable)."""
+    nodes = {r.node for r in reports}
+    best: dict[frozenset[str], float] = {}
+    for r in reports:
+        for link in r.links:
+            if link.peer == r.node or link.peer not in nodes:
+                continue
+            pair = frozenset((r.node, link.peer))
+            t = math.inf if link.seconds is None else link.seconds
+            best[pair] = min(best.get(pair, math.inf), t)
+    return best
+
+
+def _best(node: str, links: dict[frozenset[str], float], without: str | None = None) -> float:
+    times = [t for pair, t in links.items() if node in pair and without not in pair]
+    return min(times, default=math.nan)
+
+
+def _compute_problem(r: NodeReport, reports: Sequence[NodeReport], lim: Limits) -> str | None:
+    peers = [p.compute for p in reports if p.node != r.node and p.compute > 0]
+    if r.compute <= 0 or not peers:
+        return None
+    ref = statistics.median(peers)
+    if r.compute >= lim.slow_compute * ref:
+        return None
+    return (
+        f"compute {r.compute:.0f} products/s is {r.compute / ref:.0%} of its peers' median "
+        f"{ref:.0f} (below {lim.slow_compute:.0%})"
+    )
+
+
+def _link_problem(node: str, links: dict[frozenset[str], float], lim: Limits) -> str | None:
+    mine = _best(node, links)
+    others = {n for pair in links for n in pair} - {node}
+    # Each peer's best link that does not pass through this node.
+    refs = [b for o in others if not math.isnan(b := _best(o, links, without=node))]
+    finite = [b for b in refs if math.isfinite(b)]
+    if math.isnan(mine) or not finite:
+        return None
+    ref = statistics.median(finite)
+    if math.isinf(mine):
+        return "no peer could reach its echo server (every link broken)"
+    if mine <= lim.slow_link * ref + lim.link_slack:
+        return None
+    return f"its fastest link takes {_ms(mine)}, {mine / ref:.0f}x its peers' median {_ms(ref)}"
+
+
+def judge(reports: Iterable[NodeReport], lim: Limits) -> tuple[Exclusion, ...]:
+    """The nodes of *reports* kept out of the round, in the reports' order."""
+    reps = list(reports)
+    links = _pairs(reps)
+    out: list[Exclusion] = []
+    for r in reps:
+        reasons = list(r.problems)
+        for found in (_compute_problem(r, reps, lim), _link_problem(r.node, links, lim)):
+            if found is not None:
+                reasons.append(found)
+        if reasons:
+            out.append(Exclusion(r.node, r.host, tuple(reasons[:MAX_PROBLEMS])))
+    return tuple(out)
+
+
+def slow_links(
+    reports: Iterable[NodeReport], excluded: Iterable[str], lim: Limits
+) -> tuple[str, ...]:
+    """Links much slower than the best link of either end, between nodes still in: found
+    and reported, but no node is kept out for them."""
+    reps = list(reports)
+    out_ = set(excluded)
+    links = _pairs(reps)
+    found: list[str] = []
+    for pair, t in sorted(links.items(), key=lambda kv: sorted(kv[0])):
+        a, b = sorted(pair)
+        if a in out_ or b in out_:
+            continue
+        ref = max(_best(a, links), _best(b, links))
+        if math.isfinite(ref) and t > lim.slow_link * ref + lim.link_slack:
+            took = "unreachable" if math.isinf(t) else _ms(t)
+            found.append(f"{a} <-> {b}: {took} (each end's best link: {_ms(ref)})")
+    return tuple(found)

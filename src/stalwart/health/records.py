@@ -1,0 +1,146 @@
+"""What a node's health check leaves in the store, and the verdict of a round.
+
+Both are JSON records signed with a key derived from the job's secret (which never
+passes through the store): anyone who reaches the store's port can write a key, so a
+reader drops a record whose MAC does not match, that names another job, round or node
+than its key, or that exceeds the sizes below. The store keys are spelled here only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Annotated
+
+import msgspec
+
+#: Largest signed record read back from the store (bytes): a report with MAX_LINKS links
+#: of ID_LIMIT-character ids fits; anything larger is not ours.
+RECORD_LIMIT = 256 * 1024
+#: Text of one problem a check found (characters).
+PROBLEM_LIMIT = 512
+MAX_PROBLEMS = 8
+#: Links a report may carry: one per peer, a job of up to this many nodes.
+MAX_LINKS = 1024
+ID_LIMIT = 128
+
+_Id = Annotated[str, msgspec.Meta(max_length=ID_LIMIT)]
+_Problem = Annotated[str, msgspec.Meta(max_length=PROBLEM_LIMIT)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+def report_key(round_: int, node: str) -> str:
+    return f"health/r{round_}/report/{node}"
+
+
+def checked_count(round_: int) -> str:
+    """Counts the nodes that published a report for the round (hands out the order)."""
+    return f"health/r{round_}/count"
+
+
+def checked_node(round_: int, i: int) -> str:
+    """The node id that published the *i*-th report of the round."""
+    return f"health/r{round_}/who/{i}"
+
+
+def verdict_key(round_: int) -> str:
+    return f"health/r{round_}/verdict"
+
+
+class Link(msgspec.Struct, frozen=True):
+    """The best time of a small echo to *peer* (seconds); None: it could not be reached."""
+
+    peer: _Id
+    seconds: _Seconds | None
+
+
+class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's health check before *round*."""
+
+    run_id: _Id
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    node: _Id
+    host: _Id
+    probe: _Id = ""  # "addr:port" of its echo server; "": none
+    # Matrix products per second in the best of a few short bursts; 0: not measured.
+    compute: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    problems: Annotated[tuple[_Problem, ...], msgspec.Meta(max_length=MAX_PROBLEMS)] = ()
+    links: Annotated[tuple[Link, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+
+
+class Exclusion(msgspec.Struct, frozen=True):
+    """A node kept out of a round, and why."""
+
+    node: _Id
+    host: _Id
+    reasons: Annotated[tuple[_Problem, ...], msgspec.Meta(max_length=MAX_PROBLEMS)]
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    """What the node that closed *round* decided: who is out, and slow links it saw."""
+
+    run_id: _Id
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    excluded: Annotated[tuple[Exclusion, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+    slow_links: Annotated[tuple[_Problem, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+
+
+class _Signed(msgspec.Struct, frozen=True):
+    body: str
+    mac: str
+
+
+def health_key(secret: bytes, run_id: str) -> bytes:
+    """The key of a job's health records: its secret and run id (two jobs sharing a
+    secret cannot replay into each other)."""
+    return hmac.new(secret, b"stalwart-health/1\0" + run_id.encode(), hashlib.sha256).digest()
+
+
+def _mac(key: bytes, label: str, body: str) -> str:
+    return hmac.new(key, f"{label}\0{body}".encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, rec: NodeReport | Verdict) -> str:
+    body = msgspec.json.encode(rec).decode()
+    label = "report" if isinstance(rec, NodeReport) else "verdict"
+    return msgspec.json.encode(_Signed(body, _mac(key, label, body))).decode()
+
+
+class BadRecord(ValueError):
+    """A store value that is not a record of this job (forged, replayed, garbled)."""
+
+
+def _open(key: bytes, label: str, raw: bytes) -> str:
+    if len(raw) > RECORD_LIMIT:
+        raise BadRecord(f"a record of {len(raw)} bytes (the limit is {RECORD_LIMIT})")
+    try:
+        signed = msgspec.json.decode(raw, type=_Signed)
+    except msgspec.DecodeError as err:
+        raise BadRecord(f"not a signed record: {err}") from None
+    if not hmac.compare_digest(signed.mac.encode(), _mac(key, label, signed.body).encode()):
+        raise BadRecord("its MAC does not match (not written by a node of this job)")
+    return signed.body
+
+
+def open_report(key: bytes, raw: bytes, run_id: str, round_: int, node: str) -> NodeReport:
+    """The report stored at ``report_key(round_, node)``; `BadRecord` when it is not one
+    of this job's, for that round and node."""
+    try:
+        rec = msgspec.json.decode(_open(key, "report", raw), type=NodeReport)
+    except msgspec.DecodeError as err:
+        raise BadRecord(f"a signed body that is not a report: {err}") from None
+    if (rec.run_id, rec.round, rec.node) != (run_id, round_, node):
+        raise BadRecord(
+            f"a report of {rec.run_id}/r{rec.round}/{rec.node} stored as {run_id}/r{round_}/{node}"
+        )
+    return rec
+
+
+def open_verdict(key: bytes, raw: bytes, run_id: str, round_: int) -> Verdict:
+    try:
+        rec = msgspec.json.decode(_open(key, "verdict", raw), type=Verdict)
+    except msgspec.DecodeError as err:
+        raise BadRecord(f"a signed body that is not a verdict: {err}") from None
+    if (rec.run_id, rec.round) != (run_id, round_):
+        raise BadRecord(f"a verdict of {rec.run_id}/r{rec.round} stored as {run_id}/r{round_}")
+    return rec

@@ -1,0 +1,1 @@
+"""What a run writes on its node: the run folder, worker logs, the event log."""

@@ -1,0 +1,183 @@
+"""The admission gate over a store a stranger can write: signed reports and verdicts,
+bounded reads. The nodes are gates in this process sharing an in-memory store (the
+rendezvous' own test engine); their probe servers and checks are real."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from stalwart.base.events import Event
+from stalwart.health.admission import HealthGate, HealthSettings
+from stalwart.health.records import (
+    RECORD_LIMIT,
+    Exclusion,
+    NodeReport,
+    Verdict,
+    checked_count,
+    health_key,
+    report_key,
+    sign,
+    verdict_key,
+)
+from stalwart.rendezvous.kv import MemoryKV, MemoryStore
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = secrets.token_bytes(32)
+KEY = health_key(SECRET, "job")
+
+
+class Node:
+    def __init__(self, store: MemoryStore, name: str, **kw: Any) -> None:
+        self.name = name
+        self.kv = MemoryKV(store)
+        self.events: list[tuple[Event, dict[str, Any]]] = []
+        self.gate = HealthGate(
+            HealthSettings(**kw), KEY, "job", lambda ev, **f: self.events.append((ev, f))
+        )
+
+    def check(self, round_: int = 0, peers: tuple[str, ...] = ()) -> None:
+        self.gate.before_join(self.kv, round_, self.name, "127.0.0.1", list(peers))
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    return MemoryStore()
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[list[Node]]:
+    """Three checked nodes, made once: each test puts back what it forged."""
+    made = [Node(MemoryStore(), f"n{i}") for i in range(3)]
+    made[1].kv, made[2].kv = MemoryKV(made[0].kv._store), MemoryKV(made[0].kv._store)  # type: ignore[attr-defined]
+    for n in made:
+        n.check()
+    yield made
+    for n in made:
+        n.gate.close()
+
+
+def stranger(store: MemoryStore) -> MemoryKV:
+    return MemoryKV(store, "stranger")
+
+
+def test_healthy_nodes_pass_and_every_link_is_timed(nodes: list[Node]) -> None:
+    ids = [n.name for n in nodes]
+    assert nodes[0].gate.refused(nodes[0].kv, 0, ids) == {}
+    raw = nodes[2].kv.get(report_key(0, "n2"))
+    assert raw is not None
+    body = msgspec.json.decode(msgspec.json.decode(raw)["body"], type=NodeReport)
+    assert sorted(lk.peer for lk in body.links) == ["n0", "n1"]
+    assert all(lk.seconds is not None for lk in body.links)
+    (ev, f), *_ = nodes[2].events
+    assert ev is Event.HEALTH_CHECKED and f["links"] == 2 and f["problems"] == []
+
+
+def test_a_node_with_a_problem_is_refused_and_every_node_records_it(store: MemoryStore) -> None:
+    good = Node(store, "n0", measure=False)
+    bad = Node(store, "n1", measure=False, command='echo \'{"reason": "GPU 3 clock low"}\'; exit 4')
+    good.check()
+    bad.check()
+    ids = ["n0", "n1"]
+    why = good.gate.refused(good.kv, 0, ids)
+    assert list(why) == ["n1"] and "GPU 3 clock low" in why["n1"]
+    good.gate.closing(good.kv, 0, ids)
+    assert good.gate.closed(good.kv, 0, "n0") is None
+    assert "GPU 3 clock low" in (bad.gate.closed(bad.kv, 0, "n1") or "")
+    for node, mine in ((good, False), (bad, True)):
+        (f,) = [f for ev, f in node.events if ev is Event.NODE_EXCLUDED]
+        assert f["node"] == "n1" and f["this_node"] is mine and f["by"] == "health_check"
+    # Announced once per round, however often it is read.
+    good.gate.closed(good.kv, 0, "n0")
+    assert [ev for ev, _ in good.events].count(Event.NODE_EXCLUDED) == 1
+
+
+def _failing(node: str, round_: int = 0, run_id: str = "job") -> NodeReport:
+    return NodeReport(run_id=run_id, round=round_, node=node, host="h", problems=("forged",))
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        # Unsigned, or signed with a key that is not the job's.
+        lambda: msgspec.json.encode(_failing("n1")).decode(),
+        lambda: sign(health_key(b"x" * 32, "job"), _failing("n1")),
+        # The right secret for another job (same secret, other run id).
+        lambda: sign(health_key(SECRET, "other"), _failing("n1", run_id="other")),
+        # A genuine report of another node, or of another round, replayed under n1's key.
+        lambda: sign(KEY, _failing("n2")),
+        lambda: sign(KEY, _failing("n1", round_=7)),
+        # A verdict's signature on a report body.
+        lambda: sign(KEY, Verdict(run_id="job", round=0)).replace("verdict", "report"),
+        # Signed with the job's key but oversized (read no further than the limit).
+        lambda: sign(KEY, _failing("n1")) + " " * RECORD_LIMIT,
+        # Garbage.
+        lambda: "x" * (RECORD_LIMIT + 1),
+        lambda: '{"body": 5, "mac": []}',
+        lambda: "\udcff".encode("utf-8", "surrogatepass").decode("latin-1"),
+    ],
+)
+def test_a_stranger_cannot_exclude_a_healthy_node(nodes: list[Node], forge: Any) -> None:
+    kv = stranger(nodes[0].kv._store)  # type: ignore[attr-defined]
+    genuine = kv.get(report_key(0, "n1"))
+    assert genuine is not None
+    kv.set(report_key(0, "n1"), forge())
+    try:
+        # A reader that has not read the round yet (a gate keeps a complete round's reports).
+        reader = HealthGate(HealthSettings(), KEY, "job")
+        assert reader.refused(kv, 0, [n.name for n in nodes]) == {}
+    finally:
+        kv.set(report_key(0, "n1"), genuine.decode())
+
+
+def test_the_genuine_failing_report_is_what_the_forgeries_would_have_done(
+    nodes: list[Node],
+) -> None:
+    # The control for the table above: signed with the job's key, the same record
+    # keeps n1 out, so each forgery above was refused for its flaw alone.
+    kv = stranger(nodes[0].kv._store)  # type: ignore[attr-defined]
+    genuine = kv.get(report_key(0, "n1"))
+    assert genuine is not None
+    kv.set(report_key(0, "n1"), sign(KEY, _failing("n1")))
+    try:
+        reader = HealthGate(HealthSettings(), KEY, "job")
+        assert reader.refused(kv, 0, [n.name for n in nodes]) == {"n1": "forged"}
+    finally:
+        kv.set(report_key(0, "n1"), genuine.decode())
+
+
+def test_a_forged_verdict_is_dropped(nodes: list[Node]) -> None:
+    kv = stranger(nodes[0].kv._store)  # type: ignore[attr-defined]
+    fake = Verdict(run_id="job", round=0, excluded=(Exclusion("n1", "h", ("forged",)),))
+    kv.set(verdict_key(0), sign(health_key(b"y" * 32, "job"), fake))
+    try:
+        assert nodes[1].gate.closed(nodes[1].kv, 0, "n1") is None
+        assert not [ev for ev, _ in nodes[1].events if ev is Event.NODE_EXCLUDED]
+    finally:
+        nodes[1].kv._store.data.pop(verdict_key(0))  # type: ignore[attr-defined]
+
+
+def test_a_forged_order_count_costs_a_bounded_read(store: MemoryStore) -> None:
+    stranger(store).set(checked_count(0), str(10**12))
+    node = Node(store, "n0")
+    try:
+        node.check()  # reads at most MAX_LINKS names, then goes on
+        assert node.gate.refused(node.kv, 0, ["n0"]) == {}
+    finally:
+        node.gate.close()
+
+
+def test_a_node_that_cannot_listen_on_its_address_is_refused(store: MemoryStore) -> None:
+    # 192.0.2.1 (TEST-NET-1) is on no interface here: peers could not reach it either.
+    node = Node(store, "n0")
+    try:
+        node.gate.before_join(node.kv, 0, "n0", "192.0.2.1", [])
+        why = node.gate.refused(node.kv, 0, ["n0"])["n0"]
+        assert "cannot listen on 192.0.2.1" in why and "no interface of this host holds" in why
+    finally:
+        node.gate.close()

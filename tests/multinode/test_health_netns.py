@@ -1,0 +1,157 @@
+"""Node health checks across simulated hosts (network namespaces): a node throttled by
+its cgroup's CPU limit, a node behind a slow link (``tc`` rate limit) and a node whose own
+check fails are kept out, and the round closes with the healthy ones; a healthy cluster
+keeps everyone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.netns import JOB_SECRET, ROOT, Host, Network, rdzv_args
+from tests.helpers import free_port, read_events
+
+pytestmark = pytest.mark.timeout(240)
+
+WORKER = Path(__file__).parent / "health_worker.py"
+CONF = "keep_alive_interval=0.5,keep_alive_max_attempt=6,last_call_timeout=120,join_timeout=180"
+
+
+@pytest.fixture
+def cpu_limited() -> Iterator[Path]:
+    """A cgroup holding whatever joins it to 10 % of one CPU (v1 cpu controller or v2)."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if v1.is_dir() and (v1 / "cpu.cfs_quota_us").exists():
+        group = v1 / f"swhealth{free_port()}"
+        group.mkdir()
+        (group / "cpu.cfs_quota_us").write_text("10000")
+    else:
+        root = Path("/sys/fs/cgroup")
+        if "cpu" not in (root / "cgroup.controllers").read_text().split():
+            pytest.skip("no cpu controller to throttle a node with")
+        group = root / f"swhealth{free_port()}"
+        group.mkdir()
+        (group / "cpu.max").write_text("10000 100000")
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            subprocess.run(["kill", "-9", pid], check=False)
+        group.rmdir()
+
+
+def launch(
+    host: Host,
+    out: Path,
+    nnodes: str,
+    endpoint: str,
+    run_id: str,
+    *extra: str,
+    cgroup: Path | None = None,
+    restarts: int = 0,
+) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable, "-m", "stalwart.cli", "run",
+        *rdzv_args(backend="c10d", endpoint=endpoint, nnodes=nnodes, run_id=run_id, conf=CONF,
+                   max_restarts=restarts),
+        "--node-health", "--log-dir", str(out / f"logs-{host.name}"), *extra, str(WORKER), str(out),
+    ]  # fmt: skip
+    if cgroup is not None:
+        # ``ip netns exec`` mounts a sysfs of its own, without the cgroups; a real host's
+        # launcher sees its cgroup, so this one goes back to our mount namespace (its
+        # network namespace stays the simulated host's).
+        argv = ["nsenter", f"--mount=/proc/{os.getpid()}/ns/mnt", f"--wd={ROOT}", *argv]
+    proc = host.spawn(
+        *argv, log=out / f"{host.name}.out", extra_env={"STALWART_JOB_SECRET": JOB_SECRET}
+    )
+    if cgroup is not None:
+        # At once, long before its launcher checks anything (``ip netns exec`` execs, so
+        # the pid is the launcher's; its own /sys does not show the host's cgroups).
+        (cgroup / "cgroup.procs").write_text(str(proc.pid))
+    return proc
+
+
+def node_events(out: Path, host: Host) -> list[dict[str, Any]]:
+    (folder,) = (out / f"logs-{host.name}").iterdir()
+    return read_events(folder / "events.jsonl")
+
+
+def node_id(out: Path, host: Host) -> str:
+    """The id this host's launcher checked under (its rendezvous id)."""
+    return next(e["node"] for e in node_events(out, host) if e["event"] == "health_checked")
+
+
+def kept_out(out: Path, host: Host) -> dict[str, str]:
+    """What this host recorded: excluded node id -> its reasons."""
+    evs = node_events(out, host)
+    return {e["node"]: "; ".join(e["reasons"]) for e in evs if e["event"] == "node_excluded"}
+
+
+def finish(procs: list[subprocess.Popen[str]], hosts: list[Host], out: Path) -> dict[str, str]:
+    for p, h in zip(procs, hosts, strict=True):
+        try:
+            p.wait(200)
+        except subprocess.TimeoutExpired:
+            log = (out / f"{h.name}.out").read_text()
+            pytest.fail(f"{h.name} did not finish:\n{log[-3000:]}")
+    return {h.name: (out / f"{h.name}.out").read_text() for h in hosts}
+
+
+def test_slow_delayed_and_failing_nodes_are_kept_out(
+    network: Network, tmp_path: Path, cpu_limited: Path
+) -> None:
+    hosts = [network.add_host() for _ in range(5)]
+    good0, good1, throttled, delayed, failing = hosts
+    # Every packet into that host through a 1 Mbit/s bucket (this kernel has no netem).
+    shape = ["tbf", "rate", "1mbit", "burst", "3000", "latency", "2s"]
+    subprocess.run(["tc", "qdisc", "add", "dev", delayed.veth, "root", *shape], check=True)
+    endpoint = f"{good0.addr}:{free_port()}"
+
+    def start(h: Host, *extra: str, cgroup: Path | None = None) -> subprocess.Popen[str]:
+        # A restart left, so the nodes kept out wait as spares (and read the verdict)
+        # instead of finding the budget spent and ending the wait for everyone.
+        return launch(h, tmp_path, "2:5", endpoint, "health", *extra, cgroup=cgroup, restarts=1)
+
+    procs = [start(good0), start(good1), start(throttled, cgroup=cpu_limited), start(delayed)]
+    procs.append(
+        start(failing, "--node-health-check", 'echo \'{"reason": "ECC errors on GPU 5"}\'; exit 1')
+    )
+    logs = finish(procs, hosts, tmp_path)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, logs[good0.name][-3000:]
+    # The round closed with the two healthy nodes, and their gloo job ran across both.
+    assert (tmp_path / "world").read_text() == "2 2"
+    ids = {h.name: node_id(tmp_path, h) for h in hosts}
+    out_ids = {ids[throttled.name], ids[delayed.name], ids[failing.name]}
+    for h in hosts:
+        # Every node recorded who was kept out and why (the excluded ones too).
+        seen = kept_out(tmp_path, h)
+        assert set(seen) == out_ids, (h.name, seen, logs[h.name][-3000:])
+        assert sum(") is kept out of round 0: " in ln for ln in logs[h.name].splitlines()) == 3
+    seen = kept_out(tmp_path, good0)
+    assert "compute" in seen[ids[throttled.name]], seen
+    assert "of its peers' median" in seen[ids[throttled.name]]
+    assert "fastest link takes" in seen[ids[delayed.name]], seen
+    assert "ECC errors on GPU 5" in seen[ids[failing.name]], seen
+    assert "compute" not in seen[ids[delayed.name]] + seen[ids[failing.name]]
+
+
+def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) -> None:
+    hosts = [network.add_host() for _ in range(3)]
+    endpoint = f"{hosts[0].addr}:{free_port()}"
+    procs = [launch(h, tmp_path, "3", endpoint, "healthy") for h in hosts]
+    logs = finish(procs, hosts, tmp_path)
+    for p, h in zip(procs, hosts, strict=True):
+        assert p.returncode == 0, logs[h.name][-3000:]
+        assert kept_out(tmp_path, h) == {}
+        checked = [e for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
+        assert len(checked) == 1 and checked[0]["problems"] == []
+    assert (tmp_path / "world").read_text() == "3 3"
+    # Every pair of nodes was timed, by one end or the other.
+    evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
+    assert sum(e["links"] for e in evs) == 3
