@@ -17,6 +17,12 @@ Modes:
   inprocess  ``stalwart.inprocess.Wrapper`` over an NCCL group: a fault in the first
              iteration aborts the communicators and the second iteration runs a
              collective on a fresh group.
+  hang       2 ranks, no stalwart import, no timeout configured: rank 1 falls asleep in
+             its own code before the step's all-reduce in attempt 0 while rank 0 waits
+             in the all-reduce and a device synchronise (where NCCL makes the waiting
+             CPU spin). NCCL needs a GPU per rank: with fewer than 2 GPUs both ranks
+             share the one and all-reduce CUDA tensors over gloo. The shell script
+             checks the hang was detected, rank 1 blamed, and attempt 1 finished.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from torch import nn
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["env", "ddp", "dcp", "inprocess"])
+    p.add_argument("mode", choices=["env", "ddp", "dcp", "inprocess", "hang"])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--ckpt", type=Path, default=Path("/tmp/gpu_check_ckpt"))
     p.add_argument("--steps", type=int, default=60)
@@ -45,7 +51,8 @@ def _device(kind: str) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             sys.exit("gpu_check: --device cuda but torch.cuda.is_available() is False")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        # Ranks share the GPUs round robin (the hang mode runs 2 ranks on 1 GPU).
+        local = int(os.environ.get("LOCAL_RANK", "0")) % max(torch.cuda.device_count(), 1)
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
@@ -180,6 +187,34 @@ def mode_inprocess(device: torch.device) -> None:
     _report("inprocess", **seen)
 
 
+def mode_hang(device: torch.device, steps: int) -> None:
+    import time
+
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    backend = "nccl" if gpus >= 2 else "gloo"
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model = _model(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(steps):
+        if attempt == 0 and rank == 1 and step == steps * 2 // 3:
+            while True:
+                time.sleep(3600)
+        loss = model(torch.randn(32, 64, device=device)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        opt.step()
+        time.sleep(0.01)
+    _report("hang", attempt=attempt, backend=backend, gpus=gpus, steps=steps)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     args = _args()
     device = _device(args.device)
@@ -189,6 +224,8 @@ def main() -> None:
         mode_ddp(device, args.ckpt, args.steps)
     elif args.mode == "dcp":
         mode_dcp(device, args.ckpt)
+    elif args.mode == "hang":
+        mode_hang(device, args.steps)
     else:
         mode_inprocess(device)
 

@@ -41,6 +41,23 @@ grep -q '"attempt": 1, "resumed_from": 30' "$RES/ddp.log" \
   || { echo "FAIL ddp: expected attempt 1 resumed from step 30"; failed=1; }
 check dcp 180 "${run[@]}" bench/gpu_check.py dcp --device "$DEV" --ckpt "$RES/ckpt_dcp"
 check inprocess 120 "${run[@]}" bench/gpu_check.py inprocess --device "$DEV"
+# A rank asleep before the all-reduce, nothing configured: found from the learned rhythm,
+# rank 1 blamed (rank 0 waits in the all-reduce / device synchronise), attempt 1 finishes.
+check hang 240 "$PY" -m stalwart.cli run --nproc-per-node 2 --max-restarts 1 \
+  --log-dir "$RES/runs_hang" bench/gpu_check.py hang --device "$DEV" --steps 60
+grep -q '"attempt": 1' "$RES/hang.log" || { echo "FAIL hang: attempt 1 did not finish"; failed=1; }
+"$PY" - "$RES/runs_hang" <<'PYEOF' || failed=1
+import json, pathlib, sys
+evs = [json.loads(x) for f in pathlib.Path(sys.argv[1]).glob("*/events.jsonl")
+       for x in f.read_text().splitlines()]
+hangs = [e for e in evs if e["event"] == "hang_detected" and e.get("attempt") == 0]
+roots = [e["global_rank"] for e in hangs if e.get("waiting_on") is None]
+restart = [e["root_cause"]["rank"] for e in evs if e["event"] == "restart"]
+ok = roots == [1] and restart == [1]
+print(("PASS" if ok else "FAIL") + f" hang blame: roots {roots}, restart blamed {restart}, "
+      f"timeout {[round(e['timeout'], 2) for e in hangs]} s")
+sys.exit(0 if ok else 1)
+PYEOF
 # The stock GPU node check (docs/health.md), alone and as a one-node job's health check.
 check health_gpu 120 bash -c "$PY -m stalwart.health.gpu --device $DEV && echo 'gpu_check health_gpu ok'"
 check health_run 240 bash -c '"$@" && echo "gpu_check health_run ok"' _ "${run[@]}" \

@@ -48,6 +48,49 @@ def test_a_busy_thread_or_child_means_not_hung() -> None:
     assert evidence.is_hung(ProcSample(10.0, "T", 1.0, True), b)  # stopped is stopped
 
 
+@pytest.mark.parametrize(
+    ("woke", "hung"),
+    [
+        (0, True),  # one wait: a collective, sleep(3600), a blocked queue
+        (1, True),  # a queue's periodic status check lands in the window
+        (2, True),
+        (3, False),  # a loop that naps between batches: an evaluation behind slow data
+        (40, False),
+    ],
+)
+def test_a_main_thread_that_keeps_waking_is_not_hung(woke: int, hung: bool) -> None:
+    a = ProcSample(10.0, "S", 1.0, wakeups=100)
+    b = ProcSample(10.3, "S", 1.0, wakeups=100 + woke)
+    assert evidence.is_hung(a, b) is hung
+    # Stopped stays hung whatever the counters say.
+    assert evidence.is_hung(ProcSample(10.0, "T", 1.0, wakeups=0), b)
+
+
+def test_sampled_wakeups_tell_a_napping_loop_from_one_long_wait() -> None:
+    """Real processes: the same sleep call, in a loop of short naps or once."""
+    import subprocess
+    import sys
+
+    loop = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.03)"])
+    once = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        found: dict[int, bool] = {}
+        deadline = time.monotonic() + 30
+        while len(found) < 2 and time.monotonic() < deadline:
+            for proc in (loop, once):
+                a = evidence.sample(proc.pid, time.monotonic())
+                time.sleep(evidence.CONFIRM_WAIT)
+                b = evidence.sample(proc.pid, time.monotonic())
+                assert a is not None and b is not None
+                if a.state == b.state == "S" and b.cpu - a.cpu < 0.02:  # settled, quiet
+                    found[proc.pid] = evidence.is_hung(a, b)
+        assert found == {loop.pid: False, once.pid: True}
+    finally:
+        for proc in (loop, once):
+            proc.kill()
+            proc.wait()
+
+
 def test_is_hung_needs_time_between_the_samples() -> None:
     a = ProcSample(10.0, "S", 1.0)
     assert not evidence.is_hung(a, a)

@@ -11,8 +11,11 @@ misses it too while running code. The monitor then samples the rank's processes 
   asleep in a wait (``S``: a collective, a lock, a sleep, a socket, a queue), and no
   thread of them was running or in I/O at either sample (a checkpoint writer fsyncing
   while the rank waits for it is not a hang): hung;
-* anything else (running, in uninterruptible I/O ``D``, or busy): not hung, looked at
-  again a window later.
+* anything else (running, in uninterruptible I/O ``D``, busy, or a main thread that
+  woke `LIVE_WAKEUPS` times or more between the samples: a loop that naps between
+  batches, such as an evaluation pass behind a slow data source): not hung, looked at
+  again a window later. A wait on the peers, a sleep in place of work or a blocked
+  queue wakes the main thread at most once in that time.
 
 Who is to blame among hung ranks comes from their stacks, taken when the suspicion
 began: `role` (pure) reads the innermost frames of the stack faulthandler wrote; a rank
@@ -35,6 +38,9 @@ import psutil
 CONFIRM_WAIT = 0.3
 #: Below this share of one core between the samples, the rank's processes ran no code.
 IDLE_SHARE = 0.1
+#: Voluntary context switches of the main thread between the samples that show it
+#: looping rather than blocked (a wait on the peers showed none in 1 s on gloo).
+LIVE_WAKEUPS = 3
 #: Innermost frames of the main thread's stack that `role` reads.
 INNERMOST = 4
 #: Threads of one process looked at for `ProcSample.busy`.
@@ -75,6 +81,8 @@ class ProcSample:
     #: Some thread of the rank or of a descendant was running (R) or in I/O (D): a
     #: checkpoint writer, a data-loader worker, an evaluation thread at work.
     busy: bool = False
+    #: Voluntary context switches of the rank's main thread so far (0: unknown).
+    wakeups: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,8 @@ def is_hung(first: ProcSample, second: ProcSample) -> bool:
         return True
     wall = second.at - first.at
     if wall <= 0 or second.state != "S" or first.busy or second.busy:
+        return False
+    if second.wakeups - first.wakeups >= LIVE_WAKEUPS:
         return False
     return (second.cpu - first.cpu) < IDLE_SHARE * wall
 
@@ -148,7 +158,21 @@ def sample(pid: int, now: float) -> ProcSample | None:
             busy = busy or _threads_busy(child.pid)
     except psutil.Error:
         return None
-    return ProcSample(now, state, cpu, busy)
+    return ProcSample(now, state, cpu, busy, _main_wakeups(pid))
+
+
+def _main_wakeups(pid: int) -> int:
+    """Voluntary context switches of `pid`'s main thread (0 when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/status", "rb") as f:
+            raw = f.read(8192)
+    except OSError:
+        return 0
+    for line in raw.splitlines():
+        if line.startswith(b"voluntary_ctxt_switches:"):
+            value = line.partition(b":")[2].strip()
+            return int(value) if value.isdigit() and len(value) < 20 else 0
+    return 0
 
 
 def _threads_busy(pid: int) -> bool:

@@ -135,8 +135,16 @@ class HangHandler:
             "" if hang.evidence is None else f" ({hang.evidence})",
         )
         step, wait = "terminate", 0.0
-        self._open_dossier(rank, target, verdict, waiting_on, hang.evidence)
-        if self.config.stack_dump_wait > 0 and procs.catches_signal(target, stacks.STACK_SIGNAL):
+        stopped = self._open_dossier(rank, target, verdict, waiting_on, hang.evidence)
+        asked = self._asked_at_detection(rank)
+        if asked is not None:
+            # The dossier asked this rank for its stacks when the attempt's first hang was
+            # found. A second dump now could show it past the hang (a stopped peer, once
+            # continued for its own dump, lets the collective finish): report that one.
+            hang.stderr_offset = asked
+            hang.dump_sent_at = time.monotonic()
+            step, wait = "await_stacks", STACKS_POLL
+        elif self.config.stack_dump_wait > 0 and procs.catches_signal(target, stacks.STACK_SIGNAL):
             if rank.stderr is not None:
                 try:
                     hang.stderr_offset = rank.stderr.stat().st_size
@@ -151,7 +159,20 @@ class HangHandler:
                     wait = self.config.stack_dump_wait
                 else:
                     step, wait = "await_stacks", STACKS_POLL
+        # Only now, with every rank asked: a stopped rank continued earlier could let
+        # its waiting peers run on before they dumped where they waited.
+        for pid in stopped:
+            procs.continue_if_stopped(pid)
         self._plan(time.monotonic() + wait, step, hang)
+
+    def _asked_at_detection(self, rank: Rank) -> int | None:
+        """Where the dump the dossier asked of *rank* begins in its stacks file, when the
+        dossier asked (as another rank's hang was found); else None."""
+        with self._lock:
+            entry = (self._dossier or {}).get(rank.local_rank)
+        if entry is None or not entry.stacks_signalled or entry.stderr != rank.stderr:
+            return None
+        return entry.stderr_offset
 
     def _await_stacks(self, hang: Hang) -> None:
         """Terminates once the dump is written, polling the rank's stderr file.
@@ -168,6 +189,8 @@ class HangHandler:
         elapsed = time.monotonic() - hang.dump_sent_at
         written_and_settled = size > hang.stderr_offset and size == hang.last_size
         if written_and_settled or elapsed >= STACKS_MAX_WAIT_FACTOR * self.config.stack_dump_wait:
+            if written_and_settled:
+                hang.stderr_end = size  # a later dump is not this hang's
             self._terminate(hang)
             return
         hang.last_size = size
@@ -252,7 +275,10 @@ class HangHandler:
             try:
                 with open(path, "rb") as f:
                     f.seek(hang.stderr_offset)
-                    stacks = f.read(STACKS_MAX_BYTES).decode("utf-8", "replace")
+                    size = STACKS_MAX_BYTES
+                    if hang.stderr_end is not None:
+                        size = min(size, hang.stderr_end - hang.stderr_offset)
+                    stacks = f.read(size).decode("utf-8", "replace")
             except OSError as exc:
                 log.info("could not read stacks from %s: %s", path, exc)
         v = hang.verdict
@@ -280,12 +306,13 @@ class HangHandler:
         verdict: Verdict,
         waiting_on: int | None,
         evidence: str | None = None,
-    ) -> None:
+    ) -> list[int]:
         """At the attempt's first hang: notes every rank's state and stderr size, then
         asks the others for their stacks and every rank's flight recorder for a dump.
-        Later hangs only add their verdict."""
+        Later hangs only add their verdict. Returns the asked ranks that are stopped,
+        for the caller to continue once the hung rank was asked too."""
         if self._state_dir is None:
-            return
+            return []
         text = (
             f"{verdict.kind.value} timeout {verdict.timeout:g}s"
             + (f", most likely waiting on rank {waiting_on}" if waiting_on is not None else "")
@@ -320,7 +347,8 @@ class HangHandler:
             entry.verdict = text
             entry.pid = target
         if not first:
-            return
+            return []
+        stopped: list[int] = []
         for rank in ranks:
             e = entries[rank.local_rank]
             pipe = dossier.flight_recorder_pipe(os.environ, rank.global_rank)
@@ -334,8 +362,9 @@ class HangHandler:
                 and procs.catches_signal(e.pid, stacks.STACK_SIGNAL)
                 and procs.signal_pid(e.pid, stacks.STACK_SIGNAL)
             ):
-                procs.continue_if_stopped(e.pid)
+                stopped.append(e.pid)
                 e.stacks_signalled = True
+        return stopped
 
     def _mark_dossier_signalled(self, local_rank: int) -> None:
         with self._lock:

@@ -75,6 +75,7 @@ class Hang:
     detected_at: float
     attempt: int | None = None
     dump_sent_at: float = 0.0
+    stderr_end: int | None = None  # where its dump ended, once settled
     last_size: int = -1
     terminated: bool = False
     waiting_on: int | None = None

@@ -41,7 +41,12 @@ class Record(TrainerCallback):
     def _write(self, event, step):
         if rank == 0:
             with open(os.path.join(work, "p.jsonl"), "a") as f:
-                f.write(json.dumps({"event": event, "attempt": attempt, "step": step}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"event": event, "attempt": attempt, "step": step, "time": time.time()}
+                    )
+                    + "\n"
+                )
 
     def on_train_begin(self, args, state, control, **kw):
         seen["step"] = state.global_step

@@ -60,7 +60,14 @@ class Record(Callback):
         if rank == 0:
             with open(os.path.join(work, "p.jsonl"), "a") as f:
                 f.write(
-                    json.dumps({"event": "start", "attempt": attempt, "step": trainer.global_step})
+                    json.dumps(
+                        {
+                            "event": "start",
+                            "attempt": attempt,
+                            "step": trainer.global_step,
+                            "time": time.time(),
+                        }
+                    )
                     + "\n"
                 )
 
@@ -69,7 +76,14 @@ class Record(Callback):
         if rank == 0:
             with open(os.path.join(work, "p.jsonl"), "a") as f:
                 f.write(
-                    json.dumps({"event": "step", "attempt": attempt, "step": trainer.global_step})
+                    json.dumps(
+                        {
+                            "event": "step",
+                            "attempt": attempt,
+                            "step": trainer.global_step,
+                            "time": time.time(),
+                        }
+                    )
                     + "\n"
                 )
         if faulty and trainer.global_step == int(fstep):
