@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from stalwart.launch.workers.environment import virtual_local_rank
 from torch.distributed.run import get_args_parser
 
 from stalwart.cli import build_config, run_parser
 from stalwart.config import ConfigError, Std
+from stalwart.launch.workers.environment import virtual_local_rank
 from tests.helpers import clean_env, stalwart_argv, wait_for
 
 from .helpers import SCRIPTS

@@ -13,13 +13,13 @@ from typing import Any
 
 import msgspec
 import torch
-from stalwart.launch.replicas.auth import address_mac
-from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
 from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.auth import address_mac
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from tests.helpers import ROOT, clean_env, stalwart_argv
 
 SLOT = 1 << 20

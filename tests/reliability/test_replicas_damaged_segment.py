@@ -19,13 +19,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from stalwart.launch.replicas.snapshots import SnapshotMemory
 
 from stalwart.checkpoint import complete_steps
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.ram import RamSegment, find_snapshots
 from stalwart.checkpoint.staging import plan
 from stalwart.launch.replicas import node as rp
+from stalwart.launch.replicas.snapshots import SnapshotMemory
 from tests.helpers import read_events, wait_for
 from tests.multinode.replica_helpers import (
     SLOT,

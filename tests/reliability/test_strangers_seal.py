@@ -10,8 +10,8 @@ import hmac
 import pytest
 
 from stalwart.base.sealed import VALUE_LIMIT, Seal, SealError, derive_key
-from stalwart.launch.round.membership import store_seal
 from stalwart.launch.replicas.auth import job_key
+from stalwart.launch.round.membership import store_seal
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore, SealedKV
 
