@@ -330,8 +330,7 @@ def test_out_of_range_slot_numbers_never_kill_a_healthy_rank(harness: Harness) -
         for value in HOSTILE:
             for off in _slot_offsets().values():
                 struct.pack_into("=d", mm, base + off, value)
-            time.sleep(0.06)  # at least one scan sees it
-        time.sleep(0.3)
+            assert mon.wait_scanned_since(time.monotonic(), 10), "no scan saw it"
         assert worker.poll() is None
         assert mon.poll_hangs() == []
         bad = [f for e, f in harness.events if e == "monitor_bad_slot"]
@@ -414,3 +413,14 @@ def test_segment_reset_in_place_when_a_fresh_one_cannot_be_made(
     assert nslots == 1
     mm2.close()
     (mon.run_dir / (node.SHM_NAME + ".next")).rmdir()
+
+
+def test_waiting_for_a_scan_ends_when_one_ran_and_not_after_the_monitor_stopped(
+    harness: Harness,
+) -> None:
+    # What the "nothing happened" checks above rely on: a True answer means the scanner
+    # really ran past the moment, never that time merely passed.
+    mon = harness.start(fast())
+    assert mon.wait_scanned_since(time.monotonic(), 10)
+    mon.stop()
+    assert not mon.wait_scanned_since(time.monotonic(), 0.5)

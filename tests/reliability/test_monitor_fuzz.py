@@ -149,7 +149,8 @@ def test_timer_pipe_fuzz(tmp_path: Path) -> None:
             return len(found) >= 2
 
         wait_for(both_reported, 30, "both real hangs to be reported")
-        time.sleep(0.5)
+        # Half a second of the monitor's own scans after the reports: nothing more.
+        assert mon.wait_scanned_since(time.monotonic() + 0.5, 30), "the monitor stopped"
         found.extend(mon.poll_hangs())
         detail = f"seed {SEED}, {sent} messages in {flood_s:.1f} s"
         by_pid = {r.pid: r for r in found}
@@ -245,7 +246,8 @@ def test_shared_memory_fuzz(tmp_path: Path) -> None:
             return bool(found)
 
         wait_for(hung_reported, 30, "the real hang to be reported")
-        time.sleep(0.5)
+        # Half a second of the monitor's own scans after the reports: nothing more.
+        assert mon.wait_scanned_since(time.monotonic() + 0.5, 30), "the monitor stopped"
         found.extend(mon.poll_hangs())
         detail = f"seed {SEED}, {writes} writes in {fuzz_s:.1f} s"
         assert [r.pid for r in found] == [hung.pid], detail

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import threading
 import time
@@ -113,6 +114,10 @@ class NodeMonitor:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._scanner: threading.Thread | None = None
+        # When the last whole scan began, for callers that must know the monitor had its
+        # chance to judge a moment (wait_scanned_since).
+        self._scanned = threading.Condition()
+        self._last_scan_began = -math.inf
         self._ranks = AttemptRanks()
         self._slots = Slots(self.shm_path, local_world_size, self._emit)
         self._hangs = HangHandler(
@@ -237,15 +242,26 @@ class NodeMonitor:
     def poll_requests(self) -> list[ControlRequest]:
         return self._desk.poll()
 
+    def wait_scanned_since(self, since: float, timeout: float) -> bool:
+        """Waits until a whole scan that began at or after *since* (``time.monotonic``)
+        is done: every deadline due by then has been judged.  False after *timeout*
+        seconds without one (the scanner stopped or is starved)."""
+        with self._scanned:
+            return self._scanned.wait_for(lambda: self._last_scan_began >= since, timeout)
+
     # -- scanner thread --------------------------------------------------------------
     def _scan_loop(self) -> None:
         interval = self.config.check_interval
         while not self._stop.is_set():
+            began = time.monotonic()
             try:
                 self.scan_once()
                 self._hangs.run_due()
             except Exception:
                 log.exception("monitor scan failed")
+            with self._scanned:
+                self._last_scan_began = began
+                self._scanned.notify_all()
             now = time.monotonic()
             wait = scan_wait((r.due for r in self._ranks.armed()), now, interval)
             due = self._hangs.next_due()
