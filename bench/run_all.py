@@ -35,6 +35,13 @@ BENCHES = {
     "launcher_exit": ("bench_launcher_exit.py", ["--repeats", "5"], ["--repeats", "2"]),
     "dcp": ("bench_dcp.py", ["--repeats", "3"], ["--mib", "64", "--repeats", "1"]),
     "restart_costs": ("bench_warmwriter.py", ["--repeats", "3"], ["--repeats", "1"]),
+    "health": ("bench_health.py", ["--repeats", "2"], ["--repeats", "1", "--nodes", "2,4"]),
+    "quarantine": ("bench_quarantine.py", ["--repeats", "3"], ["--repeats", "1"]),
+    "health_goodput": (
+        "bench_health_goodput.py",
+        ["--repeats", "3", "--steps", "600"],
+        ["--repeats", "1", "--steps", "150"],
+    ),
 }
 
 
