@@ -8,10 +8,11 @@ so every rank computes the same answer without talking to the others.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Set
-from typing import Protocol
+from collections.abc import Callable, Mapping, Set
+from typing import Protocol, overload
 
-from .errors import RankDiscarded, RestartError
+from .errors import InternalError, RankDiscarded, RestartError
+from .hooks import hook_arity
 from .state import Mode, State
 
 
@@ -27,7 +28,57 @@ class RankAssignment(Protocol):
     numbers given are the initial ones and ``terminated`` every rank gone so far.
     """
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]: ...
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+
+
+@dataclasses.dataclass
+class RankAssignmentCtx:
+    """NVIDIA ``inprocess`` 0.4's one-argument form of a rank assignment's input and
+    output: ``state`` as in the two-argument form, ``terminated_ranks`` the ranks still
+    to be accounted for, and ``store`` whatever the caller hands on (the built-in
+    assignments never read it)."""
+
+    state: State
+    store: object
+    terminated_ranks: Set[int]
+
+
+Placement = Callable[[State, Set[int]], tuple[State, Set[int]]]
+
+
+def _either_form(
+    place: Placement, first: State | RankAssignmentCtx, terminated: Set[int] | None
+) -> tuple[State, Set[int]] | RankAssignmentCtx:
+    """Apply a two-argument placement to whichever form it was called with, answering
+    in that form."""
+    if isinstance(first, RankAssignmentCtx):
+        if terminated is not None:
+            raise TypeError("a RankAssignmentCtx comes alone, without a terminated set")
+        state, rest = place(first.state, set(first.terminated_ranks))
+        return RankAssignmentCtx(state, first.store, set(rest))
+    if terminated is None:
+        raise TypeError("rank assignment needs (state, terminated) or (RankAssignmentCtx)")
+    return place(first, terminated)
+
+
+def call_assignment(
+    assignment: Callable[..., object], state: State, terminated: Set[int], store: object
+) -> tuple[State, Set[int]]:
+    """Run a rank assignment of either form; ``(state, unaccounted)``, or
+    ``InternalError`` naming what it returned instead."""
+    if hook_arity("rank_assignment", assignment) == 1:
+        out = assignment(RankAssignmentCtx(state, store, set(terminated)))
+        if not (isinstance(out, RankAssignmentCtx) and isinstance(out.state, State)):
+            raise InternalError(
+                f"rank_assignment must return a RankAssignmentCtx, got {type(out).__name__}"
+            )
+        return out.state, set(out.terminated_ranks)
+    result = assignment(state, terminated)
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State)):
+        raise InternalError(
+            f"rank_assignment must return (state, terminated), got {type(result).__name__}"
+        )
+    return result[0], set(result[1])
 
 
 class RankFilter(Protocol):
@@ -86,9 +137,22 @@ def _renumbered(state: State, rank: int, world_size: int) -> tuple[State, Set[in
 
 class ShiftRanks:
     """Survivors keep their order and close the gaps: each rank moves down by the number
-    of terminated ranks below it; the world size shrinks by the number terminated."""
+    of terminated ranks below it; the world size shrinks by the number terminated.
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+    Called as ``(state, terminated)`` or, as NVIDIA 0.4's, with one ``RankAssignmentCtx``.
+    """
+
+    @overload
+    def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
+    @overload
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+    def __call__(
+        self, state: State | RankAssignmentCtx, terminated: Set[int] | None = None, /
+    ) -> tuple[State, Set[int]] | RankAssignmentCtx:
+        return _either_form(self._place, state, terminated)
+
+    @staticmethod
+    def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
         _discard_if_terminated(state, terminated)
         below = sum(1 for r in terminated if r < state.rank)
         return _renumbered(state, state.rank - below, state.world_size - len(terminated))
@@ -104,10 +168,21 @@ class FillGaps:
     Fewer ranks change number than with ``ShiftRanks``.  NVIDIA's hands the movers the
     terminated ranks in order whether or not they are below the new world size, so two
     terminated ranks at the top give a mover a rank the new world does not have
-    (docs/migrating.md); here a mover only ever takes a gap.
+    (docs/migrating.md); here a mover only ever takes a gap.  Called in either form, as
+    ``ShiftRanks``.
     """
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+    @overload
+    def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
+    @overload
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+    def __call__(
+        self, state: State | RankAssignmentCtx, terminated: Set[int] | None = None, /
+    ) -> tuple[State, Set[int]] | RankAssignmentCtx:
+        return _either_form(self._place, state, terminated)
+
+    @staticmethod
+    def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
         _discard_if_terminated(state, terminated)
         size = state.world_size - len(terminated)
         rank = state.rank

@@ -6,6 +6,7 @@ from .assignment import (
     FillGaps,
     MaxActiveWorldSize,
     RankAssignment,
+    RankAssignmentCtx,
     RankFilter,
     ShiftRanks,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "FillGaps",
     "MaxActiveWorldSize",
     "RankAssignment",
+    "RankAssignmentCtx",
     "RankDiscarded",
     "RankFilter",
     "ShiftRanks",
