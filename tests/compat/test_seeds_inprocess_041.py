@@ -1,10 +1,12 @@
 """NVIDIA ``inprocess`` 0.4's API on ``stalwart.inprocess`` (issue 26 item 1): rank
 assignments called with one ``RankAssignmentCtx``; ``finalize(state)``,
-``health_check(state)`` and ``rank_assignment(ctx)`` hooks of one argument; the
+``health_check(state)`` and ``rank_assignment(ctx)`` hooks of one argument;
+``finalize`` and ``health_check`` given a read-only ``State``; the
 ``progress_watchdog`` module; the monitor process's ``target_pid`` wording."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Set
@@ -16,10 +18,12 @@ import pytest
 
 import stalwart.inprocess as inprocess
 from stalwart.inprocess.assignment import call_assignment
-from stalwart.inprocess.errors import ConfigError, InternalError, RankDiscarded
+from stalwart.inprocess.errors import ConfigError, HealthCheckError, InternalError, RankDiscarded
 from stalwart.inprocess.hooks import check_hook, hook_arity
+from stalwart.inprocess.options import Options
 from stalwart.inprocess.progress_watchdog import ProgressWatchdog, Timestamp
 from stalwart.inprocess.rank_assignment import FillGaps, RankAssignmentCtx, ShiftRanks
+from stalwart.inprocess.runner_faults import FaultHandling
 from stalwart.inprocess.state import State
 from tests.inprocess.harness import launch
 
@@ -211,3 +215,35 @@ def test_the_watchdog_sees_a_main_thread_blocked_in_c_as_not_running() -> None:
 def test_the_watchdog_refuses_an_interval_that_is_not_positive(interval: Any) -> None:
     with pytest.raises(ValueError, match="interval must be a positive timedelta"):
         ProgressWatchdog(0, _Collect(), interval)
+
+
+def test_a_frozen_state_refuses_changes_and_keeps_every_field() -> None:
+    state = State(3, 8, initial_rank=5, initial_world_size=9, iteration=2)
+    frozen = state.freeze()
+    assert isinstance(frozen, State)
+    assert dataclasses.astuple(frozen) == dataclasses.astuple(state)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="'rank'"):
+        frozen.rank = 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del frozen.iteration
+    moved = dataclasses.replace(frozen, rank=1)
+    assert moved.rank == 1 and frozen.rank == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved.rank = 2
+
+
+def _mutates(state: State) -> State:
+    state.rank = 0
+    return state
+
+
+@pytest.mark.parametrize("hook", ["finalize", "health_check"])
+def test_finalize_and_health_check_cannot_change_the_wrappers_state(hook: str) -> None:
+    """As in NVIDIA 0.4 these hooks get a read-only copy: a change in place fails in the
+    hook instead of silently renumbering the rank the wrapper goes on with."""
+    faults = FaultHandling(Options(**{hook: _mutates}), None, None, None)  # type: ignore[arg-type]
+    state = State(3, 4)
+    expected = dataclasses.FrozenInstanceError if hook == "finalize" else HealthCheckError
+    with pytest.raises(expected):
+        getattr(faults, hook)(state, RuntimeError("fault"))
+    assert state.rank == 3
