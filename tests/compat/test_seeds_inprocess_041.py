@@ -2,11 +2,13 @@
 assignments called with one ``RankAssignmentCtx``; ``finalize(state)``,
 ``health_check(state)`` and ``rank_assignment(ctx)`` hooks of one argument;
 ``finalize`` and ``health_check`` given a read-only ``State``; the
-``progress_watchdog`` module; the monitor process's ``target_pid`` wording."""
+``progress_watchdog`` module; ``FilterCountGroupedByKey``; the monitor process's ``target_pid`` wording."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing
 import threading
 import time
 from collections.abc import Set
@@ -17,12 +19,24 @@ from typing import Any
 import pytest
 
 import stalwart.inprocess as inprocess
+from stalwart.inprocess import assignment
 from stalwart.inprocess.assignment import call_assignment
-from stalwart.inprocess.errors import ConfigError, HealthCheckError, InternalError, RankDiscarded
+from stalwart.inprocess.errors import (
+    ConfigError,
+    HealthCheckError,
+    InternalError,
+    RankDiscarded,
+    RestartError,
+)
 from stalwart.inprocess.hooks import check_hook, hook_arity
 from stalwart.inprocess.options import Options
 from stalwart.inprocess.progress_watchdog import ProgressWatchdog, Timestamp
-from stalwart.inprocess.rank_assignment import FillGaps, RankAssignmentCtx, ShiftRanks
+from stalwart.inprocess.rank_assignment import (
+    FillGaps,
+    FilterCountGroupedByKey,
+    RankAssignmentCtx,
+    ShiftRanks,
+)
 from stalwart.inprocess.runner_faults import FaultHandling
 from stalwart.inprocess.state import State
 from tests.inprocess.harness import launch
@@ -247,3 +261,68 @@ def test_finalize_and_health_check_cannot_change_the_wrappers_state(hook: str) -
     with pytest.raises(expected):
         getattr(faults, hook)(state, RuntimeError("fault"))
     assert state.rank == 3
+
+
+def _filter_rank(path: str, rank: int, world: int, terminated: set[int], out: Any) -> None:
+    store = inprocess.store.FileStore(path, -1)
+    keep_pairs = FilterCountGroupedByKey(
+        key_or_fn=lambda s: s.rank // 2, condition=lambda n: n == 2
+    )
+    ctx = keep_pairs(RankAssignmentCtx(State(rank, world), store, set(terminated)))
+    out.put((rank, sorted(ctx.terminated_ranks), ctx.state.rank))
+
+
+@pytest.mark.timeout(60)
+def test_grouped_by_key_drops_every_group_short_of_its_count(tmp_path: Path) -> None:
+    """Ranks as processes exchanging keys through a real FileStore: with rank 1 of 6
+    gone, the pair {0, 1} has one survivor and is dropped whole; the others stay."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_filter_rank, args=(str(tmp_path / "fs"), r, 6, {1}, out))
+        for r in (0, 2, 3, 4, 5)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    seen = sorted(out.get(timeout=5) for _ in procs)
+    assert seen == [(r, [0, 1], r) for r in (0, 2, 3, 4, 5)]
+
+
+@pytest.mark.parametrize(
+    ("forged", "message"),
+    [
+        (b"\xff{not json", r"rank 1's group key .* is not JSON"),
+        (b"1" * 5000, "rank 1's group key is 5000 bytes, over 4096"),
+    ],
+)
+def test_grouped_by_key_refuses_a_forged_peer_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forged: bytes, message: str
+) -> None:
+    """A stranger who can write the store puts garbage where rank 1's key goes."""
+    monkeypatch.setattr(assignment, "_filter_calls", itertools.count(7))
+    store = inprocess.store.FileStore(str(tmp_path / "fs"), -1)
+    store.set("stalwart/filter_count/7/2/1", forged)
+    keep = FilterCountGroupedByKey(key_or_fn=0, condition=lambda n: n == 2)
+    with pytest.raises(RestartError, match=message):
+        keep(RankAssignmentCtx(State(0, 2), store, set()))
+
+
+def test_grouped_by_key_waits_for_a_silent_peer_no_longer_than_its_timeout(
+    tmp_path: Path,
+) -> None:
+    store = inprocess.store.FileStore(str(tmp_path / "fs"), -1)
+    keep = FilterCountGroupedByKey(0, lambda n: n == 2, timeout=timedelta(milliseconds=200))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        keep(RankAssignmentCtx(State(0, 2), store, set()))
+    assert time.monotonic() - start < 10
+
+
+def test_grouped_by_key_refuses_a_key_that_is_not_json(tmp_path: Path) -> None:
+    keep = FilterCountGroupedByKey(object(), lambda n: True)
+    store = inprocess.store.FileStore(str(tmp_path / "fs"), -1)
+    with pytest.raises(ValueError, match=r"group key .* of rank 0 is not JSON"):
+        keep(RankAssignmentCtx(State(0, 1), store, set()))

@@ -8,8 +8,12 @@ so every rank computes the same answer without talking to the others.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+from collections import Counter
 from collections.abc import Callable, Mapping, Set
-from typing import Protocol, overload
+from datetime import timedelta
+from typing import Any, Protocol, overload
 
 from .errors import InternalError, RankDiscarded, RestartError
 from .hooks import hook_arity
@@ -268,3 +272,76 @@ class WorldSizeDivisibleBy:
 
     def __repr__(self) -> str:
         return f"WorldSizeDivisibleBy({self.divisor})"
+
+
+class KeyStore(Protocol):
+    """The part of a torch ``Store`` ``FilterCountGroupedByKey`` uses."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+# Every surviving rank runs the same filters in the same order, so the n-th call in one
+# process meets the n-th call in the others under the same store keys.
+_filter_calls = itertools.count()
+_KEY_PREFIX = "stalwart/filter_count"
+_MAX_KEY_BYTES = 4096
+
+
+class FilterCountGroupedByKey:
+    """NVIDIA 0.4's filter: ranks with equal keys form a group; every surviving rank of a
+    group whose count of surviving ranks fails ``condition`` is added to the terminated
+    ranks (the state itself is left as it is; an assignment after it renumbers).
+
+    ``key_or_fn`` is a JSON-serialisable key or a function of the ``State`` giving one;
+    the surviving ranks exchange their keys through ``ctx.store``, waiting at most
+    ``timeout`` for each other.
+    """
+
+    def __init__(
+        self,
+        key_or_fn: Any,
+        condition: Callable[[int], bool],
+        timeout: timedelta = timedelta(minutes=5),
+    ) -> None:
+        if not callable(condition):
+            raise ValueError(f"condition must be a function of a count, got {condition!r}")
+        self.key_or_fn = key_or_fn
+        self.condition = condition
+        self.timeout = timeout
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        state, store = ctx.state, ctx.store
+        if not all(callable(getattr(store, m, None)) for m in ("set", "get", "wait")):
+            raise TypeError(
+                f"FilterCountGroupedByKey needs a torch Store in ctx.store, got {store!r}"
+            )
+        key = self.key_or_fn(state) if callable(self.key_or_fn) else self.key_or_fn
+        try:
+            mine = json.dumps(key, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"group key {key!r} of rank {state.rank} is not JSON: {exc}") from None
+        prefix = f"{_KEY_PREFIX}/{next(_filter_calls)}/{state.world_size}"
+        alive = [r for r in range(state.world_size) if r not in ctx.terminated_ranks]
+        keystore: KeyStore = store  # type: ignore[assignment]
+        keystore.set(f"{prefix}/{state.rank}", mine)
+        keystore.wait([f"{prefix}/{r}" for r in alive], self.timeout)
+        groups = {r: _group_key(r, keystore.get(f"{prefix}/{r}")) for r in alive}
+        counts = Counter(groups.values())
+        dropped = {r for r in alive if not self.condition(counts[groups[r]])}
+        return RankAssignmentCtx(state, store, set(ctx.terminated_ranks) | dropped)
+
+    def __repr__(self) -> str:
+        return f"FilterCountGroupedByKey({self.key_or_fn!r}, {self.condition!r})"
+
+
+def _group_key(rank: int, raw: bytes) -> str:
+    """A peer's key as published (its JSON text identifies the group); anything else in
+    its place is refused by name."""
+    if len(raw) > _MAX_KEY_BYTES:
+        raise RestartError(f"rank {rank}'s group key is {len(raw)} bytes, over {_MAX_KEY_BYTES}")
+    try:
+        return json.dumps(json.loads(raw), sort_keys=True)
+    except (UnicodeDecodeError, ValueError):
+        raise RestartError(f"rank {rank}'s group key {raw[:80]!r} is not JSON") from None

@@ -4,6 +4,7 @@
 from .assignment import (
     ActiveWorldSize,
     FillGaps,
+    FilterCountGroupedByKey,
     MaxActiveWorldSize,
     RankAssignment,
     RankAssignmentCtx,
@@ -15,6 +16,7 @@ from .errors import RankDiscarded
 __all__ = [
     "ActiveWorldSize",
     "FillGaps",
+    "FilterCountGroupedByKey",
     "MaxActiveWorldSize",
     "RankAssignment",
     "RankAssignmentCtx",
