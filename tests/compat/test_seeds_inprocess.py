@@ -138,4 +138,6 @@ def test_unconfigured_logging_is_warned_about_and_configured_logging_is_used(
     assert "monitor_process" not in debug.stderr
     events = [json.loads(x[6:]) for x in debug.stdout.splitlines() if x.startswith("EVENT ")]
     pid = events[-1]["pid"]
-    assert f"training_pid={pid} " in (tmp_path / "monitor.log").read_text()
+    # 0.2's wording and 0.4's (NVIDIA's tests look for one each)
+    started = (tmp_path / "monitor.log").read_text()
+    assert f"training_pid={pid} " in started and f"target_pid={pid} " in started

@@ -45,13 +45,20 @@ def _one(state: State) -> None: ...
 def _two(state: State, exc: BaseException | None) -> None: ...
 
 
+def _none() -> None: ...
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"finalize": _one}, "finalize must be callable as finalize(state, exception)"),
-        ({"health_check": _one}, "health_check must be callable as health_check(state, exception)"),
+        # one argument is NVIDIA 0.4's shape of these three: none fits neither
+        ({"finalize": _none}, "finalize must be callable as finalize(state, exception)"),
+        (
+            {"health_check": _none},
+            "health_check must be callable as health_check(state, exception)",
+        ),
         ({"initialize": _two}, "initialize must be callable as initialize(state) -> state"),
-        ({"rank_assignment": _one}, "rank_assignment must be callable as rank_assignment("),
+        ({"rank_assignment": _none}, "rank_assignment must be callable as rank_assignment("),
         ({"abort": _two}, "abort must be callable as abort(state) -> state"),
     ],
 )

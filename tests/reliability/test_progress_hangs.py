@@ -81,7 +81,10 @@ def test_plain_ddp_hang_is_found_blamed_and_resumed_without_any_timeout(
     assert started["config"]["hb_timeout"] is None  # nothing configured
 
 
-@pytest.mark.parametrize("repeat", range(10))
+# Four runs: the rule once blamed the wrong rank 3 of 3 times.  The long count (16 of
+# 16 right across plain, Lightning and HF jobs) is the benchmark's, where the time it
+# costs belongs: bench/bench_progress_hang.py lists the rank blamed in every run ("blamed").
+@pytest.mark.parametrize("repeat", range(4))
 def test_sleeping_rank_is_blamed_every_time(tmp_path: Path, repeat: int) -> None:
     proc, _recs, evs = run(tmp_path, fault="sleep:1:25", steps=30, PJ_CKPT="5")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -114,6 +114,17 @@ def test_too_few_nodes_within_the_join_timeout_is_a_one_line_error() -> None:
             fut.result(5)
 
 
+def test_a_stranger_raising_the_joined_counter_costs_bounded_reads_and_one_line() -> None:
+    # The counter is a plain store number (``add`` cannot be sealed).  Raised to 10**9,
+    # it once made each node build and read 10**9 slot keys per poll.
+    with cluster(settings(1, 1, join_timeout=0.5)) as c:
+        stranger = MemoryKV(c.store, "stranger")
+        stranger.add(keys.Round(0).joined, 10**9)
+        fut = c.join(c.node())
+        with pytest.raises(RendezvousError, match=r"joined round 0"):
+            fut.result(20)
+
+
 def test_a_spare_takes_the_place_of_a_lost_node_at_the_next_round() -> None:
     with cluster(settings(2, 2)) as c:
         a, b, spare = c.node(), c.node(), c.node()

@@ -20,8 +20,6 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import msgspec
-
 from stalwart.base import envvars
 from stalwart.base.files import replace_file, untrusted
 
@@ -41,12 +39,6 @@ class SealError(ValueError):
 def derive_key(secret: bytes, label: str, run_id: str) -> bytes:
     """A key for one use (*label*) in one job, from the job's secret."""
     return hmac.new(secret, label.encode() + b"\0" + run_id.encode(), hashlib.sha256).digest()
-
-
-def mac(key: bytes, label: str, *parts: object) -> str:
-    """The hex HMAC-SHA256 of *parts* under *label* (a different label per use)."""
-    msg = msgspec.json.encode([label, *parts])
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
 def mac_ok(got: str, want: str) -> bool:

@@ -7,7 +7,7 @@ Code written for NVIDIA's ``nvidia_resiliency_ext.inprocess`` runs with its
 import line changed: its hook shapes, ``Compose``, ``CallWrapper`` and
 exception names, and its submodule paths (``exception``, ``initialize``, ``abort``,
 ``finalize``, ``health_check``, ``rank_assignment``, ``rank_filter``,
-``monitor_thread``) are all here.
+``monitor_thread``, ``progress_watchdog``) are all here.
 """
 
 from . import (
@@ -17,6 +17,7 @@ from . import (
     health_check,
     initialize,
     monitor_thread,
+    progress_watchdog,
     rank_assignment,
     rank_filter,
     wrap,
@@ -79,6 +80,7 @@ __all__ = [
     "health_check",
     "initialize",
     "monitor_thread",
+    "progress_watchdog",
     "rank_assignment",
     "rank_filter",
     "tcp_store",

@@ -68,9 +68,12 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with open(args.clock, "r+b") as f:
         clock = mmap.mmap(f.fileno(), LAYOUT.size)
+    # Both wordings NVIDIA's monitor used for the rank it watches (0.2: training_pid,
+    # 0.4: target_pid), so log readers written for either find it.
     log.info(
-        "monitor_process %d watches training_pid=%d (hard timeout %.2fs)",
+        "monitor_process %d watches training_pid=%d target_pid=%d (hard timeout %.2fs)",
         os.getpid(),
+        args.parent,
         args.parent,
         args.hard_timeout,
     )

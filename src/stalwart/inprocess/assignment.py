@@ -8,10 +8,15 @@ so every rank computes the same answer without talking to the others.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Set
-from typing import Protocol
+import itertools
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Set
+from datetime import timedelta
+from typing import Any, Protocol, overload
 
-from .errors import RankDiscarded, RestartError
+from .errors import InternalError, RankDiscarded, RestartError
+from .hooks import hook_arity
 from .state import Mode, State
 
 
@@ -27,7 +32,57 @@ class RankAssignment(Protocol):
     numbers given are the initial ones and ``terminated`` every rank gone so far.
     """
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]: ...
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+
+
+@dataclasses.dataclass
+class RankAssignmentCtx:
+    """NVIDIA ``inprocess`` 0.4's one-argument form of a rank assignment's input and
+    output: ``state`` as in the two-argument form, ``terminated_ranks`` the ranks still
+    to be accounted for, and ``store`` whatever the caller hands on (the built-in
+    assignments never read it)."""
+
+    state: State
+    store: object
+    terminated_ranks: Set[int]
+
+
+Placement = Callable[[State, Set[int]], tuple[State, Set[int]]]
+
+
+def _either_form(
+    place: Placement, first: State | RankAssignmentCtx, terminated: Set[int] | None
+) -> tuple[State, Set[int]] | RankAssignmentCtx:
+    """Apply a two-argument placement to whichever form it was called with, answering
+    in that form."""
+    if isinstance(first, RankAssignmentCtx):
+        if terminated is not None:
+            raise TypeError("a RankAssignmentCtx comes alone, without a terminated set")
+        state, rest = place(first.state, set(first.terminated_ranks))
+        return RankAssignmentCtx(state, first.store, set(rest))
+    if terminated is None:
+        raise TypeError("rank assignment needs (state, terminated) or (RankAssignmentCtx)")
+    return place(first, terminated)
+
+
+def call_assignment(
+    assignment: Callable[..., object], state: State, terminated: Set[int], store: object
+) -> tuple[State, Set[int]]:
+    """Run a rank assignment of either form; ``(state, unaccounted)``, or
+    ``InternalError`` naming what it returned instead."""
+    if hook_arity("rank_assignment", assignment) == 1:
+        out = assignment(RankAssignmentCtx(state, store, set(terminated)))
+        if not (isinstance(out, RankAssignmentCtx) and isinstance(out.state, State)):
+            raise InternalError(
+                f"rank_assignment must return a RankAssignmentCtx, got {type(out).__name__}"
+            )
+        return out.state, set(out.terminated_ranks)
+    result = assignment(state, terminated)
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State)):
+        raise InternalError(
+            f"rank_assignment must return (state, terminated), got {type(result).__name__}"
+        )
+    return result[0], set(result[1])
 
 
 class RankFilter(Protocol):
@@ -86,9 +141,22 @@ def _renumbered(state: State, rank: int, world_size: int) -> tuple[State, Set[in
 
 class ShiftRanks:
     """Survivors keep their order and close the gaps: each rank moves down by the number
-    of terminated ranks below it; the world size shrinks by the number terminated."""
+    of terminated ranks below it; the world size shrinks by the number terminated.
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+    Called as ``(state, terminated)`` or, as NVIDIA 0.4's, with one ``RankAssignmentCtx``.
+    """
+
+    @overload
+    def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
+    @overload
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+    def __call__(
+        self, state: State | RankAssignmentCtx, terminated: Set[int] | None = None, /
+    ) -> tuple[State, Set[int]] | RankAssignmentCtx:
+        return _either_form(self._place, state, terminated)
+
+    @staticmethod
+    def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
         _discard_if_terminated(state, terminated)
         below = sum(1 for r in terminated if r < state.rank)
         return _renumbered(state, state.rank - below, state.world_size - len(terminated))
@@ -104,10 +172,21 @@ class FillGaps:
     Fewer ranks change number than with ``ShiftRanks``.  NVIDIA's hands the movers the
     terminated ranks in order whether or not they are below the new world size, so two
     terminated ranks at the top give a mover a rank the new world does not have
-    (docs/migrating.md); here a mover only ever takes a gap.
+    (docs/migrating.md); here a mover only ever takes a gap.  Called in either form, as
+    ``ShiftRanks``.
     """
 
-    def __call__(self, state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+    @overload
+    def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
+    @overload
+    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
+    def __call__(
+        self, state: State | RankAssignmentCtx, terminated: Set[int] | None = None, /
+    ) -> tuple[State, Set[int]] | RankAssignmentCtx:
+        return _either_form(self._place, state, terminated)
+
+    @staticmethod
+    def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
         _discard_if_terminated(state, terminated)
         size = state.world_size - len(terminated)
         rank = state.rank
@@ -193,3 +272,76 @@ class WorldSizeDivisibleBy:
 
     def __repr__(self) -> str:
         return f"WorldSizeDivisibleBy({self.divisor})"
+
+
+class KeyStore(Protocol):
+    """The part of a torch ``Store`` ``FilterCountGroupedByKey`` uses."""
+
+    def set(self, key: str, value: str) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def wait(self, keys: list[str], timeout: timedelta) -> None: ...
+
+
+# Every surviving rank runs the same filters in the same order, so the n-th call in one
+# process meets the n-th call in the others under the same store keys.
+_filter_calls = itertools.count()
+_KEY_PREFIX = "stalwart/filter_count"
+_MAX_KEY_BYTES = 4096
+
+
+class FilterCountGroupedByKey:
+    """NVIDIA 0.4's filter: ranks with equal keys form a group; every surviving rank of a
+    group whose count of surviving ranks fails ``condition`` is added to the terminated
+    ranks (the state itself is left as it is; an assignment after it renumbers).
+
+    ``key_or_fn`` is a JSON-serialisable key or a function of the ``State`` giving one;
+    the surviving ranks exchange their keys through ``ctx.store``, waiting at most
+    ``timeout`` for each other.
+    """
+
+    def __init__(
+        self,
+        key_or_fn: Any,
+        condition: Callable[[int], bool],
+        timeout: timedelta = timedelta(minutes=5),
+    ) -> None:
+        if not callable(condition):
+            raise ValueError(f"condition must be a function of a count, got {condition!r}")
+        self.key_or_fn = key_or_fn
+        self.condition = condition
+        self.timeout = timeout
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        state, store = ctx.state, ctx.store
+        if not all(callable(getattr(store, m, None)) for m in ("set", "get", "wait")):
+            raise TypeError(
+                f"FilterCountGroupedByKey needs a torch Store in ctx.store, got {store!r}"
+            )
+        key = self.key_or_fn(state) if callable(self.key_or_fn) else self.key_or_fn
+        try:
+            mine = json.dumps(key, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"group key {key!r} of rank {state.rank} is not JSON: {exc}") from None
+        prefix = f"{_KEY_PREFIX}/{next(_filter_calls)}/{state.world_size}"
+        alive = [r for r in range(state.world_size) if r not in ctx.terminated_ranks]
+        keystore: KeyStore = store  # type: ignore[assignment]
+        keystore.set(f"{prefix}/{state.rank}", mine)
+        keystore.wait([f"{prefix}/{r}" for r in alive], self.timeout)
+        groups = {r: _group_key(r, keystore.get(f"{prefix}/{r}")) for r in alive}
+        counts = Counter(groups.values())
+        dropped = {r for r in alive if not self.condition(counts[groups[r]])}
+        return RankAssignmentCtx(state, store, set(ctx.terminated_ranks) | dropped)
+
+    def __repr__(self) -> str:
+        return f"FilterCountGroupedByKey({self.key_or_fn!r}, {self.condition!r})"
+
+
+def _group_key(rank: int, raw: bytes) -> str:
+    """A peer's key as published (its JSON text identifies the group); anything else in
+    its place is refused by name."""
+    if len(raw) > _MAX_KEY_BYTES:
+        raise RestartError(f"rank {rank}'s group key is {len(raw)} bytes, over {_MAX_KEY_BYTES}")
+    try:
+        return json.dumps(json.loads(raw), sort_keys=True)
+    except (UnicodeDecodeError, ValueError):
+        raise RestartError(f"rank {rank}'s group key {raw[:80]!r} is not JSON") from None

@@ -4,7 +4,8 @@ The shapes are NVIDIA ``inprocess``'s, so hooks written for it run unchanged:
 ``initialize(state) -> state``, ``abort(state) -> state``,
 ``finalize(state, exception)``, ``health_check(state, exception)``,
 ``rank_assignment(state, terminated) -> (state, terminated)`` and
-``rank_filter(state) -> state``.  A hook that returns ``None`` where a state is
+``rank_filter(state) -> state``; 0.4's one-argument ``finalize(state)``,
+``health_check(state)`` and ``rank_assignment(ctx) -> ctx`` too.  A hook that returns ``None`` where a state is
 expected leaves the state as it was.
 """
 
@@ -16,46 +17,64 @@ from typing import Any
 
 from .errors import ConfigError
 
-# How many positional arguments the wrapper passes to each hook.
+# How many positional arguments the wrapper can pass to each hook, the preferred first:
+# NVIDIA 0.2's shapes, then 0.4's one-argument ``finalize(state)``,
+# ``health_check(state)`` and ``rank_assignment(ctx)``.
 HOOK_ARITY = {
-    "initialize": 1,
-    "abort": 1,
-    "finalize": 2,
-    "health_check": 2,
-    "rank_assignment": 2,
-    "rank_filter": 1,
+    "initialize": (1,),
+    "abort": (1,),
+    "finalize": (2, 1),
+    "health_check": (2, 1),
+    "rank_assignment": (2, 1),
+    "rank_filter": (1,),
 }
 _EXPECTED = {
     "initialize": "(state) -> state",
     "abort": "(state) -> state",
-    "finalize": "(state, exception)",
-    "health_check": "(state, exception)",
-    "rank_assignment": "(state, terminated) -> (state, terminated)",
+    "finalize": "(state, exception) or finalize(state)",
+    "health_check": "(state, exception) or health_check(state)",
+    "rank_assignment": "(state, terminated) -> (state, terminated) or rank_assignment(ctx) -> ctx",
     "rank_filter": "(state) -> state",
 }
+
+
+def hook_arity(name: str, hook: Any) -> int | None:
+    """How many arguments to pass ``hook`` (the first of its kind's shapes it can take),
+    None when it takes none of them; a C callable without a signature gets the first."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return HOOK_ARITY[name][0]
+    for arity in HOOK_ARITY[name]:
+        try:
+            signature.bind(*([None] * arity))
+        except TypeError:
+            continue
+        return arity
+    return None
+
+
+def call_hook(name: str, hook: Callable[..., Any], *args: Any) -> Any:
+    """Call a hook with as many of the wrapper's arguments as its shape takes."""
+    arity = hook_arity(name, hook)
+    return hook(*args[: arity if arity is not None else len(args)])
 
 
 def check_hook(name: str, hook: Any) -> None:
     """Raise ``ConfigError`` now for a hook that could not take the wrapper's arguments.
 
-    Without this a one-argument ``finalize`` would fail with ``TypeError`` at the
+    Without this a ``finalize`` of the wrong shape would fail with ``TypeError`` at the
     first restart, long after the job started.
     """
     if hook is None:
         return
     if not callable(hook):
         raise ConfigError(f"{name} must be callable or None, got {hook!r}")
-    try:
-        signature = inspect.signature(hook)
-    except (TypeError, ValueError):  # a C callable without a signature: trust it
-        return
-    try:
-        signature.bind(*([None] * HOOK_ARITY[name]))
-    except TypeError:
+    if hook_arity(name, hook) is None:
         raise ConfigError(
             f"{name} must be callable as {name}{_EXPECTED[name]}, "
-            f"got {hook!r} with signature {signature}"
-        ) from None
+            f"got {hook!r} with signature {inspect.signature(hook)}"
+        )
 
 
 class Compose:

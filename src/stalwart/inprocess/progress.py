@@ -97,13 +97,32 @@ class MainThreadProbe:
     def _ran(self) -> bool:
         ran = False
         if self._queued:
-            if self._trywait(self._address) != 0:
+            if not self.answered():
                 return False  # still queued: no bytecode on the main thread since
-            self._queued = False
             ran = True
-        # A full queue (non-zero) is asked again at the next look.
-        self._queued = _add_pending_call(self._post, self._address) == 0
+        self.ask()
         return ran
+
+    @property
+    def outstanding(self) -> bool:
+        """A request is queued and the main thread has not run it yet (as last seen)."""
+        return self._queued
+
+    def answered(self) -> bool:
+        """True when the outstanding request has been run by the main thread (its answer
+        is taken back, so nothing is outstanding after); False otherwise."""
+        if self._queued and self._trywait(self._address) == 0:
+            self._queued = False
+            return True
+        return False
+
+    def ask(self) -> bool:
+        """Queue a request unless one is outstanding; True when one was newly queued. A
+        full interpreter queue refuses it: asked again at the next look."""
+        if self._queued:
+            return False
+        self._queued = _add_pending_call(self._post, self._address) == 0
+        return self._queued
 
 
 class ProgressClock:

@@ -4,8 +4,10 @@
 from .assignment import (
     ActiveWorldSize,
     FillGaps,
+    FilterCountGroupedByKey,
     MaxActiveWorldSize,
     RankAssignment,
+    RankAssignmentCtx,
     RankFilter,
     ShiftRanks,
 )
@@ -14,8 +16,10 @@ from .errors import RankDiscarded
 __all__ = [
     "ActiveWorldSize",
     "FillGaps",
+    "FilterCountGroupedByKey",
     "MaxActiveWorldSize",
     "RankAssignment",
+    "RankAssignmentCtx",
     "RankDiscarded",
     "RankFilter",
     "ShiftRanks",

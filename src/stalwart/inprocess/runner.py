@@ -37,13 +37,12 @@ from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 from stalwart.base.sealed import worker_seal
 
-from .assignment import assignment_input
+from .assignment import assignment_input, call_assignment
 from .asyncexc import clear_pending, install_wake_handler, reraise_if_unraisable
 from .call import Call, inject_call
 from .errors import (
     ConfigError,
     InProcessError,
-    InternalError,
     RankShouldRestart,
     RankTerminated,
     RestartError,
@@ -311,12 +310,7 @@ class Runner:
             last_world,
             sorted(gone),
         )
-        result = self.opts.rank_assignment(given, gone)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], State)):
-            raise InternalError(
-                f"rank_assignment must return (state, terminated), got {type(result).__name__}"
-            )
-        placed, unplaced = result
+        placed, unplaced = call_assignment(self.opts.rank_assignment, given, gone, self.coord.store)
         if unplaced:
             raise RestartError(
                 f"rank_assignment left terminated ranks {sorted(unplaced)} unaccounted for"

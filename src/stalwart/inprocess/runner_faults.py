@@ -17,6 +17,7 @@ import typing
 from .abort import destroy_process_groups
 from .errors import HealthCheckError, HookError, InternalError
 from .groups import GroupKeeper
+from .hooks import call_hook
 from .options import Options
 from .progress import ProgressClock
 from .state import Interruption, InterruptionRecord, State
@@ -119,7 +120,7 @@ class FaultHandling:
         if self._opts.finalize is None:
             return
         try:
-            self._opts.finalize(state, error)
+            call_hook("finalize", self._opts.finalize, state.freeze(), error)
         except Exception as exc:
             # As NVIDIA's wrapper: the hook's own exception reaches the caller (chained
             # from the fault), so code that catches its type keeps working; the note
@@ -140,7 +141,7 @@ class FaultHandling:
         if self._opts.health_check is None:
             return
         try:
-            self._opts.health_check(state, error)
+            call_hook("health_check", self._opts.health_check, state.freeze(), error)
         except Exception as exc:
             log.error("rank %d failed its health check: %s", state.rank, exc)
             raise HealthCheckError("health_check", state.rank, state.iteration, exc) from exc

@@ -106,3 +106,32 @@ class State:
     def alive_ranks(self) -> list[int]:
         """Initial ranks still in the job, in order."""
         return [r for r in range(self.initial_world_size) if r not in self.terminated]
+
+    def freeze(self) -> FrozenState:
+        """A read-only copy (NVIDIA 0.4's ``State.freeze()``)."""
+        return FrozenState(**{f.name: getattr(self, f.name) for f in dataclasses.fields(State)})
+
+
+class FrozenState(State):
+    """A ``State`` whose fields cannot be assigned: what ``finalize`` and
+    ``health_check`` hooks receive, as NVIDIA 0.4's do, since the wrapper ignores what
+    they return and a change made in place would reach the wrapper's own record of the
+    rank.  ``dataclasses.replace`` on one gives another."""
+
+    _sealed = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        object.__setattr__(self, "_sealed", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._sealed:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: this State is read-only (a copy)"
+            )
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(
+            f"cannot delete field {name!r}: this State is read-only (a copy)"
+        )

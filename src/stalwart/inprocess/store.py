@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from torch._C._distributed_c10d import FileStore as FileStore  # NVIDIA's path to it
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from stalwart.base import envvars

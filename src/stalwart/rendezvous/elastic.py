@@ -117,6 +117,7 @@ class ElasticRendezvous:
         self._beat_ok = time.monotonic()
         self._stop = threading.Event()
         self._warned: set[str] = set()
+        self._counter_warned: set[int] = set()  # rounds whose joined counter was forged
         self._excluded = False  # a rank asked to take this node out of the job
         self._interrupted = threading.Event()
         ended = self._ended()
@@ -253,10 +254,31 @@ class ElasticRendezvous:
             left=left,
         )
 
+    def _slots_taken(self, r: int) -> int:
+        """Round *r*'s joined counter, bounded: the counter is a plain store number
+        (``add`` cannot be sealed), and a stranger who raised it to 10**9 must not make
+        every node read 10**9 keys each poll.  Past the bound the nodes beyond it are
+        not seen, and the round closes without them or times out with one line."""
+        n = self.kv.add(keys.Round(r).joined, 0)
+        bound = 8 * self.settings.max_nodes + 64
+        if n > bound:
+            if r not in self._counter_warned:
+                self._counter_warned.add(r)
+                logger.warning(
+                    "round %d's joined counter reads %d, more than %d launchers could "
+                    "take (8 x max nodes + 64): someone else wrote it; reading %d slots",
+                    r,
+                    n,
+                    bound,
+                    bound,
+                )
+            return bound
+        return max(n, 0)
+
     def _joined_ids(self, r: int) -> list[str]:
         """The nodes that took a slot in round *r* so far."""
         k = keys.Round(r)
-        names = [k.node(i) for i in range(self.kv.add(k.joined, 0))]
+        names = [k.node(i) for i in range(self._slots_taken(r))]
         recs = [self._member(n, x) for n, x in zip(names, self.kv.get_many(names), strict=True)]
         return [m.id for m in recs if m is not None]
 
@@ -348,7 +370,7 @@ class ElasticRendezvous:
         """Round *r* as the close rule sees it, from the store and the keep-alives."""
         k = keys.Round(r)
         now = time.monotonic()
-        n = self.kv.add(k.joined, 0)
+        n = self._slots_taken(r)
         if n != opening.joined:
             opening.joined, opening.last_arrival = n, now
         if r > 0 and self.kv.get(keys.Round(r - 1).failed) is None:
@@ -528,7 +550,7 @@ class ElasticRendezvous:
         r = 0
         while True:
             k = keys.Round(r)
-            n = self.kv.add(k.joined, 0)
+            n = self._slots_taken(r)
             if n == 0:
                 break
             names = [k.node(i) for i in range(n)]
