@@ -48,24 +48,25 @@ def _float(raw: Any) -> float | None:
         return None
 
 
-def parse_number(name: str, raw: Any) -> float:
-    """A positive plain number (no unit), naming `name` in the error."""
+def _positive(name: str, raw: Any, unit: str) -> float:
+    """A positive number, naming `name` (and the unit, if any) in the error."""
     value = _float(raw)
     if value is None:
-        raise ValueError(f"{name} must be a number, got {_shown(raw)}")
+        kind = f"a number of {unit}" if unit else "a number"
+        raise ValueError(f"{name} must be {kind}, got {_shown(raw)}")
     if math.isnan(value) or value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+        raise ValueError(f"{name} must be > 0{' ' + unit if unit else ''}, got {value!r}")
     return value
+
+
+def parse_number(name: str, raw: Any) -> float:
+    """A positive plain number (no unit), naming `name` in the error."""
+    return _positive(name, raw, "")
 
 
 def parse_seconds(name: str, raw: Any) -> float:
     """A positive number of seconds, naming `name` in the error."""
-    value = _float(raw)
-    if value is None:
-        raise ValueError(f"{name} must be a number of seconds, got {_shown(raw)}")
-    if math.isnan(value) or value <= 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-    return value
+    return _positive(name, raw, "seconds")
 
 
 def parse_section_timeout(spec: str) -> tuple[str, float]:
