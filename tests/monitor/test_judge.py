@@ -162,6 +162,23 @@ def test_next_deadline_is_when_judge_first_finds_a_hang(
             (110.2, 110.7, 111.0),
         ),
         (slot(last_hb=110.0), MonitorConfig(), 0.3, None),  # no deadline runs
+        # Hostile slot values (any process of the job writes its slot): a timestamp
+        # nobody could have written honestly runs no clock, a bad override is ignored.
+        (slot(last_hb=1e300), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (slot(last_hb=math.nan), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (slot(last_hb=-math.inf), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (
+            slot(last_hb=110.0, hb_override=-5.0),
+            MonitorConfig(hb_timeout=0.6),
+            0.3,
+            (110.0, 110.3, 110.6),
+        ),
+        (
+            slot(last_hb=110.0, hb_override=1e-300),
+            MonitorConfig(hb_timeout=2),
+            0.3,
+            (110.0, 111.7, 112.0),
+        ),
         (slot(pid=0), MonitorConfig(hb_timeout=2), 0.3, None),
         (slot(last_hb=110.0), MonitorConfig(hb_timeout=2), -1.0, (110.0, 112.0, 112.0)),
     ],
