@@ -13,8 +13,12 @@ import pytest
 
 from stalwart.base.events import Event
 from stalwart.health.admission import HealthGate, HealthSettings
+from stalwart.health.guard import QuarantineGuard
+from stalwart.health.ledger import Ledger, ledger_key, seal
+from stalwart.health.quarantine import Cause, Implication, Policy
 from stalwart.health.records import (
     RECORD_LIMIT,
+    By,
     Exclusion,
     NodeReport,
     Verdict,
@@ -24,7 +28,9 @@ from stalwart.health.records import (
     sign,
     verdict_key,
 )
+from stalwart.rendezvous import keys
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -181,3 +187,73 @@ def test_a_node_that_cannot_listen_on_its_address_is_refused(store: MemoryStore)
         assert "cannot listen on 192.0.2.1" in why and "no interface of this host holds" in why
     finally:
         node.gate.close()
+
+
+# -- one gate: silence and quarantine go through the same decision and verdict ----------
+def test_a_joiner_that_never_reports_is_waited_for_only_as_long_as_the_bound(
+    store: MemoryStore,
+) -> None:
+    good = Node(store, "n0", measure=False, wait=0.3)
+    good.check()
+    # n1 took its place but never reports; a stranger's forged report for it changes
+    # nothing (it could otherwise hold the round open, or let n1 in unchecked).
+    stranger(store).set(report_key(0, "n1"), msgspec.json.encode(_failing("n1")).decode())
+    first = good.gate.admissions(good.kv, 0, ["n0", "n1"])
+    assert first.pending == {"n1"} and first.refused == {}
+    said = wait_for(
+        lambda: good.gate.admissions(good.kv, 0, ["n0", "n1"]).refused or None,
+        timeout=10,
+        what="n1 refused for its silence",
+    )
+    assert said == {"n1": "no health report within 0.3s of joining"}
+    good.gate.closing(good.kv, 0, ["n0", "n1"])
+    assert good.gate.closed(good.kv, 0, "n0") is None
+    (f,) = [f for ev, f in good.events if ev is Event.NODE_EXCLUDED]
+    assert f["node"] == "n1" and f["by"] == "no_report" and f["this_node"] is False
+
+
+class _Rdzv:
+    elastic = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def node_names(self, round_: int) -> tuple[str, ...]:
+        return ("n0", "n1", "n2")
+
+    def withdraw(self) -> int:
+        return 2
+
+
+def test_a_quarantined_joiner_is_refused_by_the_closer_whatever_its_checks_say(
+    store: MemoryStore,
+) -> None:
+    lkey = ledger_key(SECRET, "job")
+    ledger = Ledger(MemoryKV(store), lkey, 3)
+    for r in range(3):  # n1 the root cause of three failed rounds in a row
+        ledger.write(0, Implication(round=r, node="n1", cause=Cause.FAILED, nodes=3, at=10.0 + r))
+    # A stranger's ledger entry naming n0 is dropped: it cannot have n0 kept out.
+    stranger(store).set(keys.Round(3).implicated(0), seal(b"k" * 32, Implication(
+        round=3, node="n0", cause=Cause.FAILED, nodes=3, at=14.0)).decode())  # fmt: skip
+    nodes = [Node(store, f"n{i}", measure=False) for i in range(3)]
+    for n in nodes:
+        n.check(round_=4)
+        guard = QuarantineGuard(
+            Ledger(n.kv, lkey, 3), Policy(3, 5, None), lambda *a, **k: None, min_nodes=2,
+            clock=lambda: 100.0,
+        )  # fmt: skip
+        n.gate.consult(guard)
+    ids = ["n0", "n1", "n2"]
+    why = nodes[0].gate.admissions(nodes[0].kv, 4, ids)
+    assert list(why.refused) == ["n1"] and not why.pending
+    assert "node n1 is quarantined for the rest of the job" in why.refused["n1"]
+    nodes[0].gate.closing(nodes[0].kv, 4, ids)
+    assert "quarantined" in (nodes[1].gate.closed(nodes[1].kv, 4, "n1") or "")
+    for n in nodes:
+        n.gate.closed(n.kv, 4, n.name)
+        (f,) = [f for ev, f in n.events if ev is Event.NODE_EXCLUDED]
+        assert f["node"] == "n1" and f["by"] == "quarantine" and f["this_node"] is (n.name == "n1")
+    # The same node, asking before it joins, withdraws with the same line.
+    refusal = nodes[1].gate.before_round(_Rdzv("n1"), 4)  # type: ignore[arg-type]
+    assert refusal is not None and refusal.by is By.QUARANTINE and refusal.goes_on
+    assert nodes[0].gate.before_round(_Rdzv("n0"), 4) is None  # type: ignore[arg-type]

@@ -129,8 +129,10 @@ def test_links_to_strangers_and_to_itself_are_ignored() -> None:
 S = ElasticSettings(min_nodes=2, max_nodes=3, max_restarts=5, join_timeout=60, last_call_timeout=10)
 
 
-def j(slot: int, *, refused: bool = False, hint: int | None = None) -> Joiner:
-    return Joiner(slot, f"n{slot}", hint, refused=refused)
+def j(
+    slot: int, *, refused: bool = False, hint: int | None = None, pending: bool = False
+) -> Joiner:
+    return Joiner(slot, f"n{slot}", hint, refused=refused, pending=pending)
 
 
 def view(*joiners: Joiner, expected: set[str] | None = None, quiet: float = 0.0) -> CloseView:
@@ -158,6 +160,14 @@ def view(*joiners: Joiner, expected: set[str] | None = None, quiet: float = 0.0)
         (view(j(0, refused=True), quiet=10), ElasticSettings(1, 2, 0, last_call_timeout=10), TooFewAdmitted(0, ("n0",))),
         # A refused joiner beyond MAX: a healthy spare takes its place.
         (view(j(0), j(1, refused=True), j(2), j(3)), S, Close((0, 2, 3))),
+        # A joiner whose report is still due is waited for, even past the last call...
+        (view(j(0), j(1), j(2, pending=True)), S, Wait()),
+        (view(j(0), j(1), j(2, pending=True), quiet=10), S, Wait()),
+        (view(j(0, hint=0), j(1, hint=1), j(2, hint=2, pending=True), expected={"n0", "n1", "n2"}), S, Wait()),
+        # ...and does not end a round that cannot form yet (it may pass)...
+        (view(j(0), j(1, refused=True), j(2, pending=True)), S, Wait()),
+        # ...unless MAX are admitted without it: it is a spare.
+        (view(j(0), j(1, pending=True), j(2), j(3)), S, Close((0, 2, 3))),
         # Nobody refused: the rule as before.
         (view(j(0), j(1), j(2)), S, Close((0, 1, 2))),
         (view(j(0), j(1)), S, Wait()),

@@ -421,6 +421,16 @@ class LaunchConfig:
             check=checked(lambda s: 0 < s <= 3600, "expected seconds > 0 and <= 3600"),
         ),
     )
+    node_health_wait: float = setting(
+        60.0,
+        flag(
+            "--node-health-wait",
+            **A_FLOAT,
+            help="seconds a round waits for the health report of a node that joined it; "
+            'a node silent that long is kept out ("no health report within Ns")',
+            check=checked(lambda s: 0 < s <= 3600, "expected seconds > 0 and <= 3600"),
+        ),
+    )
     node_health_min_free: int = setting(
         256 * 2**20,
         flag(
@@ -539,6 +549,12 @@ class LaunchConfig:
 
     def _check_health_across_nodes(self) -> None:
         flag_ = "--node-health-check" if self.node_health_check else "--node-health"
+        if self.node_health_check and self.node_health_wait <= self.node_health_timeout:
+            raise ConfigError(
+                f"--node-health-wait {self.node_health_wait:g}: expected more seconds than "
+                f"--node-health-timeout {self.node_health_timeout:g} (a node's report comes "
+                "after its check)"
+            )
         if self.rdzv_backend == "static" or not self.rdzv_endpoint:
             raise ConfigError(
                 f"{flag_} with --nnodes {self.max_nodes}: expected --rdzv-backend c10d or "

@@ -5,8 +5,10 @@ protocol of ``rendezvous/gate.py``): before a node takes a slot it runs the node
 checks and leaves a signed report in the store (`before_join`); while the round is
 open the closing node asks which joiners are refused (`refused`), writes the verdict
 (`closing`), and after the close every node reads that verdict, logs and records each
-exclusion, and learns whether it is out itself (`closed`). A second reason to refuse a
-node (a quarantine, say) composes into `refused` and the verdict.
+exclusion, and learns whether it is out itself (`closed`). Every joiner goes through
+one decision (``decision.admission``): its quarantine standing (when the job has a
+quarantine, ``consult``), its own report and how it compares with its peers, and
+whether its report came at all within ``HealthSettings.wait`` of its joining.
 
 A job of one node has no store and no peers: `check_alone` runs its own checks and
 nothing is compared.
@@ -31,12 +33,15 @@ from stalwart.base.events import Event
 from stalwart.config import LaunchConfig
 from stalwart.config.secret import job_secret
 from stalwart.health import local, probe
-from stalwart.health.judge import Limits, judge, slow_links
+from stalwart.health.decision import Admission, Candidate, Pending, Refuse, admission
+from stalwart.health.guard import QuarantineGuard
+from stalwart.health.judge import Limits, against_peers, slow_links
 from stalwart.health.records import (
     ID_LIMIT,
     MAX_LINKS,
     MAX_PROBLEMS,
     BadRecord,
+    By,
     Exclusion,
     Link,
     NodeReport,
@@ -51,6 +56,8 @@ from stalwart.health.records import (
     verdict_key,
 )
 from stalwart.health.usercheck import run_user_check
+from stalwart.rendezvous import Rendezvous
+from stalwart.rendezvous.gate import Admissions
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,10 @@ class HealthSettings:
     limits: Limits = field(default_factory=Limits)
     # Measure compute and links (off: only the floors and the user's check).
     measure: bool = True
+    # Run checks at all (off: the gate only keeps quarantined nodes out).
+    checks: bool = True
+    # Seconds a joiner may stay without a report before it is kept out.
+    wait: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,15 @@ def own_checks(s: HealthSettings, addr: str | None) -> OwnChecks:
 Emit = Callable[..., Any]
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """This node is out before it joins: why, and whether the job goes on without it."""
+
+    by: By
+    line: str
+    goes_on: bool
+
+
 class HealthGate:
     """This node's side of the admission gate, over the rendezvous' store."""
 
@@ -131,10 +151,47 @@ class HealthGate:
         self._announced: set[int] = set()
         self._cache: dict[tuple[int, tuple[str, ...]], dict[str, NodeReport]] = {}
         self._dropped: set[str] = set()
+        self._quarantine: QuarantineGuard | None = None
+        self._silent: dict[tuple[int, str], float] = {}  # first seen without a report
+
+    def consult(self, quarantine: QuarantineGuard) -> None:
+        """Keeps the nodes *quarantine* stands out of every round this node closes."""
+        self._quarantine = quarantine
+
+    # -- this node, before it joins ----------------------------------------------------
+    def before_round(self, rdzv: Rendezvous, round_: int) -> Refusal | None:
+        """What keeps this node itself out of *round_* before it even joins: its
+        quarantine (it then leaves the job, ``QuarantineGuard.check``), or, in a job of
+        one node, its own checks. Both are recorded here, once."""
+        if self._quarantine is not None and (kept := self._quarantine.check(rdzv, round_)):
+            w = kept.withdrawal
+            return Refusal(By.QUARANTINE, w.line, goes_on=w.goes_on)
+        if rdzv.elastic:
+            return None  # the round's closer decides, in ``admissions``
+        out = self.check_alone(round_)
+        if out is None:
+            return None
+        if self._emit is not None:
+            self._emit(
+                Event.NODE_EXCLUDED,
+                attempt=round_,
+                node=out.node,
+                host=out.host,
+                reason="; ".join(out.reasons),
+                reasons=list(out.reasons),
+                by=By.HEALTH_CHECK.value,
+                this_node=True,
+            )
+        line = f"this node failed its health check before attempt {round_}: " + "; ".join(
+            out.reasons
+        )
+        return Refusal(By.HEALTH_CHECK, line, goes_on=False)
 
     # -- one node ----------------------------------------------------------------------
     def check_alone(self, round_: int) -> Exclusion | None:
         """A node with no peers: its own checks only (nothing to compare compute with)."""
+        if not self._s.checks:
+            return None
         own = own_checks(self._s, None)
         self._checked(round_, own, log=False)  # the launcher's one-line error says it
         return Exclusion("this node", self._host, own.problems) if own.problems else None
@@ -149,6 +206,8 @@ class HealthGate:
         The report goes out twice: first without links, then this node takes its place
         in the round's order, then it times a link to every node before it and publishes
         again. Each pair is timed by its later node, even when both check at once."""
+        if not self._s.checks:
+            return
         listen_problem = None
         if self._probe is None and self._s.measure:
             try:
@@ -224,22 +283,47 @@ class HealthGate:
             self._cache = {(round_, ids): found}
         return found
 
-    def _judged(self, kv: Store, round_: int, nodes: Sequence[str]) -> tuple[Exclusion, ...]:
-        reports = self._reports(kv, round_, nodes)
-        return judge([reports[n] for n in nodes if n in reports], self._s.limits)
+    def _decided(self, kv: Store, round_: int, nodes: Sequence[str]) -> dict[str, Admission]:
+        """The admission of each of *nodes* in *round_* (``decision.admission``)."""
+        reports = self._reports(kv, round_, nodes) if self._s.checks else {}
+        peers = against_peers(reports.values(), self._s.limits)
+        standing = self._quarantine.standing(round_) if self._quarantine is not None else None
+        now = time.monotonic()
+        decided: dict[str, Admission] = {}
+        for n in nodes:
+            report = reports.get(n)
+            since = now if report is not None else self._silent.setdefault((round_, n), now)
+            q = standing.of(n) if standing is not None else None
+            c = Candidate(n, report, now - since, peers.get(n, ()), q.line() if q else None)
+            decided[n] = admission(c, checks=self._s.checks, wait=self._s.wait)
+        return decided
+
+    def admissions(self, kv: Store, round_: int, nodes: Sequence[str]) -> Admissions:
+        """Which of *nodes* may not join *round_* (and why), and which are still due a
+        report."""
+        decided = self._decided(kv, round_, nodes)
+        return Admissions(
+            refused={n: "; ".join(d.reasons) for n, d in decided.items() if isinstance(d, Refuse)},
+            pending=frozenset(n for n, d in decided.items() if isinstance(d, Pending)),
+        )
 
     def refused(self, kv: Store, round_: int, nodes: Sequence[str]) -> Mapping[str, str]:
         """Which of *nodes* may not join *round_*, and why (one line each)."""
-        return {e.node: "; ".join(e.reasons) for e in self._judged(kv, round_, nodes)}
+        return self.admissions(kv, round_, nodes).refused
 
     def closing(self, kv: Store, round_: int, nodes: Sequence[str]) -> None:
         """Before this node closes *round_* with the joiners *nodes*: the verdict every
         node will read (the first closer's wins, as with the round's slots)."""
-        reports = self._reports(kv, round_, nodes)
-        out = self._judged(kv, round_, nodes)
+        reports = self._reports(kv, round_, nodes) if self._s.checks else {}
+        out = tuple(
+            Exclusion(n, reports[n].host if n in reports else "", d.reasons[:MAX_PROBLEMS], d.by)
+            for n, d in self._decided(kv, round_, nodes).items()
+            if isinstance(d, Refuse)
+        )
         slow = slow_links(reports.values(), [e.node for e in out], self._s.limits)
         verdict = Verdict(run_id=self._run_id, round=round_, excluded=out, slow_links=slow)
         kv.create(verdict_key(round_), sign(self._key, verdict))
+        self._silent = {k: v for k, v in self._silent.items() if k[0] > round_}
 
     # -- after the close ---------------------------------------------------------------
     def closed(self, kv: Store, round_: int, node: str) -> str | None:
@@ -271,7 +355,7 @@ class HealthGate:
                         host=e.host,
                         reason="; ".join(e.reasons),  # as the other node_excluded events
                         reasons=list(e.reasons),
-                        by="health_check",
+                        by=e.by.value,
                         this_node=e.node == node,
                     )
             for link in verdict.slow_links:
@@ -285,8 +369,11 @@ class HealthGate:
 
 
 def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> HealthGate | None:
-    """The gate *cfg* asks for (None: no health checks)."""
-    if not cfg.health_checks:
+    """The gate *cfg* asks for: health checks, or a quarantine to keep nodes out by (it
+    is ``consult``ed once the store is reached); None: neither."""
+    secret = job_secret(cfg.job_secret_file, os.environ)
+    quarantine = cfg.quarantine_after is not None and cfg.max_nodes > 1 and secret is not None
+    if not cfg.health_checks and not quarantine:
         return None
     folders = tuple(p for p in (cfg.log_dir, run_dir) if p is not None) or (Path.cwd(),)
     settings = HealthSettings(
@@ -296,7 +383,9 @@ def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> Heal
         folders=folders,
         # One node has no peers to compare a rate with: nothing to measure.
         measure=cfg.max_nodes > 1,
+        checks=cfg.health_checks,
+        wait=cfg.node_health_wait,
     )
     # Validated with the config: several nodes share a secret; one keeps its own.
-    secret = job_secret(cfg.job_secret_file, os.environ) or secrets.token_bytes(32)
-    return HealthGate(settings, health_key(secret, cfg.run_id), cfg.run_id, emit)
+    key = health_key(secret or secrets.token_bytes(32), cfg.run_id)
+    return HealthGate(settings, key, cfg.run_id, emit)

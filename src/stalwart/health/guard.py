@@ -21,6 +21,7 @@ from stalwart.health.ledger import Ledger, LedgerStore, ledger_key
 from stalwart.health.quarantine import (
     Policy,
     Quarantine,
+    Standing,
     Withdrawal,
     implicate,
     standing,
@@ -72,14 +73,17 @@ class QuarantineGuard:
         verdict = standing(self._ledger.read(round_ + 1), self._policy, self._clock())
         return tuple(q for q in verdict.active if q.round == round_)
 
+    def standing(self, round_: int) -> Standing:
+        """Who is quarantined before round *round_*, as the ledger says now."""
+        # A launcher yet to run a round may join the job late: it reads the whole ledger.
+        ledger = self._ledger.read(round_) if round_ > 0 else self._ledger.read_all()
+        return standing(ledger, self._policy, self._clock())
+
     def check(self, rdzv: Rendezvous, round_: int) -> Kept | None:
         """Before joining round *round_*: announces quarantines and releases not yet
         announced here; when this node is quarantined, leaves the job (``withdraw``) and
         says what the job does without it."""
-        now = self._clock()
-        # A launcher yet to run a round may join the job late: it reads the whole ledger.
-        ledger = self._ledger.read(round_) if round_ > 0 else self._ledger.read_all()
-        verdict = standing(ledger, self._policy, now)
+        verdict = self.standing(round_)
         for q in verdict.active:
             if (q.node, q.round) not in self._announced:
                 self._announced.add((q.node, q.round))

@@ -88,16 +88,26 @@ def _link_problem(node: str, links: dict[frozenset[str], float], lim: Limits) ->
     return f"its fastest link takes {_ms(mine)}, {mine / ref:.0f}x its peers' median {_ms(ref)}"
 
 
+def against_peers(reports: Iterable[NodeReport], lim: Limits) -> dict[str, tuple[str, ...]]:
+    """What comparing each node of *reports* with its peers found (slow compute, slow
+    links); a node with nothing against it is absent."""
+    reps = list(reports)
+    links = _pairs(reps)
+    found: dict[str, tuple[str, ...]] = {}
+    for r in reps:
+        mine = (_compute_problem(r, reps, lim), _link_problem(r.node, links, lim))
+        if any(f is not None for f in mine):
+            found[r.node] = tuple(f for f in mine if f is not None)
+    return found
+
+
 def judge(reports: Iterable[NodeReport], lim: Limits) -> tuple[Exclusion, ...]:
     """The nodes of *reports* kept out of the round, in the reports' order."""
     reps = list(reports)
-    links = _pairs(reps)
+    peers = against_peers(reps, lim)
     out: list[Exclusion] = []
     for r in reps:
-        reasons = list(r.problems)
-        for found in (_compute_problem(r, reps, lim), _link_problem(r.node, links, lim)):
-            if found is not None:
-                reasons.append(found)
+        reasons = [*r.problems, *peers.get(r.node, ())]
         if reasons:
             out.append(Exclusion(r.node, r.host, tuple(reasons[:MAX_PROBLEMS])))
     return tuple(out)

@@ -8,6 +8,7 @@ than its key, or that exceeds the sizes below. The store keys are spelled here o
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 from typing import Annotated
@@ -68,12 +69,21 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     links: Annotated[tuple[Link, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
 
 
+class By(enum.StrEnum):
+    """What kept a node out (the ``by`` of its ``node_excluded`` event)."""
+
+    HEALTH_CHECK = "health_check"  # its own checks, or its pace against its peers'
+    QUARANTINE = "quarantine"  # implicated in too many of the job's failed rounds
+    NO_REPORT = "no_report"  # joined, but no health report came within the bound
+
+
 class Exclusion(msgspec.Struct, frozen=True):
     """A node kept out of a round, and why."""
 
     node: _Id
     host: _Id
     reasons: Annotated[tuple[_Problem, ...], msgspec.Meta(max_length=MAX_PROBLEMS)]
+    by: By = By.HEALTH_CHECK
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,6 +36,7 @@ class Joiner:
     alive: bool = True  # its keep-alive counter moves
     left: bool = False  # it said it left the job
     refused: bool = False  # the admission gate keeps it out of this round (health)
+    pending: bool = False  # the gate has not decided yet (its report is still due)
 
 
 @dataclass(frozen=True)
@@ -96,21 +97,25 @@ def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
     at least MIN and nobody new arrived for ``last_call_timeout``.  Survivors keep their
     order (their hint), newcomers follow in order of arrival; beyond MAX, spares.  A
     joiner the admission gate refuses counts for nothing; when the round would close
-    but for the refused, and fewer than MIN remain, it cannot form (`TooFewAdmitted`)."""
+    but for the refused, and fewer than MIN remain, it cannot form (`TooFewAdmitted`).
+    While a joiner is pending (its health report is still due) the round closes only
+    with MAX admitted."""
     if view.previous_running:
         return WatchRunning()
     live = [j for j in view.joiners if j.alive and not j.left]
-    # A refused joiner neither counts nor is waited for (it is not coming in).
-    ok = [j for j in live if not j.refused]
+    # A refused joiner neither counts nor is waited for (it is not coming in); a pending
+    # one does not count yet, and is waited for (the gate bounds how long).
+    ok = [j for j in live if not j.refused and not j.pending]
     out = {j.id for j in live if j.refused}
+    waiting = any(j.pending for j in live)
     back = view.expected is not None and (view.expected - out) <= {j.id for j in ok}
-    # Every place is taken (the refused included): nobody else is on the way.
+    # Every place is taken (the refused and pending included): nobody else is on the way.
     full = len(live) >= s.max_nodes
-    ready = back or full or view.quiet_for >= s.last_call_timeout
+    ready = not waiting and (back or full or view.quiet_for >= s.last_call_timeout)
     if len(ok) >= s.max_nodes or (len(ok) >= s.min_nodes and ready):
         ranked = sorted(ok, key=lambda j: (j.hint is None, j.hint or 0, j.slot))
         return Close(tuple(j.slot for j in ranked[: s.max_nodes]))
-    if out and (full or (len(live) >= s.min_nodes and ready)):
+    if out and not waiting and (full or (len(live) >= s.min_nodes and ready)):
         return TooFewAdmitted(len(ok), tuple(j.id for j in live if j.refused))
     if view.open_for > s.join_timeout:
         return TimedOut(len(live))

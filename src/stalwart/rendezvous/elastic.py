@@ -207,10 +207,12 @@ class ElasticRendezvous:
             prev = self._members.get(r - 1, [])
             hint = next((i for i, m in enumerate(prev) if m.id == self.id), self._hint)
             me = Member(self.id, socket.gethostname(), self.local_addr, local_world_size, hint)
-            if self._gate is not None:
-                self._gate.before_join(self.kv, r, self.id, self.local_addr, self._joined_ids(r))
             slot = self.kv.add(keys.Round(r).joined, 1) - 1
             self.kv.set(keys.Round(r).node(slot), me.encode())
+            if self._gate is not None:
+                # After taking the slot: the round knows this node is coming and waits
+                # for its report only as long as the gate's bound, not for its whole start.
+                self._gate.before_join(self.kv, r, self.id, self.local_addr, self._joined_ids(r))
             order = self._await_close(r)
             out = None if self._gate is None else self._gate.closed(self.kv, r, self.id)
             if slot not in order:
@@ -386,8 +388,10 @@ class ElasticRendezvous:
         members = sorted(opening.members.items())
         self._live.observe([m.id for _, m in members])
         gone = self.kv.get_many([keys.left(m.id) for _, m in members])
+        pending: frozenset[str] = frozenset()
         if self._gate is not None:
-            opening.refused = dict(self._gate.refused(self.kv, r, [m.id for _, m in members]))
+            said = self._gate.admissions(self.kv, r, [m.id for _, m in members])
+            opening.refused, pending = dict(said.refused), said.pending
         joiners = tuple(
             rule.Joiner(
                 slot,
@@ -396,6 +400,7 @@ class ElasticRendezvous:
                 alive=self._live.lost(m.id) is None,
                 left=g is not None,
                 refused=m.id in opening.refused,
+                pending=m.id in pending,
             )
             for (slot, m), g in zip(members, gone, strict=True)
         )

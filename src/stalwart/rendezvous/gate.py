@@ -8,9 +8,21 @@ quarantine): it calls whatever object meets `AdmissionGate`, which the launcher 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from stalwart.rendezvous.kv import KV
+
+
+@dataclass(frozen=True)
+class Admissions:
+    """The gate's answer for the joiners of an open round."""
+
+    # Kept out, and why (one line each).
+    refused: Mapping[str, str] = field(default_factory=dict)
+    # Not decided yet (no report so far): the round waits for them, within the gate's
+    # own bound.
+    pending: frozenset[str] = frozenset()
 
 
 class AdmissionGate(Protocol):
@@ -18,8 +30,9 @@ class AdmissionGate(Protocol):
         """This node is about to take a slot in *round_*; *peers* joined before it."""
         ...
 
-    def refused(self, kv: KV, round_: int, nodes: Sequence[str]) -> Mapping[str, str]:
-        """Which of the joiners *nodes* may not join *round_*, and why."""
+    def admissions(self, kv: KV, round_: int, nodes: Sequence[str]) -> Admissions:
+        """Which of the joiners *nodes* may not join *round_* (and why), and which are
+        not decided yet."""
         ...
 
     def closing(self, kv: KV, round_: int, nodes: Sequence[str]) -> None:

@@ -112,6 +112,9 @@ class RoundResources:
         where = advertised_address(self.rdzv)
         kv = where[0] if where is not None else None
         self.quarantine = guard_for(cfg, kv, self._emit, os.environ)
+        if self.health is not None and self.quarantine is not None:
+            # One gate: a round this node closes keeps quarantined joiners out too.
+            self.health.consult(self.quarantine)
         return self.rdzv
 
     def quiesce(self) -> None:

@@ -32,6 +32,7 @@ import msgspec
 
 from stalwart.base.events import Event
 from stalwart.config import ConfigError, LaunchConfig
+from stalwart.health.records import By
 from stalwart.launch.files.events import EventLog, EventTail
 from stalwart.launch.files.logs import LogSpec
 from stalwart.launch.files.runfiles import check_component, make_run_dir
@@ -204,10 +205,14 @@ class Supervisor:
         attempt = 0
         while True:
             guard = self._res.quarantine
-            if guard is not None and (kept := guard.check(rdzv, attempt)):
-                return self._ending.stop(
-                    quarantined(kept.withdrawal.line, kept.withdrawal.goes_on, attempt)
-                )
+            gate = self._res.health
+            # The one question before a round: may this node join it at all?
+            refusal = gate.before_round(rdzv, attempt) if gate is not None else None
+            if refusal is not None and refusal.by is By.QUARANTINE:
+                return self._ending.stop(quarantined(refusal.line, refusal.goes_on, attempt))
+            if refusal is not None:
+                # One node (validated): no round to close without it, so the job ends.
+                raise RendezvousError(refusal.line)
             try:
                 info = self._join(rdzv, attempt)
             except JobEnded as ended:
@@ -257,25 +262,6 @@ class Supervisor:
         return verdict(self._failed_attempts, policy)
 
     def _join(self, rdzv: Rendezvous, attempt: int) -> RendezvousInfo:
-        health = self._res.health
-        if health is not None and not rdzv.elastic:
-            # One node (validated): no round to close without it, so a failure ends the job.
-            out = health.check_alone(attempt)
-            if out is not None:
-                self.events.emit(
-                    Event.NODE_EXCLUDED,
-                    attempt=attempt,
-                    node=out.node,
-                    host=out.host,
-                    reason="; ".join(out.reasons),
-                    reasons=list(out.reasons),
-                    by="health_check",
-                    this_node=True,
-                )
-                raise RendezvousError(
-                    f"this node failed its health check before attempt {attempt}: "
-                    + "; ".join(out.reasons)
-                )
         info = rdzv.join(attempt, self.cfg.nproc_per_node)
         # A node that arrived late (a spare) joins the job's current round.
         self._round = info.round
