@@ -43,10 +43,6 @@ STORE_PREFIX = "stalwart/rank_tree"
 _POLL_MIN = 0.002
 _POLL_MAX = 0.05
 
-# Every rank builds its trees in the same order, so the n-th build of one process meets
-# the n-th build of the others under the same store keys.
-_builds = itertools.count()
-
 
 class LayerFlag(enum.Flag):
     """How a branch of a layer may be searched for a replacement.
@@ -477,9 +473,9 @@ def _wait_for(store: KeyValueStore, keys: list[str], timeout: float) -> None:
 
 
 def _exchange_through_store(
-    store: KeyValueStore, state: State, keys: tuple[str, ...], timeout: float
+    store: KeyValueStore, state: State, keys: tuple[str, ...], timeout: float, build: int
 ) -> list[Entry]:
-    prefix = f"{STORE_PREFIX}/{next(_builds)}/{state.world_size}"
+    prefix = f"{STORE_PREFIX}/{build}/{state.world_size}"
     mine = json.dumps({"initial_rank": state.initial_rank, "keys": list(keys)})
     store.set(f"{prefix}/{state.rank}", mine)
     names = [f"{prefix}/{r}" for r in range(state.world_size)]
@@ -540,9 +536,10 @@ class Tree:
     not composed with others).
 
     ``layers[0]`` is the root; ``world_size_filter(n)`` may lower the active world size
-    ``n`` after each assignment.  ``timeout`` bounds the wait for the other ranks' keys at
-    the first call (stalwart's; NVIDIA's has none).  The state handed back carries
-    ``rank``/``world_size`` over every live rank, reserves included, and
+    ``n`` after each assignment.  ``timeout`` (a ``timedelta`` or seconds) bounds the wait
+    for the other ranks' keys at the first call (stalwart's; NVIDIA's has none).  The
+    state handed back carries ``rank``/``world_size`` over every live rank, reserves
+    included, and
     ``active_rank``/``active_world_size``, the numbers the function sees; the initial
     ranks the tree terminated are added to ``state.terminated``.
     """
@@ -551,7 +548,7 @@ class Tree:
         self,
         layers: list[Layer],
         world_size_filter: Callable[[int], int] | None = None,
-        timeout: timedelta = timedelta(minutes=5),
+        timeout: timedelta | float = timedelta(minutes=5),
     ) -> None:
         if not isinstance(layers, list | tuple) or not layers:
             raise ValueError(f"layers must be a non-empty list of Layer, got {layers!r}")
@@ -561,10 +558,14 @@ class Tree:
             )
         self.layers = list(layers)
         self.world_size_filter = world_size_filter
-        self.timeout = timeout
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise ValueError(f"timeout must be a positive duration, got {timeout!r}")
+        self.timeout = float(seconds)
         self._topology: Topology | None = None
         self._seats: tuple[Seat, ...] = ()
         self._store: object = None
+        self._builds = 0
 
     @property
     def init_rank_map(self) -> Mapping[int, TreeLeaf]:
@@ -621,7 +622,10 @@ class Tree:
             entries = _exchange_nvidia(store, state, raw)
         elif all(callable(getattr(store, m, None)) for m in ("set", "get", "check")):
             kv: KeyValueStore = store  # type: ignore[assignment]
-            entries = _exchange_through_store(kv, state, keys, self.timeout.total_seconds())
+            # Every rank's tree builds in step with the others' (once per store), so the
+            # n-th build of one rank meets the n-th of the others under the same keys.
+            entries = _exchange_through_store(kv, state, keys, self.timeout, self._builds)
+            self._builds += 1
         else:
             raise TypeError(f"Tree needs a torch Store in ctx.store, got {store!r}")
         _check_entries(entries)
