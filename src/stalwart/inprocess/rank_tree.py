@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .assignment import RankAssignmentCtx
 from .errors import RankDiscarded, RestartError
@@ -92,8 +92,7 @@ class LayerRule:
         return cls(lo, hi, flag if flag is not None else LayerFlag(0))
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """What one rank publishes: its current and initial rank and its key per layer
     (canonical JSON text, the root's first)."""
 
@@ -127,9 +126,9 @@ class Topology:
     backfill: tuple[int | None, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class Seat:
-    """One rank's place as the tree decided it.
+class Seat(NamedTuple):
+    """One rank's place as the tree decided it (a named tuple: a tree of 16k ranks makes
+    16k of them per call, and a frozen dataclass costs several times more to build).
 
     ``rank``/``world_size`` count every live rank, reserves included (``rank`` is None once
     terminated); ``active_rank``/``active_world_size`` are the numbers the function sees
