@@ -283,7 +283,6 @@ def _propagate(topology: Topology, gone: list[bool]) -> None:
 class _Work:
     """The seats being rewritten during one ``reassign`` (local to the call)."""
 
-    rank: list[int | None]
     active: list[int | None]
     mode: list[Mode]
     order: list[int]
@@ -364,7 +363,6 @@ def reassign(
     fresh = [i for i, g in enumerate(gone) if g and seats[i].mode is not Mode.TERMINATED]
     fresh.sort(key=lambda i: seats[i].rank or 0)
     work = _Work(
-        rank=[s.rank for s in seats],
         active=[s.active_rank for s in seats],
         mode=[s.mode for s in seats],
         order=[s.reserve_order for s in seats],
