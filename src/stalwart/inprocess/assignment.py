@@ -124,6 +124,23 @@ def assignment_input(
     return start, {last_numbers[r] for r in fresh}
 
 
+def discarded_by(placed: State, terminated: frozenset[int]) -> frozenset[int]:
+    """The initial ranks an assignment added to ``state.terminated`` beyond the
+    wrapper's own ``terminated`` (those it terminated itself), kept to real ranks."""
+    return (
+        frozenset(r for r in placed.terminated if 0 <= r < placed.initial_world_size) - terminated
+    )
+
+
+def function_view(state: State) -> State:
+    """The numbers the function sees: an assignment that numbers every live rank in
+    ``rank`` and the active ones in ``active_rank`` (NVIDIA 0.4's ``Tree``) hands the
+    function ``active_rank`` of ``active_world_size``; any other is taken as it is."""
+    if state.active_rank is None:
+        return state
+    return dataclasses.replace(state, rank=state.active_rank, world_size=state.active_world_size)
+
+
 def _discard_if_terminated(state: State, terminated: Set[int]) -> None:
     if state.rank in terminated:
         raise RankDiscarded(

@@ -1,5 +1,5 @@
 """Rank assignments and filters under NVIDIA ``inprocess``'s module path
-(``inprocess.rank_assignment.ShiftRanks``); defined in ``assignment``."""
+(``inprocess.rank_assignment.ShiftRanks``); defined in ``assignment`` and ``rank_tree``."""
 
 from .assignment import (
     ActiveWorldSize,
@@ -12,15 +12,19 @@ from .assignment import (
     ShiftRanks,
 )
 from .errors import RankDiscarded
+from .rank_tree import Layer, LayerFlag, Tree
 
 __all__ = [
     "ActiveWorldSize",
     "FillGaps",
     "FilterCountGroupedByKey",
+    "Layer",
+    "LayerFlag",
     "MaxActiveWorldSize",
     "RankAssignment",
     "RankAssignmentCtx",
     "RankDiscarded",
     "RankFilter",
     "ShiftRanks",
+    "Tree",
 ]

@@ -37,7 +37,7 @@ from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
 from stalwart.base.sealed import worker_seal
 
-from .assignment import assignment_input, call_assignment
+from .assignment import assignment_input, call_assignment, discarded_by, function_view
 from .asyncexc import clear_pending, install_wake_handler, reraise_if_unraisable
 from .call import Call, inject_call
 from .errors import (
@@ -263,6 +263,7 @@ class Runner:
             raise RankTerminated(
                 f"initial rank {state.initial_rank} has no rank in the new assignment"
             )
+        state = function_view(state)
         if opts.rank_filter is not None:
             state = opts.rank_filter(state)
         os.environ[envvars.RANK] = str(state.rank)
@@ -316,11 +317,15 @@ class Runner:
                 f"rank_assignment left terminated ranks {sorted(unplaced)} unaccounted for"
             )
         self._placed = (placed.rank, placed.world_size)
-        self._accounted = terminated
+        # Ranks the assignment itself took out (a ``Tree`` branch below its
+        # ``min_ranks``): every survivor computed the same, and the ranks concerned
+        # raised ``RankDiscarded``, so nobody waits for them or reports them again.
+        left = terminated | discarded_by(placed, terminated)
+        self._accounted = left
         # Peers translate this rank into the next iteration's numbering if it goes.
         self.coord.publish_placed_rank(iteration, placed.rank)
-        # The wrapper's own record of who left, whatever the assignment wrote.
-        return dataclasses.replace(placed, terminated=terminated)
+        # The wrapper's own record of who left; an assignment can only add to it.
+        return dataclasses.replace(placed, terminated=left)
 
     def _iteration_port(self, iteration: int) -> int | None:
         """The iteration's env:// store port; after a store host left, wait for it to serve it."""

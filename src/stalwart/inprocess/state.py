@@ -91,6 +91,9 @@ class State:
     mode: Mode = Mode.ACTIVE
     active_world_size: int = 0
     terminated: frozenset[int] = frozenset()
+    # The number the function sees when an assignment (``rank_tree.Tree``) keeps its own
+    # numbering over every live rank in ``rank``: None unless one did (NVIDIA 0.4's field).
+    active_rank: int | None = None
     # Socket fds the wrapper itself owns during this iteration (store clients,
     # monitor pipes); abort must leave them alone.
     protected_fds: frozenset[int] = frozenset()
