@@ -1,22 +1,26 @@
-"""Framework benchmark: Lightning and HF Trainer jobs, fault -> first resumed step.
+"""Framework benchmark: Lightning and HF Trainer jobs, fault -> first resumed step and
+fault -> back at full speed.
 
 (The launcher benchmark's job, examples/train_ddp.py, runs alongside with its own step
 numbers, for the SIGKILL path against the crash path on a job without a framework.)
 
 The jobs are tests/frameworks/lightning_job.py (Lightning 2.6 ``Trainer``, DDP on gloo,
 ``ModelCheckpoint`` + ``ckpt_path="last"``) and tests/frameworks/hf_job.py (transformers
-``Trainer`` on a tiny GPT-2 from a config, ``resume_from_checkpoint``), 2 ranks, 12 steps,
-a checkpoint every 4; rank 1 faults at step 7 of the first attempt, either by exiting
-with code 1 ("crash") or by SIGKILL to itself.  Each step of the first attempt lasts
-``--pause`` s more (1 s by default), so the fault comes after about 7 s of training, as
-real crashes come after the warm template has learned the framework's imports; the last
-column of the breakdown says in how many runs the restart was forked from such a
-template.  Each runs under torchrun with its working
+``Trainer`` on a tiny GPT-2 from a config, ``resume_from_checkpoint``), 2 ranks, 100 steps,
+a checkpoint every 10; rank 1 faults at step 35 of the first attempt, either by exiting
+with code 1 ("crash") or by SIGKILL to itself.  The first 6 steps of the first attempt
+last ``--pause`` s more (1 s by default), so the fault comes after about 6 s of
+training, as real crashes come after the warm template has learned the framework's
+imports, and the steps between run at the job's own rate; the last column of the
+breakdown says in how many runs the restart was forked from such a template.  Each runs under torchrun with its working
 configuration here (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), ``stalwart run --no-warm`` and
 ``stalwart run`` (warm, the default), interleaved.  Times come from rank 0's own records:
 
-* fault -> resumed: from the end of the step the fault followed to the end of the first
-  step of the next attempt;
+* fault -> first resumed step: from the end of the step the fault followed to the end
+  of the first step of the next attempt;
+* fault -> back at full speed: from the same moment to the start of the next attempt's
+  first span of two checkpoint intervals at >= 90 % of the first attempt's unpaused step
+  rate (``stalwart.reporting.goodput.full_speed_at``, the closing block's rule);
 * for stalwart, where that time went, from events.jsonl and the records: detect (the
   faulty worker's exit -> teardown began), survivor (teardown began -> the last worker
   exited: the survivor's own SIGTERM handling), respawn (-> the new attempt's workers
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -42,10 +47,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from common import fmt, machine, med, ratio, run_job, show, spread
 
+from stalwart.reporting.goodput import full_speed_at
+
 ROOT = Path(__file__).resolve().parents[1]
 FRAMEWORKS = ROOT / "tests" / "frameworks"
-STEPS, CKPT_EVERY, FAULT_AT = 12, 4, 7
-PAUSE_S = 1.0
+STEPS, CKPT_EVERY, FAULT_AT = 100, 10, 35
+PAUSE_S, PAUSE_STEPS = 1.0, 6
 
 
 @dataclass(frozen=True)
@@ -55,25 +62,45 @@ class Job:
     fault_at: int  # the step number given to the fault
     before: int  # rank 0's last recorded step before the fault
     last: int  # the job's last recorded step
+    every: int  # steps between two checkpoints
     needs: str | None = None  # a module the job imports
+    paused: int = 0  # the first attempt's steps slowed by --pause: not its own rate
 
 
 JOBS = {
     "lightning": Job(
         "Lightning",
-        (str(FRAMEWORKS / "lightning_job.py"), "{work}", str(STEPS), str(CKPT_EVERY), "{pause}"),
+        (
+            str(FRAMEWORKS / "lightning_job.py"),
+            "{work}",
+            str(STEPS),
+            str(CKPT_EVERY),
+            "{pause}",
+            str(PAUSE_STEPS),
+        ),
         FAULT_AT,
         FAULT_AT,
         STEPS,
+        CKPT_EVERY,
         "lightning",
+        PAUSE_STEPS,
     ),
     "hf": Job(
         "HF Trainer",
-        (str(FRAMEWORKS / "hf_job.py"), "{work}", str(STEPS), str(CKPT_EVERY), "{pause}"),
+        (
+            str(FRAMEWORKS / "hf_job.py"),
+            "{work}",
+            str(STEPS),
+            str(CKPT_EVERY),
+            "{pause}",
+            str(PAUSE_STEPS),
+        ),
         FAULT_AT,
         FAULT_AT,
         STEPS,
+        CKPT_EVERY,
         "transformers",
+        PAUSE_STEPS,
     ),
     # The launcher benchmark's job, for the SIGKILL path against the crash path (its
     # stalwart.inject.step comes before the step's work: the last recorded is one less).
@@ -81,12 +108,13 @@ JOBS = {
         "examples/train_ddp.py",
         (
             str(ROOT / "examples" / "train_ddp.py"),
-            *("--steps", "40", "--ckpt-every", "20", "--quiet"),
+            *("--steps", "200", "--ckpt-every", "20", "--quiet"),
             *("--ckpt-dir", "{work}/ckpt", "--progress", "{work}/p.jsonl"),
         ),
-        30,
-        29,
-        39,
+        110,
+        109,
+        199,
+        20,
     ),
 }
 FAULTS = {"crash": "exit:rank=1,step={at},code=1", "SIGKILL": "sigkill:rank=1,step={at}"}
@@ -121,10 +149,16 @@ LAUNCHER_KEYS = [lc.key for lc in LAUNCHERS]
 @dataclass
 class Cell:
     resume: list[float] = field(default_factory=list)
+    full: list[float] = field(default_factory=list)  # fault -> back at full speed
     phases: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     ok: int = 0
     runs: int = 0
     learned: int = 0  # runs whose restart was forked from a template with learned modules
+
+
+def load() -> float:
+    """The machine's 1-minute load average: other sessions share these cores."""
+    return os.getloadavg()[0]
 
 
 def read_events(work: Path) -> list[dict[str, Any]]:
@@ -195,7 +229,16 @@ def run_once(
         before = [r for r in steps if r["attempt"] == 0 and r["step"] == job.before]
         after = [r for r in steps if r["attempt"] == 1]
         if before and after:
-            cell.resume.append(after[0]["time"] - before[-1]["time"])
+            fault_t = before[-1]["time"]
+            cell.resume.append(after[0]["time"] - fault_t)
+            own = [
+                (r["time"], r["step"])
+                for r in steps
+                if r["attempt"] == 0 and r["step"] > job.paused
+            ]
+            back = full_speed_at(own, [(r["time"], r["step"]) for r in after], job.every)
+            if back is not None:
+                cell.full.append(back - fault_t)
         if code == 0 and after and after[-1]["step"] == job.last:
             cell.ok += 1
         evs = read_events(work) if launcher.stalwart else []
@@ -244,6 +287,7 @@ def main() -> None:
     cells: dict[tuple[str, str, str], Cell] = {
         (j.name, f, lc.name): Cell() for j in jobs for f in FAULTS for lc in launchers
     }
+    loads = [load()]
     t0 = time.monotonic()
     for i in range(ns.repeats):
         # Interleaved, so drift on a shared machine hits every launcher alike.
@@ -252,6 +296,7 @@ def main() -> None:
                 for lc in launchers:
                     cell = cells[(job.name, fault, lc.name)]
                     run_once(job, fault, lc, cell, ns.deadline, ns.pause)
+                    loads.append(load())
                     print(
                         f"[{i + 1}/{ns.repeats}] {job.name} {fault} {lc.name}: "
                         f"ok {cell.ok}/{cell.runs} ({time.monotonic() - t0:.0f} s)",
@@ -259,6 +304,7 @@ def main() -> None:
                         flush=True,
                     )
     print(f"machine: {machine()}")
+    print(f"load average (1 min) between runs: {min(loads):.1f} to {max(loads):.1f}")
     ref = LAUNCHERS[0]
     rows = []
     for job in jobs:
@@ -266,13 +312,27 @@ def main() -> None:
             anchor = med(cells[(job.name, fault, ref.name)].resume) if ref in launchers else None
             for lc in launchers:
                 c = cells[(job.name, fault, lc.name)]
+                first, full = med(c.resume), med(c.full)
+                # A run whose resumed attempt never held the rate for two intervals has
+                # no full-speed figure: the count says over how many runs it is taken.
+                back = f"{spread(c.full)} ({len(c.full)}/{c.runs})"
                 rows.append(
-                    [job.name, fault, lc.name, f"{c.ok}/{c.runs}", spread(c.resume),
-                     ratio(med(c.resume), anchor)]
+                    [job.name, fault, lc.name, f"{c.ok}/{c.runs}", spread(c.resume), back,
+                     ratio(full, first), ratio(first, anchor)]
                 )  # fmt: skip
     show(
-        "Fault -> first resumed step: 2 ranks on gloo, rank 1 faults once (min / median / max)",
-        ["job", "fault", "launcher", "finished", "fault -> resumed", "vs torchrun"],
+        "Fault -> first resumed step and -> back at full speed: 2 ranks on gloo, rank 1 "
+        "faults once (min / median / max)",
+        [
+            "job",
+            "fault",
+            "launcher",
+            "finished",
+            "first resumed step",
+            "back at full speed",
+            "full / first",
+            "first vs torchrun",
+        ],
         rows,
         ns.markdown,
     )

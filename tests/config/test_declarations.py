@@ -247,6 +247,10 @@ _CHECKS: list[tuple[list[str], dict[str, str], str]] = [
     (["--rdzv-id", "../x"], {}, "--rdzv-id '../x': expected letters, digits"),
     (["--monitor-interval", "1e5"], {}, "--monitor-interval 100000.0: expected seconds > 0"),
     (["--shutdown-timeout", "-1"], {}, "--shutdown-timeout -1.0: expected seconds >= 0"),
+    (["--survivor-grace", "-0.5"], {}, "--survivor-grace -0.5: expected seconds >= 0"),
+    (["--survivor-grace", "nan"], {}, "--survivor-grace nan: expected seconds >= 0"),
+    (["--survivor-grace", "1e9"], {}, "--survivor-grace 1000000000.0: expected seconds >= 0"),
+    ([], {"STALWART_SURVIVOR_GRACE": "soon"}, "--survivor-grace 'soon': expected float"),
     # The environment skips argparse's choices; the declared check still holds.
     ([], {"STALWART_START_METHOD": "thread"}, "--start-method 'thread': expected spawn, fork"),
     ([], {"STALWART_MASTER_PORT": "x"}, "--master-port 'x': expected int"),

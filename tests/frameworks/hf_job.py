@@ -2,7 +2,7 @@
 built from a config (no download: random weights, synthetic token ids, offline), DDP on
 CPU (gloo), checkpoints by ``save_steps`` and resumption by ``resume_from_checkpoint``.
 
-    python hf_job.py WORK STEPS CKPT_EVERY [PAUSE_S]
+    python hf_job.py WORK STEPS CKPT_EVERY [PAUSE_S [PAUSE_STEPS]]
 
 Faults come from ``STALWART_INJECT`` (``stalwart.inject.step`` at the end of each
 step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.jsonl:
@@ -10,7 +10,9 @@ step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.
 step training (re)started from.  PAUSE_S (default 0) makes each step of the first
 attempt last that much longer (a sleep before its record), so that a fault comes after
 seconds of training, as real ones do (the benchmark uses it); later attempts do not
-pause, so the first resumed step is timed as it is.
+pause, so the first resumed step is timed as it is.  PAUSE_STEPS (default: every step)
+limits the pause to the first that many steps, so that the steps before a later fault
+run at the job's own rate (the benchmark's "back at full speed" compares with it).
 """
 
 from __future__ import annotations
@@ -58,10 +60,11 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 
 
 class Progress(TrainerCallback):
-    def __init__(self, path: Path, pause: float = 0.0) -> None:
+    def __init__(self, path: Path, pause: float = 0.0, pause_steps: int | None = None) -> None:
         self.path = path
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.pause = pause if self.attempt == 0 else 0.0
+        self.pause_steps = pause_steps
         self.rank = int(os.environ.get("RANK", "0"))
 
     def _write(self, event: str, step: int) -> None:
@@ -74,7 +77,8 @@ class Progress(TrainerCallback):
         self._write("start", state.global_step)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        time.sleep(self.pause)
+        if self.pause_steps is None or state.global_step <= self.pause_steps:
+            time.sleep(self.pause)
         self._write("step", state.global_step)
         inject.step(state.global_step)
 
@@ -82,6 +86,7 @@ class Progress(TrainerCallback):
 def main() -> None:
     work, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    pause_steps = int(sys.argv[5]) if len(sys.argv) > 5 else None
     config = GPT2Config(
         vocab_size=VOCAB,
         n_positions=SEQ,
@@ -112,7 +117,7 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=Tokens(512),
-        callbacks=[Progress(work / "p.jsonl", pause)],
+        callbacks=[Progress(work / "p.jsonl", pause, pause_steps)],
     )
     last = get_last_checkpoint(str(out)) if out.is_dir() else None
     trainer.train(resume_from_checkpoint=last)

@@ -2,7 +2,7 @@
 strategy on CPU (gloo), one process per rank started by the launcher, checkpoints by
 ``ModelCheckpoint`` and resumption by ``ckpt_path="last"``.
 
-    python lightning_job.py WORK STEPS CKPT_EVERY [PAUSE_S]
+    python lightning_job.py WORK STEPS CKPT_EVERY [PAUSE_S [PAUSE_STEPS]]
 
 Faults come from ``STALWART_INJECT`` (``stalwart.inject.step`` at the end of each
 step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.jsonl:
@@ -10,7 +10,9 @@ step, global step numbering).  Rank 0 appends one JSON line per event to WORK/p.
 step training (re)started from.  PAUSE_S (default 0) makes each step of the first
 attempt last that much longer (a sleep before its record), so that a fault comes after
 seconds of training, as real ones do (the benchmark uses it); later attempts do not
-pause, so the first resumed step is timed as it is.
+pause, so the first resumed step is timed as it is.  PAUSE_STEPS (default: every step)
+limits the pause to the first that many steps, so that the steps before a later fault
+run at the job's own rate (the benchmark's "back at full speed" compares with it).
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ class Tiny(L.LightningModule):
 
 
 class Progress(Callback):
-    def __init__(self, path: Path, pause: float = 0.0) -> None:
+    def __init__(self, path: Path, pause: float = 0.0, pause_steps: int | None = None) -> None:
         self.path = path
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.pause = pause if self.attempt == 0 else 0.0
+        self.pause_steps = pause_steps
 
     def _write(self, trainer: L.Trainer, event: str) -> None:
         if trainer.global_rank == 0:
@@ -67,7 +70,8 @@ class Progress(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         # global_step counts finished optimizer steps: the first step is 1.
-        time.sleep(self.pause)
+        if self.pause_steps is None or trainer.global_step <= self.pause_steps:
+            time.sleep(self.pause)
         self._write(trainer, "step")
         inject.step(trainer.global_step)
 
@@ -75,6 +79,7 @@ class Progress(Callback):
 def main() -> None:
     work, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     pause = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    pause_steps = int(sys.argv[5]) if len(sys.argv) > 5 else None
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 16, generator=gen), torch.randn(4096, 1, generator=gen))
     ckpt = ModelCheckpoint(
@@ -86,7 +91,7 @@ def main() -> None:
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy="ddp",
         max_steps=steps,
-        callbacks=[ckpt, Progress(work / "p.jsonl", pause)],
+        callbacks=[ckpt, Progress(work / "p.jsonl", pause, pause_steps)],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

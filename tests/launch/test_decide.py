@@ -18,6 +18,7 @@ from stalwart.launch.round.decide import (
     decide,
     interrupted,
     not_needed,
+    stop_grace,
 )
 from stalwart.rendezvous.api import (
     FailureRecord,
@@ -166,3 +167,20 @@ def test_a_spare_never_admitted_exits_as_the_job_did(
     succeeded: bool, code: int, state: State
 ) -> None:
     assert not_needed(succeeded, "done") == stop(Ending.NOT_NEEDED, state, code, 0, "done")
+
+
+# (how the round ended, --shutdown-timeout, --survivor-grace) -> SIGTERM -> SIGKILL grace
+_GRACES = [
+    (R.LOCAL_FAILURE, 30.0, 5.0, 5.0),
+    (R.PEER_FAILURE, 30.0, 5.0, 5.0),
+    (R.LOCAL_FAILURE, 2.0, 5.0, 2.0),  # --shutdown-timeout bounds every grace
+    (R.PEER_FAILURE, 30.0, 0.0, 0.0),
+    (R.SHUTDOWN_REQUESTED, 30.0, 5.0, 30.0),  # a stop asked for keeps the full grace
+    (R.NODE_EXCLUDED, 30.0, 5.0, 30.0),
+    (R.SUCCEEDED, 30.0, 5.0, 30.0),
+]
+
+
+@pytest.mark.parametrize(("outcome", "shutdown", "survivor", "grace"), _GRACES)
+def test_stop_grace(outcome: RoundOutcome, shutdown: float, survivor: float, grace: float) -> None:
+    assert stop_grace(outcome, shutdown, survivor) == grace

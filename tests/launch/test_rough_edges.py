@@ -166,3 +166,23 @@ def test_report_lists_every_run_of_a_log_dir(tmp_path: Path) -> None:
     data = json.loads(report("--json").stdout)
     assert [r["run_id"] for r in data["runs"]] == ["first", "second"]
     assert all(r["outcome"] == "succeeded" for r in data["runs"])
+
+
+@cold_only
+def test_survivors_get_the_survivor_grace_then_sigkill(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    proc = stalwart(
+        "--nproc-per-node", "3", "--max-restarts", "1", "--survivor-grace", "1.5",
+        "--shutdown-timeout", "60", "--log-dir", logs, SCRIPTS / "survivors.py", tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    evs = events(logs)
+    (stopping,) = [e for e in evs if e["event"] == "workers_stopping" and e["attempt"] == 0]
+    assert stopping["reason"] == "local_failure" and stopping["grace"] == 1.5
+    exits = {e["rank"]: e for e in evs if e["event"] == "worker_exit" and e["attempt"] == 0}
+    # Rank 0 ignores SIGTERM: killed once the grace is over, not after --shutdown-timeout.
+    assert exits[0]["signal"] == "SIGKILL"
+    assert 1.4 < exits[0]["exited_at"] - stopping["time"] < 30
+    # Rank 1's handler used its grace and ended the way it chose.
+    assert exits[1]["exitcode"] == 0 and (tmp_path / "saved").read_text() == "done"
+    assert exits[1]["exited_at"] - stopping["time"] >= 0.3

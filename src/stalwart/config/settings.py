@@ -339,6 +339,23 @@ class LaunchConfig:
             ),
         ),
     )
+    # Workers stopped because a worker failed (here or on another node) have nothing to
+    # finish: their state comes back from the last checkpoint.  A short bound keeps one
+    # that cannot act on SIGTERM (blocked in a collective with a dead peer) from holding
+    # every restart for the whole --shutdown-timeout, which stays the bound on any grace.
+    survivor_grace: float = setting(
+        5.0,
+        flag(
+            "--survivor-grace",
+            **A_FLOAT,
+            help="SIGTERM -> SIGKILL grace, seconds, for workers stopped because another "
+            "worker failed (at most --shutdown-timeout)",
+            check=checked(
+                lambda s: 0 <= s <= MAX_SHUTDOWN_TIMEOUT,
+                f"expected seconds >= 0 and <= {MAX_SHUTDOWN_TIMEOUT:g}",
+            ),
+        ),
+    )
     restart_policy: str = setting(
         "any-failed",
         flag(

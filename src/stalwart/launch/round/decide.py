@@ -262,3 +262,13 @@ def control_reason(ask: ControlAsk, outcome: RoundOutcome, node_rank: int, host:
         f"{who} asked to exclude node {node_rank}, and a job of fixed membership cannot go "
         "on without it (exclusion needs elastic --nnodes MIN:MAX)"
     )
+
+
+def stop_grace(outcome: RoundOutcome, shutdown_timeout: float, survivor_grace: float) -> float:
+    """Seconds between SIGTERM and SIGKILL for the workers still running when a round
+    ends this way.  Survivors of a failure (here or on another node) get the shorter
+    ``survivor_grace``; a job asked to stop, or a node leaving, the full
+    ``shutdown_timeout``, which also bounds the former."""
+    if outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE):
+        return min(survivor_grace, shutdown_timeout)
+    return shutdown_timeout

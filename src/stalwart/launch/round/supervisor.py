@@ -49,6 +49,7 @@ from stalwart.launch.round.decide import (
     interrupted,
     not_needed,
     quarantined,
+    stop_grace,
 )
 from stalwart.launch.round.ending import JobEnding
 from stalwart.launch.round.records import JobResult, SignalReceived
@@ -339,10 +340,13 @@ class Supervisor:
             elif hangs is not None and (req := hangs.control_request(info.round)):
                 outcome = self._on_request(rdzv, info, req)
         attempt.emit_progress(info.round, ranks, final=True)
-        self.events.emit(Event.WORKERS_STOPPING, attempt=info.round, reason=outcome.value)
+        grace = stop_grace(outcome, cfg.shutdown_timeout, cfg.survivor_grace)
+        self.events.emit(
+            Event.WORKERS_STOPPING, attempt=info.round, reason=outcome.value, grace=grace
+        )
         if hangs is not None:
             hangs.end()
-        ctx.close(signal.SIGTERM, cfg.shutdown_timeout)
+        ctx.close(signal.SIGTERM, grace)
         attempt.drop_empty_stacks()
         if outcome is RoundOutcome.LOCAL_FAILURE and result is not None:
             self._explain_late(rdzv, info.round, result, info.group_rank)
