@@ -40,12 +40,7 @@ NVIDIA_MODULES = (
 )
 
 # torch modules and stalwart's equivalents (the more specific path first).
-TORCH_MODULES = (
-    ("torch.distributed.elastic.multiprocessing.errors", "stalwart.launch.workers.errors"),
-    ("torch.distributed.elastic.multiprocessing", "stalwart.launch.workers.processes"),
-    ("torch.distributed.elastic.timer.file_based_local_timer", "stalwart.monitor.file_timer"),
-    ("torch.distributed.elastic.timer", "stalwart.monitor.file_timer"),
-)
+TORCH_MODULES = (("torch.distributed.elastic", "stalwart.compat.torch_elastic"),)
 
 
 def rewrite_module_paths(text: str, pairs: tuple[tuple[str, str], ...]) -> str:
@@ -171,15 +166,21 @@ SUITES = (
         "torch",
     ),
     Suite(
-        "torch elastic/multiprocessing",
+        "torch elastic/multiprocessing/errors",
         "pytorch",
-        ("test/distributed/elastic/multiprocessing",),
+        ("test/distributed/elastic/multiprocessing/errors",),
+        ("test/distributed/elastic/multiprocessing/errors",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
+        "torch elastic/multiprocessing api_test.py",
+        "pytorch",
         (
             "test/distributed/elastic/multiprocessing/api_test.py",
-            "test/distributed/elastic/multiprocessing/redirects_test.py",
-            "test/distributed/elastic/multiprocessing/tail_log_test.py",
-            "test/distributed/elastic/multiprocessing/errors",
+            "test/distributed/elastic/multiprocessing/bin",
         ),
+        ("test/distributed/elastic/multiprocessing/api_test.py",),
         rewrite_torch,
         "torch",
         timeout_s=120,
