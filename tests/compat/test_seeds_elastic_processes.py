@@ -66,7 +66,7 @@ def test_script_without_main_guard_is_not_launched_twice(tmp_path: Path) -> None
 @pytest.mark.timeout(60)
 def test_program_without_stalwart_and_a_tensor_return(tmp_path: Path) -> None:
     import torch
-    import torch.multiprocessing  # noqa: F401  registers tensor sharing by handle
+    import torch.multiprocessing  # registers tensor sharing by handle
 
     from stalwart.compat.torch_elastic.multiprocessing import (
         DefaultLogsSpecs,
