@@ -54,9 +54,11 @@ def test_script_without_main_guard_is_not_launched_twice(tmp_path: Path) -> None
     )
     lines = marks.read_text().splitlines()
     tops = [line for line in lines if line.startswith("top ")]
-    # The launcher once, and each of the two children re-running the file's top level
-    # (whose own start_processes must fail in the child, not start grandchildren).
-    assert len(tops) == 3, (lines, proc.stderr[-2000:])
+    # The launcher once, and a child re-running the file's top level, whose own
+    # start_processes fails there (multiprocessing refuses to start a process while the
+    # child bootstraps); the other child too unless it was stopped before it got there.
+    assert 2 <= len(tops) <= 3, (lines, proc.stderr[-2000:])
+    assert "bootstrapping phase" in proc.stderr, proc.stderr[-2000:]
     assert not [line for line in lines if line.startswith("work ")], lines
     assert proc.returncode == 0, proc.stderr[-2000:]
     # The first child to fail is the result; the other was stopped with it.
