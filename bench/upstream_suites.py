@@ -39,14 +39,8 @@ NVIDIA_MODULES = (
     ("nvidia_resiliency_ext.fault_tolerance", "stalwart.monitor"),
 )
 
-# torch modules and stalwart's equivalents (the more specific path first).  Seeds 001 and
-# 003 have not been run against these yet (issue 26 item 4): torch's tests reach into
-# names (Std, MultiprocessContext, FileTimerServer) stalwart does not spell torch's way.
-TORCH_MODULES = (
-    ("torch.distributed.elastic.multiprocessing.errors", "stalwart.launch.workers.errors"),
-    ("torch.distributed.elastic.multiprocessing", "stalwart.launch.workers.processes"),
-    ("torch.distributed.elastic.timer", "stalwart.timer"),
-)
+# torch modules and stalwart's equivalents (the more specific path first).
+TORCH_MODULES = (("torch.distributed.elastic", "stalwart.compat.torch_elastic"),)
 
 
 def rewrite_module_paths(text: str, pairs: tuple[tuple[str, str], ...]) -> str:
@@ -58,6 +52,16 @@ def rewrite_module_paths(text: str, pairs: tuple[tuple[str, str], ...]) -> str:
                 line = line.replace(old, new)
         out.append(line)
     return "".join(out)
+
+
+def rewrite_torch(text: str) -> str:
+    """Import lines, and the dotted names that `mock.patch("torch.distributed...")` imports
+    by string (a patch target is an import too: left alone it would patch torch's module,
+    not the one under test)."""
+    text = rewrite_module_paths(text, TORCH_MODULES)
+    for old, new in TORCH_MODULES:
+        text = re.sub(r"""(["'])""" + re.escape(old) + r"\b", r"\g<1>" + new, text)
+    return text
 
 
 def rewrite_nvidia_fault_tolerance_from(text: str) -> str:
@@ -162,16 +166,22 @@ SUITES = (
         "torch",
     ),
     Suite(
-        "torch elastic/multiprocessing",
+        "torch elastic/multiprocessing/errors",
         "pytorch",
-        ("test/distributed/elastic/multiprocessing",),
+        ("test/distributed/elastic/multiprocessing/errors",),
+        ("test/distributed/elastic/multiprocessing/errors",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
+        "torch elastic/multiprocessing api_test.py",
+        "pytorch",
         (
             "test/distributed/elastic/multiprocessing/api_test.py",
-            "test/distributed/elastic/multiprocessing/redirects_test.py",
-            "test/distributed/elastic/multiprocessing/tail_log_test.py",
-            "test/distributed/elastic/multiprocessing/errors",
+            "test/distributed/elastic/multiprocessing/bin",
         ),
-        lambda text: rewrite_module_paths(text, TORCH_MODULES),
+        ("test/distributed/elastic/multiprocessing/api_test.py",),
+        rewrite_torch,
         "torch",
         timeout_s=120,
     ),
@@ -180,7 +190,7 @@ SUITES = (
         "pytorch",
         ("test/distributed/elastic/timer/file_based_local_timer_test.py",),
         ("test/distributed/elastic/timer/file_based_local_timer_test.py",),
-        lambda text: rewrite_module_paths(text, TORCH_MODULES),
+        rewrite_torch,
         "torch",
     ),
 )

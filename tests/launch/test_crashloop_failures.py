@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from stalwart.launch import ProcessFailure
-from stalwart.launch.workers.errors import write_error_file
-from stalwart.launch.workers.failures import MAX_ERROR_FILE, read_failure
+from stalwart.launch.workers.errors import MAX_ERROR_FILE, write_error_file
+from stalwart.launch.workers.failures import read_failure
 from stalwart.rendezvous.api import WorkerFailed, decode_failure
 
 pytestmark = pytest.mark.timeout(30)

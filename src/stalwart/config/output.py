@@ -13,6 +13,11 @@ class Std(IntFlag):
     ERR = 2
     ALL = 3
 
+    @classmethod
+    def from_str(cls, value: str) -> Std | dict[int, Std]:
+        """torch's spelling of `parse_std`."""
+        return parse_std(value)
+
 
 _VALUE = re.compile(r"^[0-3]$")
 _MAP = re.compile(r"^\d+:[0-3](,\d+:[0-3])*$")

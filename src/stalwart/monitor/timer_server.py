@@ -103,8 +103,12 @@ class TimerServer:
         max_interval: float = 0.1,
         max_timers_per_pid: int = MAX_TIMERS_PER_PID,
         max_pids: int = MAX_PIDS,
+        is_alive: Callable[[int], bool] = procs.is_alive,
     ) -> None:
         self.path = Path(path)
+        # Injected so that torch's FileTimerServer shape can route it through its own
+        # overridable `is_process_running`.
+        self.is_alive = is_alive
         self.on_expired = on_expired
         self.on_control = on_control
         self.log_event = log_event
@@ -126,6 +130,7 @@ class TimerServer:
         self._thread: threading.Thread | None = None
         self.dropped = 0  # malformed lines, for tests and metrics
         self.refused = 0  # well-formed timers not kept (dead pid, table full)
+        self.received = 0  # well-formed acquire and release requests read
         self._drop_throttle = _Throttle()
         self._refuse_throttle = _Throttle()
         self._observe_throttle = _Throttle()
@@ -254,6 +259,7 @@ class TimerServer:
             if self.on_control is not None:
                 self.on_control(msg)
             return
+        self.received += 1
         if msg.is_release:
             self._release(msg.pid, msg.scope_id)
             return
@@ -274,7 +280,7 @@ class TimerServer:
                 full = len(self._timers) >= self.max_pids
             else:
                 full = msg.scope_id not in scopes and len(scopes) >= self.max_timers_per_pid
-        if scopes is None and not full and not procs.is_alive(msg.pid):
+        if scopes is None and not full and not self.is_alive(msg.pid):
             self._refuse(f"timer {msg.scope_id!r} for pid {msg.pid}, which does not exist")
             return
         if full:
@@ -367,7 +373,7 @@ class TimerServer:
                         {"pid": pid, "scope": chosen.scope_id, "rank": None, "reaped": False},
                     )
             return
-        if not procs.is_alive(pid):
+        if not self.is_alive(pid):
             if self._refuse_throttle():
                 log.info("timer %r of pid %d expired after it ended", chosen.scope_id, pid)
             return
@@ -389,7 +395,7 @@ class TimerServer:
         self._next_sweep = now + SWEEP_INTERVAL
         with self._lock:
             pids = list(self._timers)
-        dead = [pid for pid in pids if not procs.is_alive(pid)]
+        dead = [pid for pid in pids if not self.is_alive(pid)]
         if not dead:
             return
         with self._lock:
@@ -402,6 +408,15 @@ class TimerServer:
         """Drops every timer of `pid` (called when the supervisor stops a worker)."""
         with self._lock:
             self._count -= len(self._timers.pop(pid, {}))
+
+    def timers(self) -> dict[tuple[int, str], TimerMessage]:
+        """A snapshot of the armed timers by (pid, scope)."""
+        with self._lock:
+            return {
+                (pid, scope): entry.msg
+                for pid, scopes in self._timers.items()
+                for scope, entry in scopes.items()
+            }
 
     @property
     def active_timers(self) -> int:

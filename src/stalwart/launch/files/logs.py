@@ -232,6 +232,10 @@ class Tee:
         except (OSError, ValueError):
             pass  # a closed console must not stop the job (the files have everything)
 
+    def stopped(self) -> bool:
+        """True once nothing is (or will be) copied any more."""
+        return self._thread is None
+
     def stop(self) -> None:
         """Stops the thread and copies whatever is left in the files."""
         self._stop.set()

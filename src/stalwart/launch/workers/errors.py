@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 import traceback
 from collections.abc import Callable
@@ -22,6 +23,45 @@ from stalwart.base import envvars
 from stalwart.base.files import replace_file
 
 logger = logging.getLogger(__name__)
+
+
+# An error file is a message and a traceback; a program's exception can carry megabytes
+# of text (torch's own ``@record`` writes it whole), so a file is read up to this and
+# anything bigger is not believed.
+MAX_ERROR_FILE = 32 << 20
+
+
+class BadErrorFile(ValueError):
+    """An error file that exists but cannot be believed (not a regular file, too big,
+    not JSON)."""
+
+
+def load_error_file(path: str) -> Any:
+    """The parsed JSON of the error file at *path*, read bounded and without following a
+    link; None when there is no such file. Raises BadErrorFile for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise BadErrorFile(f"error file {path}: cannot open: {err.strerror}") from None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # a pipe planted there
+                raise BadErrorFile(f"error file {path}: not a regular file")
+            raw = fh.read(MAX_ERROR_FILE + 1)
+    except OSError as err:
+        raise BadErrorFile(f"error file {path}: unreadable: {err.strerror}") from None
+    if len(raw) > MAX_ERROR_FILE:
+        raise BadErrorFile(
+            f"error file {path}: over {MAX_ERROR_FILE} bytes, expected a JSON record"
+        )
+    try:
+        return json.loads(raw)
+    except ValueError as err:  # UnicodeDecodeError included
+        raise BadErrorFile(f"error file {path}: not JSON ({err})") from None
+    except RecursionError:
+        raise BadErrorFile(f"error file {path}: JSON nested too deeply") from None
 
 
 P = ParamSpec("P")

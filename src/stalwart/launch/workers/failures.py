@@ -10,24 +10,20 @@ makes a new one.  ``root_cause`` and ``format_summary`` read records only.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stalwart.base.records import MESSAGE_LIMIT, TRACEBACK_LIMIT, clip, printable
-from stalwart.launch.workers.errors import signal_name
+from stalwart.launch.workers.errors import (
+    BadErrorFile,
+    load_error_file,
+    signal_name,
+)
 from stalwart.rendezvous.api import WorkerFailed
 
 logger = logging.getLogger(__name__)
-
-# An error file is a message and a traceback, cut to the documented sizes once read; a
-# program's exception can carry megabytes of text (torch's own ``@record`` writes it
-# whole), so the file is read up to this and anything bigger is not believed.
-MAX_ERROR_FILE = 32 << 20
 
 
 def _error_file(path: str) -> tuple[str, str, float | None]:
@@ -36,27 +32,9 @@ def _error_file(path: str) -> tuple[str, str, float | None]:
     if not path:
         return "", "", None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return "", "", None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):  # a pipe planted there
-                return "", "", None
-            raw = fh.read(MAX_ERROR_FILE + 1)
-    except OSError as err:
-        logger.warning("unreadable error file %s: %s", path, err)
-        return "", "", None
-    if len(raw) > MAX_ERROR_FILE:
-        logger.warning("error file %s is over %d bytes: not read", path, MAX_ERROR_FILE)
-        return "", "", None
-    try:
-        data: Any = json.loads(raw)
-    except ValueError as err:  # UnicodeDecodeError and RecursionError-free JSON errors
-        logger.warning("unreadable error file %s: %s", path, err)
-        return "", "", None
-    except RecursionError:
-        logger.warning("unreadable error file %s: nested too deep", path)
+        data = load_error_file(path)
+    except BadErrorFile as err:
+        logger.warning("%s", err)
         return "", "", None
     msg = data.get("message") if isinstance(data, dict) else None
     # A worker's words are cut to the documented sizes as they enter the launcher.

@@ -117,6 +117,13 @@ def _function_child(
     sys.stdout.flush()
     sys.stderr.flush()
     conn.send(ret)
+    # With torch.multiprocessing imported, a tensor travels as a shared-memory handle that
+    # the parent can open only while this process lives: stay until it has read the value
+    # (it then closes its end; EOF also when it died).
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
     conn.close()
 
 
@@ -291,7 +298,8 @@ class ProcessContext(StrayScan):
     def _start_function(self, spec: WorkerSpecEntry) -> _Worker:
         assert callable(self.entrypoint)
         ctx: Any = mp.get_context(self.start_method)
-        recv, send = ctx.Pipe(duplex=False)
+        # Duplex: the child waits on its end for the parent to close ours (see below).
+        recv, send = ctx.Pipe(duplex=True)
         env = self._env(spec)
         proc = ctx.Process(
             target=_function_child,
@@ -329,6 +337,8 @@ class ProcessContext(StrayScan):
                     if w.conn.poll():
                         w.value = w.conn.recv()
                         w.returned = True
+                        # Read: the child, waiting for this, may now exit.
+                        w.conn.close()
                 except (EOFError, OSError):
                     pass
 
@@ -391,6 +401,10 @@ class ProcessContext(StrayScan):
             if remaining <= 0:
                 return None
             self._watcher.changed.wait(remaining)
+
+    def output_stopped(self) -> bool:
+        """True once no worker output is being copied to the console any more."""
+        return self._tee.stopped()
 
     def exit_info(self) -> dict[int, tuple[int | None, int, int | None, float | None]]:
         """local rank -> (global rank, pid, exit code or None if running, exit time)."""

@@ -1,0 +1,1 @@
+"""Other tools' APIs, spelled their way, over stalwart's machinery."""
