@@ -26,6 +26,7 @@ EVENTS_FILE_ENV = "STALWART_EVENTS_FILE"
 # The kinds a worker writes (spelled in ``base.events``; named here for the worker side).
 FAULT_INJECTED = Event.FAULT_INJECTED
 CHECKPOINT_COMMIT = Event.CHECKPOINT_COMMIT
+CHECKPOINT_RESTORED = Event.CHECKPOINT_RESTORED
 
 
 def _context() -> dict[str, Any]:

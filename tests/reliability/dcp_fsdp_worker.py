@@ -17,9 +17,15 @@ argv: <mode> <out> <root> [step...]
   ckpt N M..   AsyncCheckpointer.save / restore with the DTensor state dict
   job N        a job under `stalwart run`: resume from the newest step, train and save
                steps up to N; rank 1 exits at step 3 of the first attempt
+  ramjob N     the same under `stalwart run --ckpt-ram`, resuming twice: at step 3 rank 1
+               first tears step 3's shards on disk (so only RAM holds it whole), then
+               SIGKILLs itself; at step 5 it flips a byte of its RAM copy of step 5 (so
+               not every rank holds it: all load it from disk), then SIGKILLs itself
 """
 
+import mmap
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -141,7 +147,9 @@ def check(step: int) -> None:
     dist.barrier()
 
 
-model, optim = build(seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job") else 99)
+model, optim = build(
+    seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job", "ramjob") else 99
+)
 data = DataPosition()
 state = {"app": App(model, optim), "data": data}
 
@@ -204,6 +212,40 @@ elif mode == "job":
         if step == 3 and rank == 1 and not crashed.exists():
             crashed.write_text("")
             os._exit(1)
+elif mode == "ramjob":
+    from stalwart.checkpoint import ramlayout as rl
+
+    loaded = sdcp.load_newest(state, root)
+    if loaded is not None:
+        check(loaded)
+    with open(out / "resumes", "a") as f:
+        f.write(f"{rank} {loaded} {data.index}\n")
+    saver = sdcp.AsyncDcpSaver(root, keep_last=3)
+    for step in range((loaded or 0) + 1, steps[0] + 1):
+        train(model, optim, data, 2)
+        record(step)
+        saver.save(state, step)[1].result()
+        dist.barrier()  # every rank's RAM copy of the step is in before a tamper
+        if rank != 1 or (out / f"tampered_{step}").exists():
+            continue
+        folder = root / f"step_{step:09d}"
+        if step == 3:
+            for shard in folder.glob("*.distcp"):
+                os.truncate(shard, shard.stat().st_size // 2)
+        elif step == 5:
+            seg = Path(os.environ[rl.RAM_DIR_ENV]) / rl.segment_name(int(os.environ["LOCAL_RANK"]))
+            with open(seg, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+                slot_bytes = rl.slot_capacity(len(m))
+                ((slot, rec),) = [
+                    (s, r) for s, r in rl.committed_slots(m, slot_bytes) if r.step == step
+                ]
+                at = rl.data_offset(slot, slot_bytes) + rec.tensor_offset + rec.tensor_bytes // 2
+                m[at] ^= 0xFF
+        else:
+            continue
+        (out / f"tampered_{step}").write_text("")
+        os.kill(os.getpid(), signal.SIGKILL)
+    saver.close()
 elif mode == "plainload":
     dcp.load(state, checkpoint_id=root / f"step_{steps[0]:09d}")
     check(steps[0])

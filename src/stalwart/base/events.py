@@ -89,3 +89,5 @@ class Event(enum.StrEnum):
     FAULT_INJECTED = "fault_injected"
     #: A checkpoint became complete and loadable (``step`` is the training step it holds).
     CHECKPOINT_COMMIT = "checkpoint_commit"
+    #: A rank loaded a sharded (DCP) step to resume from (``source``: ``ram`` or ``disk``).
+    CHECKPOINT_RESTORED = "checkpoint_restored"

@@ -264,7 +264,7 @@ class AsyncCheckpointer:
             from .dcp import ShardedSaves
 
             self._sharded = ShardedSaves(
-                self.directory, self._writer_kwargs["keep_last"], self.rank
+                self.directory, self._writer_kwargs["keep_last"], self.rank, self._ram
             )
         with self._lock:
             fut: Future[SaveResult] = self._sharded.save(state_dict, step)

@@ -34,12 +34,16 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from stalwart import runlog
+
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
+from .dcp_ram import load_from_ram, local_segment, try_snapshot
 from .dcp_records import COMMIT_NAME, METADATA_NAME, DcpCommit, next_candidate, share_of
 from .dcp_stager import ReusingStager
 from .dcp_storage import DcpReader, DcpWriter, read_record, verify_entries
 from .errors import CheckpointCorruptError, CheckpointError
+from .ram import RamSegment
 from .writer import SaveResult
 
 logger = logging.getLogger(__name__)
@@ -140,6 +144,12 @@ def load_newest(
     """
     base = Path(root)
     rank, world = _rank_world(process_group)
+    # Under --ckpt-ram: the step every rank holds in memory, when it is the newest.
+    found = scan(base)
+    newest = next_candidate(found.committed, found.plain, None)
+    from_ram = load_from_ram(state_dict, base, newest, process_group=process_group, planner=planner)
+    if from_ram is not None:
+        return from_ram
     below: int | None = None
     while True:
         found = scan(base)
@@ -162,6 +172,7 @@ def load_newest(
                 planner=planner,
                 process_group=process_group,
             )
+            runlog.emit(runlog.CHECKPOINT_RESTORED, step=step, source="disk", path=str(folder))
             return step
         below = step
 
@@ -174,16 +185,22 @@ def save(
     keep_last: int | None = 3,
     process_group: Any = None,
     planner: Any = None,
+    ram: bool = True,
 ) -> Metadata:
-    """``dcp.save`` as step ``step`` of ``root`` with stalwart's commit (collective)."""
+    """``dcp.save`` as step ``step`` of ``root`` with stalwart's commit (collective).
+
+    Under ``stalwart run --ckpt-ram`` (and ``ram``) each rank then keeps its shards of the
+    committed step in the launcher's memory too, for ``load_newest`` after a restart.
+    """
     writer = DcpWriter(root, step, keep_last=keep_last)
     try:
         metadata: Metadata = dcp_save(
             state_dict, storage_writer=writer, planner=planner, process_group=process_group
         )
-        return metadata
     except CheckpointException as exc:
         raise unwrap(exc) from exc
+    try_snapshot(local_segment() if ram else None, root, step, metadata, process_group)
+    return metadata
 
 
 def unwrap(exc: BaseException) -> BaseException:
@@ -202,6 +219,9 @@ class AsyncDcpSaver:
     ``save`` returns once the copy is queued; ``staged`` of the returned pair
     resolves when the state may change again, ``done`` once the step is committed.
     The next save waits for the previous one's upload (the buffers are shared).
+    Under ``stalwart run --ckpt-ram`` (unless ``ram=False``) a committed step is also
+    kept in the launcher's memory before ``done`` resolves (``segment``: the mapped
+    segment to use, else this local rank's).
     """
 
     def __init__(
@@ -211,8 +231,11 @@ class AsyncDcpSaver:
         keep_last: int | None = 3,
         process_group: Any = None,
         background: bool = True,
+        ram: bool = True,
+        segment: RamSegment | None = None,
     ) -> None:
         self.root = Path(root)
+        self._segment = (segment or local_segment()) if ram else None
         self.keep_last = keep_last
         if process_group is None and dist.is_available() and dist.is_initialized():
             # The upload's collectives run on a thread while the loop runs its own:
@@ -236,9 +259,22 @@ class AsyncDcpSaver:
         if isinstance(response, Future):
             staged: Future[None] = Future()
             staged.set_result(None)
-            upload = response
+            written = response
         else:
-            staged, upload = response.staging_completion, response.upload_completion
+            staged, written = response.staging_completion, response.upload_completion
+        upload: Future[Any] = Future()
+
+        def committed(fut: Future[Any]) -> None:
+            exc = fut.exception()
+            if exc is not None:
+                upload.set_exception(exc)
+                return
+            # On DCP's upload thread, after the commit: the RAM copy reads the files
+            # back from the page cache, the training thread is not involved.
+            try_snapshot(self._segment, self.root, step, fut.result(), self.process_group)
+            upload.set_result(fut.result())
+
+        written.add_done_callback(committed)
         self.stager.hold_until(upload)
         self._last = upload
         return staged, upload
@@ -259,9 +295,13 @@ class ShardedSaves:
     """``AsyncCheckpointer``'s sharded path: its saves of DTensor / ``Stateful`` state
     go through DCP (collective: every rank calls ``save`` for the same step)."""
 
-    def __init__(self, root: Path, keep_last: int | None, rank: int) -> None:
+    def __init__(
+        self, root: Path, keep_last: int | None, rank: int, segment: RamSegment | None
+    ) -> None:
         self.rank = rank
-        self._saver = AsyncDcpSaver(root, keep_last=keep_last)
+        self._saver = AsyncDcpSaver(
+            root, keep_last=keep_last, ram=segment is not None, segment=segment
+        )
 
     def save(self, state_dict: dict[str, Any], step: int) -> Future[SaveResult]:
         """A Future of the committed step's :class:`SaveResult`; its ``staged`` event

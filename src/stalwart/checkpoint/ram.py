@@ -192,6 +192,15 @@ class RamSegment:
         """Copy a planned snapshot into the older slot and commit it (record last)."""
         return self.commit(self.stage(staging, step, rank, world_size, threads))
 
+    def _next_slot(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """(slot, seq, older) for the next snapshot: never the newest committed slot,
+        which must survive a torn copy; that slot is invalidated here."""
+        held = self.records()
+        slot = 0 if not held else 1 - held[0][0] if rl.GENERATIONS == 2 else held[-1][0]
+        self._invalidate(slot)
+        seq = held[0][1].seq + 1 if held else 1
+        return slot, seq, tuple((other, rec.step) for other, rec in held if other != slot)
+
     def stage(
         self, staging: StagingPlan, step: int, rank: int, world_size: int, threads: int = 1
     ) -> StagedSnapshot:
@@ -206,10 +215,7 @@ class RamSegment:
         self.start_populating()
         skeleton = staging.skeleton
         tensor_offset = rl.round_up(len(skeleton), rl.PAGE)
-        held = self.records()
-        # Never the slot of the newest committed snapshot: it must survive a torn copy.
-        slot = 0 if not held else 1 - held[0][0] if rl.GENERATIONS == 2 else held[-1][0]
-        self._invalidate(slot)
+        slot, seq, older = self._next_slot()
         base = rl.data_offset(slot, self.slot_bytes)
         self._map[base : base + len(skeleton)] = skeleton
         start = base + tensor_offset
@@ -219,12 +225,35 @@ class RamSegment:
             step=step,
             rank=rank,
             world_size=world_size,
-            seq=held[0][1].seq + 1 if held else 1,
+            seq=seq,
             skeleton_bytes=len(skeleton),
             tensor_offset=tensor_offset,
             tensor_bytes=staging.used_bytes,
-            older=tuple((other, rec.step) for other, rec in held if other != slot),
+            older=older,
         )
+
+    def stage_raw(
+        self, head: bytes, body_bytes: int, step: int, rank: int, world_size: int, kind: str
+    ) -> tuple[StagedSnapshot, memoryview]:
+        """Reserve the older slot for ``head`` plus ``body_bytes`` the caller fills in
+        through the returned view (released before :meth:`commit`), uncommitted."""
+        assert self._writable
+        tensor_offset = rl.round_up(len(head), rl.PAGE)
+        if tensor_offset + body_bytes > self.slot_bytes:
+            raise SnapshotTooLargeError(
+                f"a snapshot of {(tensor_offset + body_bytes) / 2**20:.1f} MiB does not fit "
+                f"the {self.slot_bytes / 2**20:.1f} MiB the launcher reserved per rank "
+                "(--ckpt-ram)"
+            )
+        self.start_populating()
+        slot, seq, older = self._next_slot()
+        base = rl.data_offset(slot, self.slot_bytes)
+        self._map[base : base + len(head)] = head
+        start = base + tensor_offset
+        staged = StagedSnapshot(
+            slot, step, rank, world_size, seq, len(head), tensor_offset, body_bytes, older, kind
+        )
+        return staged, memoryview(self._map)[start : start + body_bytes]
 
     def commit(self, staged: StagedSnapshot) -> rl.CommitRecord:
         """Hash a staged slot and write its commit record last."""
@@ -245,6 +274,7 @@ class RamSegment:
             tensor_bytes=staged.tensor_bytes,
             tensor_hash=tensor_hash,
             created_unix=time.time(),
+            kind=staged.kind,
         )
         prefix, body = rl.split_header(record)
         at = rl.header_offset(staged.slot, self.slot_bytes)
@@ -259,8 +289,10 @@ class RamSegment:
 
     # -- read ------------------------------------------------------------------------
     def _check_bounds(self, slot: int, record: rl.CommitRecord) -> None:
-        if record.tensor_offset + record.tensor_bytes > self.slot_bytes or (
-            record.skeleton_bytes > record.tensor_offset
+        if (
+            record.tensor_offset + record.tensor_bytes > self.slot_bytes
+            or record.skeleton_bytes > record.tensor_offset
+            or min(record.skeleton_bytes, record.tensor_offset, record.tensor_bytes) < 0
         ):
             raise CheckpointCorruptError(f"{self.path} slot {slot}: record exceeds the slot")
 
@@ -270,6 +302,24 @@ class RamSegment:
         if xxhash.xxh3_64_intdigest(skeleton) != record.skeleton_hash:
             raise CheckpointCorruptError(f"{self.path} slot {slot}: skeleton checksum differs")
         return skeleton
+
+    def head(self, slot: int, record: rl.CommitRecord, limit: int) -> bytes:
+        """A committed slot's head (skeleton or index), checksum checked, at most
+        ``limit`` bytes (a larger one raises CheckpointCorruptError)."""
+        self._check_bounds(slot, record)
+        if record.skeleton_bytes > limit:
+            raise CheckpointCorruptError(
+                f"{self.path} slot {slot}: a head of {record.skeleton_bytes} bytes, "
+                f"expected at most {limit}"
+            )
+        return self._skeleton(slot, record)
+
+    def body(self, slot: int, record: rl.CommitRecord) -> memoryview:
+        """A read-only view of a committed slot's data region (after the head); check it
+        with :meth:`verify` first, and :meth:`record` after copying out of it."""
+        self._check_bounds(slot, record)
+        start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
+        return memoryview(self._map)[start : start + record.tensor_bytes].toreadonly()
 
     def verify(self, slot: int, record: rl.CommitRecord) -> None:
         """Check a committed slot's checksums; raises CheckpointCorruptError when torn."""
@@ -404,6 +454,7 @@ class StagedSnapshot:
     tensor_offset: int
     tensor_bytes: int
     older: tuple[tuple[int, int], ...]  # (slot, step) of the other committed slots
+    kind: str = rl.KIND_STATE
 
 
 @dataclass(frozen=True)
@@ -463,7 +514,7 @@ def find_snapshots(folder: Path, rank: int, world_size: int) -> list[RamSnapshot
             continue
         try:
             for slot, rec in seg.records():
-                if rec.rank == rank and rec.world_size == world_size:
+                if rec.kind == rl.KIND_STATE and rec.rank == rank and rec.world_size == world_size:
                     found.append(RamSnapshot(path, slot, rec))
         finally:
             seg.close()

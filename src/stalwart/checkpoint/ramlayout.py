@@ -36,6 +36,10 @@ SEGMENT_SUFFIX = ".snap"
 #: took over a lost node's ranks): a restore waits for it to go before it looks.
 FETCHING_MARKER = ".fetching"
 _PREFIX = struct.Struct("<QQ")
+#: What a slot holds: a state dict (skeleton + tensor bytes, ``ram``) or one rank's share
+#: of a DCP step (shard index + shard files and metadata, ``dcp_ram``).
+KIND_STATE = "state"
+KIND_DCP = "dcp-shards"
 
 
 class CommitRecord(msgspec.Struct, frozen=True):
@@ -52,6 +56,8 @@ class CommitRecord(msgspec.Struct, frozen=True):
     tensor_bytes: int
     tensor_hash: int  # xxh3_64 of the tensor region, gaps included
     created_unix: float
+    # Last, with a default: records written before kinds existed read as state dicts.
+    kind: str = KIND_STATE
 
 
 def segment_name(local_rank: int) -> str:

@@ -162,7 +162,7 @@ def _to_location(obj: Any, where: Any, keep: frozenset[int] = frozenset()) -> An
     return obj
 
 
-def _wait_for_fetch(folder: Path, rank: int, timeout_s: float) -> None:
+def wait_for_fetch(folder: Path, rank: int, timeout_s: float = _FETCH_WAIT_S) -> None:
     """The launcher may still be copying this node's snapshots in from peers (it starts
     the workers meanwhile, so their start-up overlaps the copy): wait until it is done."""
     marker = folder / FETCHING_MARKER
@@ -251,7 +251,7 @@ def restore(
     threads = threads or _default_threads()
     folder, _ = ram_folder()
     if folder is not None:
-        _wait_for_fetch(folder, rank, min(timeout_s, _FETCH_WAIT_S))
+        wait_for_fetch(folder, rank, min(timeout_s, _FETCH_WAIT_S))
     in_ram: list[RamSnapshot] = find_snapshots(folder, rank, world_size) if folder else []
     segments = _Segments(segment)
     try:
