@@ -221,3 +221,13 @@ def test_fsdp2_job_under_stalwart_run_resumes_after_a_crash(job: tuple[Path, Pat
     resumes = sorted((out / "resumes").read_text().splitlines())
     assert resumes == ["0 3 6", "0 None 0", "1 3 6", "1 None 0"], resumes
     assert os.readlink(root / "latest") == "step_000000005"
+
+
+@pytest.mark.timeout(600)
+def test_bigger_worlds_step_with_a_shard_missing_falls_back_whole(job: tuple[Path, Path]) -> None:
+    out, root = job
+    ranks(4, "save", out, root, 1, 2)
+    (root / "step_000000002" / "__3_0.distcp").unlink()  # the lost node's shard
+    # 2 ranks: step 2's metadata names a shard that is gone, so every rank loads step 1,
+    # whole (the gathered state equals step 1's, checked inside the workers).
+    assert loaded(ranks(2, "load", out, root)) == {"LOADED 1"}
