@@ -78,6 +78,9 @@ class FakeRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return list(self.records.get(round_, ()))
 
+    def waiting(self, round_: int) -> int:
+        return 0
+
     def report_done(self, round_: int) -> None:
         pass
 

@@ -255,3 +255,13 @@ def test_fsdp2_job_under_ckpt_ram_restores_shards_from_ram_else_disk(
     ], restored  # fmt: skip
     # The script has no __main__ guard and ran once per rank and attempt.
     assert _starts(out) == 6
+
+
+@pytest.mark.timeout(600)
+def test_bigger_worlds_step_with_a_shard_missing_falls_back_whole(job: tuple[Path, Path]) -> None:
+    out, root = job
+    ranks(4, "save", out, root, 1, 2)
+    (root / "step_000000002" / "__3_0.distcp").unlink()  # the lost node's shard
+    # 2 ranks: step 2's metadata names a shard that is gone, so every rank loads step 1,
+    # whole (the gathered state equals step 1's, checked inside the workers).
+    assert loaded(ranks(2, "load", out, root)) == {"LOADED 1"}

@@ -48,6 +48,8 @@ class Event(enum.StrEnum):
     #: A descendant of a worker still running after the round ended.
     STRAY_PROCESS = "stray_process"
     NODES_LEFT = "nodes_left"
+    #: Nodes wait to join a job below MAX: this node ends the round so the job grows.
+    NODES_WAITING = "nodes_waiting"
     RANKS_LEFT = "ranks_left"
     NODE_LOST = "node_lost"
     NODE_EXCLUDED = "node_excluded"

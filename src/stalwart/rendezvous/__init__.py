@@ -13,6 +13,7 @@ from stalwart.rendezvous.api import (
     JobEnded,
     NodeExcluded,
     NodeLost,
+    NodesWaiting,
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
@@ -20,6 +21,7 @@ from stalwart.rendezvous.api import (
     StoreLost,
     WorkerFailed,
     decode_failure,
+    membership_change,
 )
 from stalwart.rendezvous.close_rule import ElasticSettings
 from stalwart.rendezvous.elastic import ElasticRendezvous
@@ -32,6 +34,7 @@ __all__ = [
     "JobEnded",
     "NodeExcluded",
     "NodeLost",
+    "NodesWaiting",
     "Rendezvous",
     "RendezvousError",
     "RendezvousInfo",
@@ -41,4 +44,5 @@ __all__ = [
     "StoreLost",
     "WorkerFailed",
     "decode_failure",
+    "membership_change",
 ]

@@ -79,7 +79,19 @@ class NodeExcluded(_Record, frozen=True, kw_only=True, tag="exclude_node"):
     pid: int = 0
 
 
-FailureRecord = WorkerFailed | NodeLost | ShutdownRequested | NodeExcluded
+class NodesWaiting(_Record, frozen=True, kw_only=True, tag="nodes_waiting"):
+    """Nodes wait to join a job running below MAX: the round ends so that the next one
+    admits them (the job grows).  Nothing failed; no node is at fault."""
+
+    waiting: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)] = 1
+
+
+FailureRecord = WorkerFailed | NodeLost | ShutdownRequested | NodeExcluded | NodesWaiting
+
+
+def membership_change(records: tuple[FailureRecord, ...] | list[FailureRecord]) -> bool:
+    """Whether a round ended only to admit waiting nodes (every record says so)."""
+    return bool(records) and all(isinstance(r, NodesWaiting) for r in records)
 
 
 #: Largest failure record read back from the store (bytes): a bounded record's text
@@ -169,6 +181,13 @@ class Rendezvous(Protocol):
     def withdraw(self) -> int:
         """This node leaves the job for good before its next round (it is quarantined);
         returns how many other nodes remain in the job to go on without it."""
+        ...
+
+    def waiting(self, round_: int) -> int:
+        """How many nodes wait to join the round after *round_* that the job could admit
+        (alive, not kept out, up to MAX): while *round_* runs, a positive answer means
+        ending it would grow the job.  Cheap: polled often (it may answer from a recent
+        look)."""
         ...
 
     def report_done(self, round_: int) -> None:

@@ -89,6 +89,17 @@ class TooFewAdmitted:
 CloseAction = Wait | WatchRunning | Close | TimedOut | TooFewAdmitted
 
 
+def admissible_spares(
+    running: frozenset[str], spares: tuple[Joiner, ...], s: ElasticSettings
+) -> int:
+    """How many of the nodes waiting for the next round it would admit beside the
+    *running* round's nodes (ids), were the running round to end now: the live ones the
+    gate lets in and that are not running already, up to MAX.  Positive: ending the
+    round grows the job."""
+    ids = {j.id for j in spares if j.alive and not j.left and not j.refused}
+    return max(0, min(len(ids - running), s.max_nodes - len(running)))
+
+
 def close_rule(view: CloseView, s: ElasticSettings) -> CloseAction:
     """Whether an open round closes now, and with whom.
 

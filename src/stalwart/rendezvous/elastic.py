@@ -114,6 +114,7 @@ class ElasticRendezvous:
         self._worker_stores: dict[int, Any] = {}
         self._live = Liveness(kv, settings.lost_after)
         self._last_check = 0.0
+        self._spares_seen: tuple[float, int] = (0.0, 0)  # (when, answer) of `waiting`
         self._beat_ok = time.monotonic()
         self._stop = threading.Event()
         self._warned: set[str] = set()
@@ -459,6 +460,46 @@ class ElasticRendezvous:
 
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, len(self._members_of(round_)), self._warned)
+
+    def waiting(self, round_: int) -> int:
+        now = time.monotonic()
+        seen_at, answer = self._spares_seen
+        # A few looks a second, as for a lost node: a grow can wait that long.
+        if now - seen_at < self.settings.keep_alive_interval / 4:
+            return answer
+        answer = self._admissible(round_)
+        self._spares_seen = (now, answer)
+        return answer
+
+    def _admissible(self, round_: int) -> int:
+        running = frozenset(m.id for m in self._members_of(round_))
+        if not running or len(running) >= self.settings.max_nodes:
+            return 0
+        k = keys.Round(round_ + 1)
+        n = self._slots_taken(round_ + 1)  # one store call while nobody waits
+        if n == 0:
+            return 0
+        names = [k.node(i) for i in range(n)]
+        found = [
+            self._member(key, raw) for key, raw in zip(names, self.kv.get_many(names), strict=True)
+        ]
+        members = [(slot, m) for slot, m in enumerate(found) if m is not None]
+        ids = [m.id for _, m in members]
+        self._live.observe(ids)
+        gone = self.kv.get_many([keys.left(i) for i in ids])
+        refused = dict(self._gate.refused(self.kv, round_ + 1, ids)) if self._gate else {}
+        spares = tuple(
+            rule.Joiner(
+                slot,
+                m.id,
+                m.hint,
+                alive=self._live.lost(m.id) is None,
+                left=g is not None,
+                refused=m.id in refused,
+            )
+            for (slot, m), g in zip(members, gone, strict=True)
+        )
+        return rule.admissible_spares(running, spares, self.settings)
 
     @property
     def name(self) -> str:

@@ -190,6 +190,9 @@ class StaticRendezvous:
     def failures(self, round_: int) -> list[FailureRecord]:
         return read_failures(self.kv, round_, self.nnodes, self._warned)
 
+    def waiting(self, round_: int) -> int:
+        return 0  # fixed membership: the job never grows
+
     @property
     def name(self) -> str:
         # Fixed membership: a node keeps its rank for the whole job.

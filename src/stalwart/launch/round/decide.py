@@ -23,6 +23,7 @@ from stalwart.rendezvous.api import (
     NodeLost,
     ShutdownRequested,
     WorkerFailed,
+    membership_change,
 )
 
 
@@ -34,6 +35,7 @@ class RoundOutcome(Enum):
     PEER_FAILURE = "peer_failure"
     SHUTDOWN_REQUESTED = "shutdown_requested"
     NODE_EXCLUDED = "node_excluded"
+    NODES_WAITING = "nodes_waiting"  # ended to admit waiting nodes: the job grows
 
 
 class State(Enum):
@@ -150,6 +152,17 @@ def decide(view: RoundView) -> Move:
             attempts=attempt + 1,
             tell=JobOver(True, f"succeeded in attempt {attempt}"),
         )
+    grow = outcome is RoundOutcome.NODES_WAITING or (
+        outcome is RoundOutcome.PEER_FAILURE and membership_change(view.records)
+    )
+    # `grows` only ends a round while the budget lasts, so this is a restart; the
+    # budget check stays (a stranger's forged record must not buy one more round).
+    if grow and attempt < view.max_restarts:
+        return Restart(
+            attempt=attempt,
+            restarts_left=view.max_restarts - attempt - 1,
+            reason=RoundOutcome.NODES_WAITING.value,
+        )
     workers = tuple(r for r in view.records if isinstance(r, WorkerFailed))
     departed = tuple(r for r in view.records if isinstance(r, NodeLost | NodeExcluded))
     if view.loop is not None:
@@ -182,6 +195,14 @@ def decide(view: RoundView) -> Move:
         workers=workers,
         departed=departed,
     )
+
+
+def grows(elastic: bool, waiting: int, attempt: int, max_restarts: int) -> bool:
+    """Whether a running round ends to admit *waiting* nodes (the rendezvous counts only
+    those the job has room for).  Each round is an attempt of the job's budget
+    (``--max-restarts``), so the job grows only while a restart is left: the last attempt
+    keeps running at its size, and the waiting nodes stay spares."""
+    return elastic and waiting > 0 and attempt < max_restarts
 
 
 def interrupted(sig: int, attempt: int) -> Stop:

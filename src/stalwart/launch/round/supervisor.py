@@ -46,6 +46,7 @@ from stalwart.launch.round.decide import (
     control_outcome,
     control_reason,
     decide,
+    grows,
     interrupted,
     not_needed,
     quarantined,
@@ -63,11 +64,13 @@ from stalwart.rendezvous import (
     FailureRecord,
     JobEnded,
     NodeExcluded,
+    NodesWaiting,
     Rendezvous,
     RendezvousError,
     RendezvousInfo,
     ShutdownRequested,
     StoreLost,
+    membership_change,
 )
 from stalwart.reporting.metrics import MetricsPortError, MetricsServer
 
@@ -234,7 +237,8 @@ class Supervisor:
                 else ()
             )
             loop = None
-            if outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE):
+            failed = outcome in (RoundOutcome.LOCAL_FAILURE, RoundOutcome.PEER_FAILURE)
+            if failed and not membership_change(records):  # a grow fails nothing
                 loop = self._judge_loop(info.round, records)
             if fresh:
                 # Not a crash loop yet: the next round runs without the quarantined node.
@@ -339,6 +343,8 @@ class Supervisor:
                 self.events.emit(Event.PEER_FAILURE, attempt=info.round)
             elif hangs is not None and (req := hangs.control_request(info.round)):
                 outcome = self._on_request(rdzv, info, req)
+            elif grows(rdzv.elastic, n := rdzv.waiting(info.round), info.round, cfg.max_restarts):
+                outcome = self._grow(rdzv, info, n)
         attempt.emit_progress(info.round, ranks, final=True)
         grace = stop_grace(outcome, cfg.shutdown_timeout, cfg.survivor_grace)
         self.events.emit(
@@ -394,6 +400,28 @@ class Supervisor:
             ),
         )
         return outcome
+
+    def _grow(self, rdzv: Rendezvous, info: RendezvousInfo, waiting: int) -> RoundOutcome:
+        """Ends the round so that the next one admits the waiting nodes, as torchrun's
+        agent restarts its workers when nodes wait; every node restarts its workers with
+        the larger world (and the program reshards from its checkpoint)."""
+        logger.warning(
+            "attempt %d: %d node(s) waiting to join; restarting the workers to admit them",
+            info.round,
+            waiting,
+        )
+        self.events.emit(Event.NODES_WAITING, attempt=info.round, waiting=waiting)
+        reason = f"{waiting} node(s) waiting to join a job of {info.group_world_size}"
+        rdzv.report_failure(
+            info.round,
+            NodesWaiting(
+                node_rank=info.group_rank,
+                host=socket.gethostname(),
+                reason=reason,
+                waiting=waiting,
+            ),
+        )
+        return RoundOutcome.NODES_WAITING
 
     def _completed_without(self, result: RunResult, info: RendezvousInfo) -> bool:
         """Under the all-failed policy, workers that completed finished the job without
