@@ -28,7 +28,6 @@ import sys
 import types
 import zipimport
 from importlib.machinery import SourceFileLoader
-from typing import NoReturn
 
 from stalwart import autostep
 from stalwart.base import envvars
@@ -150,7 +149,7 @@ def _run_script(target: str) -> None:
 _interrupted = False
 
 
-def _exit_uncaught(exc: BaseException) -> NoReturn:
+def _exit_uncaught(exc: BaseException) -> None:
     """What the interpreter does with an uncaught exception, done here because letting it
     propagate would prepend our frames (and runpy's) to the traceback it prints."""
     global _interrupted
@@ -167,53 +166,7 @@ def _exit_uncaught(exc: BaseException) -> NoReturn:
         sys.__excepthook__(type(exc), exc, tb)
     # An uncaught KeyboardInterrupt ends the process by SIGINT once it has shut down.
     _interrupted = isinstance(exc, KeyboardInterrupt)
-    _shut_down_failed()
-
-
-def _shut_down_failed() -> NoReturn:
-    """Ends a worker whose program failed: what the interpreter's shutdown does that a
-    program can see (non-daemon threads joined, atexit handlers, its files flushed), then
-    exit 1 without tearing the interpreter down.
-
-    The teardown (clearing every module, collecting a heap forked from the template,
-    torch's C++ destructors) took 1-3 s in a crashed rank holding 64 MiB-1 GiB of state on
-    a loaded 2-core machine, all of it before the launcher could see the exit and
-    restart the job; its only other effect is ``__del__`` methods of objects still alive,
-    which Python does not promise to run at exit.
-    """
-    import threading
-
-    main = threading.main_thread()
-    for t in threading.enumerate():
-        if t is not main and not t.daemon:
-            t.join()
-    atexit._run_exitfuncs()
-    _flush_open_files()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(1)
-
-
-#: File objects a program may have left open with data in their buffers.
-_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-
-
-def _flush_open_files() -> None:
-    import gc
-
-    # Exact types: an isinstance() against io's ABCs walks every object's class
-    # hierarchy and took 1 s over a torch process's heap; these three are what open()
-    # returns.
-    for obj in gc.get_objects():
-        if type(obj) in _BUFFERED:
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except (OSError, ValueError):
-                pass
+    raise SystemExit(1) from None
 
 
 def _die_by_sigint_if_interrupted() -> None:
