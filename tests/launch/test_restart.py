@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.workers.failures import describe_exit, read_failure, root_cause
-from tests.helpers import events, kinds, stalwart, warm_and_cold
+from tests.helpers import START, events, kinds, stalwart, warm_and_cold
 
 from .helpers import SCRIPTS
 
@@ -16,35 +16,39 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @warm_and_cold
-def test_ten_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
+def test_crash_restarts_in_a_row_with_real_gloo(tmp_path: Path) -> None:
+    # Ten in a row where restarts are warm (the default); cold, each restart is a fresh
+    # interpreter importing torch (~5 s here) over the same restart path, so four suffice
+    # to show that the count, budget and blame hold from one attempt to the next.
+    n = 10 if START["warm"] else 4
     out = tmp_path / "out"
     out.mkdir()
     proc = stalwart(
         "--nproc-per-node",
         "2",
         "--max-restarts",
-        "10",
+        str(n),
         "--log-dir",
         tmp_path / "logs",
         SCRIPTS / "gloo_restart.py",
-        "10",
+        str(n),
         out,
         timeout=220,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Every attempt formed its process group: both ranks passed the all_reduce.
-    for attempt in range(11):
+    for attempt in range(n + 1):
         for rank in (0, 1):
             assert (out / f"ok_{attempt}_{rank}").read_text() == str(attempt)
     evs = events(tmp_path / "logs")
     restarts = [e for e in evs if e["event"] == "restart"]
-    assert [e["next_attempt"] for e in restarts] == list(range(1, 11))
+    assert [e["next_attempt"] for e in restarts] == list(range(1, n + 1))
     # The rank that called sys.exit(5) is the root cause every time. Its exit code is
     # usually 5, but torch may abort it (SIGABRT) while tearing gloo down at exit, so the
     # recorded exception identifies it.
     causes = [e["root_cause"] for e in restarts]
     assert all(c["message"] == "SystemExit: 5" for c in causes), causes
-    assert [c["rank"] for c in causes] == [a % 2 for a in range(10)], causes
+    assert [c["rank"] for c in causes] == [a % 2 for a in range(n)], causes
     assert kinds(evs)[-2:] == ["job_succeeded", "launcher_exit"]
 
 

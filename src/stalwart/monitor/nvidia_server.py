@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stalwart.base import procs
 from stalwart.monitor import judge, layout
 from stalwart.monitor.config import MonitorConfig, parse_signal
 from stalwart.monitor.timeouts_in_force import Configured
@@ -154,19 +155,6 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie has exited: nothing of it can hang any more.
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    return True
-
-
 class MonitorProcess:
     """The monitor's process, with the calls NVIDIA's callers make on the
     `multiprocessing.Process` its `run_in_subprocess` returns."""
@@ -278,7 +266,7 @@ def serve(path: str, config: MonitorConfig, parent: int) -> None:
             snap = layout.read_slot(mm, 0)
             wait = config.check_interval
             if snap.state == layout.SlotState.ATTACHED and snap.pid > 0:
-                if not _alive(snap.pid):
+                if not procs.is_alive(snap.pid):
                     # Detach the dead rank unless a new one has begun to attach (its
                     # first write zeroes the pid): never wipe what a newcomer wrote.
                     base = layout.slot_offset(0)
