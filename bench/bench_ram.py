@@ -304,10 +304,13 @@ def _stamps(out: Path) -> dict[str, float]:
     return stamps
 
 
-def _run_job(cmd: list[str], out: Path) -> subprocess.CompletedProcess[str] | None:
+def _run_job(
+    cmd: list[str], out: Path, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str] | None:
     """Runs one launcher command outside any surrounding job; None (after killing what is
     left of it) when it outlives the bench's bound."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STALWART_", "TORCHELASTIC_"))}
+    env.update(extra_env or {})
     try:
         return subprocess.run(
             cmd, env=env, capture_output=True, text=True, timeout=_CRASH_TIMEOUT_S, cwd=ROOT
@@ -406,6 +409,116 @@ def bench_inprocess(mib: int, repeats: int, work: Path) -> tuple[list[list[str]]
     stages = []
     for name, a, b in _IP_STAGES:
         stages.append([name, spread([r[b] - r[a] for r in runs])])
+    return rows, stages
+
+
+#: The full-speed section's launchers: (row name, saver, command before the job, fault kinds).
+_FULL_MODES = (
+    ("torchrun + torch.save/torch.load (local disk)", "torch", "torchrun", ("crash", "kill")),
+    ("stalwart --no-warm, --ckpt-ram", "ram", "cold", ("crash", "kill")),
+    ("stalwart (warm), --ckpt-ram", "ram", "warm", ("crash", "kill")),
+    ("stalwart in-process (Wrapper), --ckpt-ram", "ram", "inprocess", ("crash",)),
+)
+
+
+def _full_command(launcher: str, mib: int, out: Path, a: argparse.Namespace) -> list[str]:
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    else:
+        cmd = [sys.executable, "-m", "stalwart.cli", "run", "--log-dir", str(out / "logs")]
+        cmd += ["--ckpt-ram", f"{mib + 8}MiB"]
+        cmd += ["--no-warm"] if launcher == "cold" else []
+    restarts = "0" if launcher == "inprocess" else "1"
+    cmd += ["--nproc-per-node", "2", "--max-restarts", restarts]
+    return cmd
+
+
+def _full_once(
+    launcher: str, saver: str, fault: str, mib: int, work: Path, a: argparse.Namespace
+) -> dict[str, float] | None:
+    """One run of ram_fullspeed.py: (first resumed step, back at full speed, stages), from
+    the fault; None when it did not get there."""
+    from stalwart.reporting.goodput import full_speed_at
+
+    out = Path(tempfile.mkdtemp(dir=work, prefix=f"full-{launcher}-{fault}-"))
+    cmd = _full_command(launcher, mib, out, a)
+    cmd += [str(ROOT / "bench" / "ram_fullspeed.py"), str(out), str(mib), str(a.full_steps)]
+    cmd += [str(a.full_save_every), str(a.full_fault_at), fault, saver]
+    cmd += ["--inprocess"] if launcher == "inprocess" else []
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun" else {}
+    res = _run_job(cmd, out, env)
+    try:
+        recs = [json.loads(x) for x in (out / "p.jsonl").read_text().splitlines()]
+        fault_at = float((out / "fault").read_text())
+    except (OSError, ValueError):
+        print(f"{launcher}/{fault}: no result ({res and res.returncode})", file=sys.stderr)
+        return None
+    before = sorted((float(r["time"]), int(r["step"])) for r in recs if r["attempt"] == 0)
+    after = sorted((float(r["time"]), int(r["step"])) for r in recs if r["attempt"] == 1)
+    if not after:
+        print(f"{launcher}/{fault}: no resumed step", file=sys.stderr)
+        return None
+    row = {"first": after[0][0] - fault_at}
+    back = full_speed_at(before, after, a.full_save_every)
+    if back is not None:
+        row["full"] = back - fault_at
+    for r in (0, 1):
+        stamps_file = out / f"stamps_1_{r}.json"
+        if stamps_file.exists():
+            st = json.loads(stamps_file.read_text())
+            for k in ("main", "state", "began", "restored", "step"):
+                row[k] = max(row.get(k, 0.0), float(st[k]) - fault_at)
+    evs = [json.loads(ln) for f in out.glob("logs/*/events.jsonl") for ln in f.open()]
+    exits = [e for e in evs if e["event"] == "worker_exit" and e.get("attempt") == 0]
+    spawns = [e for e in evs if e["event"] == "worker_spawn" and e.get("attempt") == 1]
+    if exits and spawns:
+        row["exit"] = min(float(e.get("exited_at") or e["time"]) for e in exits) - fault_at
+        row["stopped"] = max(float(e.get("exited_at") or e["time"]) for e in exits) - fault_at
+        row["spawn"] = max(float(e["time"]) for e in spawns) - fault_at
+    return row
+
+
+#: Stages of the full-speed runs, as times since the fault (the slower rank's).
+_FULL_STAGES = (
+    ("failed rank exited", "exit"),
+    ("all old workers exited", "stopped"),
+    ("new workers spawned", "spawn"),
+    ("job built its state (written)", "state"),
+    ("restored", "restored"),
+    ("first step done", "step"),
+)
+
+
+def bench_fullspeed(
+    mib: int, work: Path, a: argparse.Namespace
+) -> tuple[list[list[str]], list[list[str]]]:
+    """(crash/SIGKILL -> first resumed step and -> back at full speed per launcher, the
+    stages of each launcher's crash runs)."""
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for _ in range(a.repeats):
+        for name, saver, launcher, faults in _FULL_MODES:  # interleaved: the load drifts
+            for fault in faults:
+                row = _full_once(launcher, saver, fault, mib, work, a)
+                runs.setdefault((name, fault), [])
+                if row is not None:
+                    runs[(name, fault)].append(row)
+    rows = []
+    for (name, fault), xs in runs.items():
+        rows.append(
+            [
+                name,
+                fault,
+                f"{len(xs)}/{a.repeats}",
+                spread([x["first"] for x in xs]),
+                spread([x["full"] for x in xs if "full" in x]),
+            ]
+        )
+    stages = []
+    for label, key in _FULL_STAGES:
+        stage = [label]
+        for name, _saver, _launcher, _faults in _FULL_MODES:
+            stage.append(fmt(med([x[key] for x in runs[(name, "crash")] if key in x]), "s", 2))
+        stages.append(stage)
     return rows, stages
 
 
@@ -530,7 +643,14 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4, help="stall: blocks with and without saves")
     ap.add_argument("--per-block", type=int, default=6, help="stall: steps per block")
     ap.add_argument("--dlrover-python", type=Path, default=ROOT / ".venv-dlrover/bin/python")
-    ap.add_argument("--skip", default="", help="comma list of floor,restore,crash,inprocess,stall")
+    ap.add_argument("--full-steps", type=int, default=90, help="fullspeed: steps of the job")
+    ap.add_argument("--full-save-every", type=int, default=10, help="fullspeed: steps per save")
+    ap.add_argument("--full-fault-at", type=int, default=45, help="fullspeed: the faulty step")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of floor,restore,crash,inprocess,fullspeed,stall",
+    )
     ap.add_argument("--markdown", action="store_true")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -579,6 +699,29 @@ def main() -> None:
             show(
                 "where the in-process crash -> resumed time goes (the slower rank)",
                 ["stage", "time"],
+                stages,
+                a.markdown,
+            )
+        if "fullspeed" not in skip:
+            full, stages = bench_fullspeed(a.size_mib, work, a)
+            show(
+                f"fault -> first resumed step and -> back at full speed, 2 ranks x "
+                f"{a.size_mib} MiB, a save every {a.full_save_every} steps, fault at step "
+                f"{a.full_fault_at}, min / median / max of {a.repeats}",
+                [
+                    "launcher + checkpoint",
+                    "fault",
+                    "resumed",
+                    "first resumed step",
+                    "back at full speed",
+                ],
+                full,
+                a.markdown,
+            )
+            show(
+                "where the crash -> back time goes: each stage's end after the fault "
+                "(medians, the slower rank)",
+                ["stage", *(m[0] for m in _FULL_MODES)],
                 stages,
                 a.markdown,
             )
