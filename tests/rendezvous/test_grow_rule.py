@@ -21,6 +21,7 @@ RUN = frozenset({"a"})
         ((Joiner(0, "b", None, alive=False),), 0),  # its keep-alive stopped
         ((Joiner(0, "b", None, left=True),), 0),
         ((Joiner(0, "b", None, refused=True),), 0),  # the health gate keeps it out
+        ((Joiner(0, "b", None, pending=True),), 0),  # its health report is still due
         ((Joiner(0, "a", 0),), 0),  # a running node is not a spare
         ((Joiner(0, "b", None), Joiner(1, "b", None)), 1),  # one node, two forged slots
     ],

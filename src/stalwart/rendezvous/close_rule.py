@@ -95,8 +95,9 @@ def admissible_spares(
     """How many of the nodes waiting for the next round it would admit beside the
     *running* round's nodes (ids), were the running round to end now: the live ones the
     gate lets in and that are not running already, up to MAX.  Positive: ending the
-    round grows the job."""
-    ids = {j.id for j in spares if j.alive and not j.left and not j.refused}
+    round grows the job.  A spare whose health report is still due (pending) does not
+    count yet: ending the round for it could only restart the job at the same size."""
+    ids = {j.id for j in spares if j.alive and not j.left and not j.refused and not j.pending}
     return max(0, min(len(ids - running), s.max_nodes - len(running)))
 
 

@@ -487,7 +487,9 @@ class ElasticRendezvous:
         ids = [m.id for _, m in members]
         self._live.observe(ids)
         gone = self.kv.get_many([keys.left(i) for i in ids])
-        refused = dict(self._gate.refused(self.kv, round_ + 1, ids)) if self._gate else {}
+        said = self._gate.admissions(self.kv, round_ + 1, ids) if self._gate else None
+        refused = said.refused if said else {}
+        pending = said.pending if said else frozenset()
         spares = tuple(
             rule.Joiner(
                 slot,
@@ -496,6 +498,7 @@ class ElasticRendezvous:
                 alive=self._live.lost(m.id) is None,
                 left=g is not None,
                 refused=m.id in refused,
+                pending=m.id in pending,
             )
             for (slot, m), g in zip(members, gone, strict=True)
         )
