@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
@@ -50,7 +50,7 @@ from . import layout
 from . import ramlayout as rl
 from .dcp_metadata import loads_metadata
 from .dcp_records import RankShards, is_plain_name, rank_record_name
-from .dcp_storage import read_record
+from .dcp_storage import read_record, stamp_load_id
 from .errors import CheckpointCorruptError, CheckpointError
 from .ram import RamSegment, SnapshotTooLargeError, open_local, ram_folder
 
@@ -408,12 +408,7 @@ class RamShardReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             raise CheckpointCorruptError(self._problem)
-        md = self._metadata
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        assert md.storage_meta is not None
-        md.storage_meta.load_id = self.load_id
-        return md
+        return stamp_load_id(self._metadata, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         wanted: list[_StorageInfo] = []

@@ -357,12 +357,7 @@ class DcpReader(FileSystemReader):
         return Path(self.path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(self.folder / METADATA_NAME)
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        assert md.storage_meta is not None
-        md.storage_meta.load_id = self.load_id
-        return md
+        return stamp_load_id(read_metadata(self.folder / METADATA_NAME), self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self.verify and is_committed(self.folder):
@@ -375,3 +370,13 @@ class DcpReader(FileSystemReader):
                 )
             verify_entries(self.folder, {n: commit.files[n] for n in touched})
         return super().read_data(plan, planner)
+
+
+def stamp_load_id(md: Metadata, load_id: str) -> Metadata:
+    """DCP's readers hand the planner metadata carrying this load's id; a checkpoint
+    written without storage metadata gets an empty record to carry it."""
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    assert md.storage_meta is not None
+    md.storage_meta.load_id = load_id
+    return md

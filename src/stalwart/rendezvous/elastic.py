@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -393,18 +394,7 @@ class ElasticRendezvous:
         if self._gate is not None:
             said = self._gate.admissions(self.kv, r, [m.id for _, m in members])
             opening.refused, pending = dict(said.refused), said.pending
-        joiners = tuple(
-            rule.Joiner(
-                slot,
-                m.id,
-                m.hint,
-                alive=self._live.lost(m.id) is None,
-                left=g is not None,
-                refused=m.id in opening.refused,
-                pending=m.id in pending,
-            )
-            for (slot, m), g in zip(members, gone, strict=True)
-        )
+        joiners = self._joiners(members, gone, opening.refused, pending)
         expected = self._expected(r)
         return rule.CloseView(
             previous_running=False,
@@ -490,7 +480,19 @@ class ElasticRendezvous:
         said = self._gate.admissions(self.kv, round_ + 1, ids) if self._gate else None
         refused = said.refused if said else {}
         pending = said.pending if said else frozenset()
-        spares = tuple(
+        spares = self._joiners(members, gone, refused, pending)
+        return rule.admissible_spares(running, spares, self.settings)
+
+    def _joiners(
+        self,
+        members: Sequence[tuple[int, Member]],
+        gone: Sequence[bytes | None],
+        refused: Mapping[str, str],
+        pending: frozenset[str],
+    ) -> tuple[rule.Joiner, ...]:
+        """The close rule's view of the nodes in a round's slots: alive by their
+        keep-alive, left by their own word, refused or pending by the admission gate."""
+        return tuple(
             rule.Joiner(
                 slot,
                 m.id,
@@ -502,7 +504,6 @@ class ElasticRendezvous:
             )
             for (slot, m), g in zip(members, gone, strict=True)
         )
-        return rule.admissible_spares(running, spares, self.settings)
 
     @property
     def name(self) -> str:
