@@ -286,47 +286,6 @@ def next_deadline(
     return min(due) if due else None
 
 
-#: The evidence cycle's first look is never taken before a rank was silent for this share
-#: of the deadline it runs: a learned timeout is several times the rank's longest step gap
-#: (`MonitorConfig.safety_factor`), so half of it is already late by the rank's rhythm,
-#: while a rank that just stepped is never sampled (nor asked for its stacks).
-LOOK_SHARE = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Lookout:
-    """When the evidence cycle looks at a slot that stays as it is (monotonic times)."""
-
-    #: Start of the deadline's clock: the rank's last progress (heartbeat, attach, section
-    #: opened or left). A look taken while it had another value saw another stall.
-    since: float
-    look: float  # the first look: `lead` before the deadline, once the rank is late
-    due: float  # the deadline itself: no hang is decided before it
-
-
-def lookout(
-    snap: SlotSnapshot,
-    names: list[str],
-    config: MonitorConfig,
-    now: float,
-    floor: float,
-    lead: float,
-) -> Lookout | None:
-    """When to take the first of the two looks that confirm a hang (None: no deadline
-    runs): `lead` (the looks' spacing) before the earliest deadline, so that the second
-    look falls on the deadline itself and a hung rank is decided there rather than a
-    window after it; never before the rank was silent for `LOOK_SHARE` of that deadline.
-    Reads the same clocks as `judge` and `next_deadline`."""
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
-    clocks = _clocks(snap, names, config, now, floor)
-    if not clocks:
-        return None
-    clock = min(clocks, key=lambda c: c.start + c.limit)
-    ahead = max(clock.limit - max(lead, 0.0), clock.limit * LOOK_SHARE)
-    return Lookout(clock.start, clock.start + ahead, clock.start + clock.limit)
-
-
 def stragglers(step_times: dict[int, float], factor: float) -> dict[int, float]:
     """Ranks whose seconds per step are at least `factor` x the median of the others'.
 

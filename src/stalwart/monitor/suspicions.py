@@ -1,18 +1,13 @@
-"""Ranks late by their rhythm, held until `evidence` says they are hung.
+"""Ranks past a learned deadline, held until `evidence` says they are hung.
 
-The scanner hands `Suspicions.confirm` the ranks whose first evidence look is due
-(`judge.lookout`: a look-ahead of one evidence window before the deadline, once the rank
-is late), each marked past its deadline or not; it answers with those that are hung on
-evidence, each with what its stack says. The first look only samples; the second, at
-the deadline (`evidence.decision_at`), decides. A rank whose last progress moved in
-between (it stepped) is no longer suspected and its look is discarded, so no rank is
-decided on a look taken before its latest progress. When the first rank of an episode
-turns late, every rank that is not stopped is asked for its stacks (the stacks blame is
-decided on, taken at detection); a stopped rank is left stopped, its state being the
-evidence; once no rank is late any more the next episode asks afresh, so a dump taken
-for a slow phase that ended is never read for a later hang. Ranks found waiting on
-their peers are never handed over while another rank of the node is not found hung
-(`_release`): killing a waiter whose peer is busy would be a false kill.
+The scanner hands `Suspicions.confirm` the ranks its judge found past their deadline on
+each scan; it answers with those that are hung on evidence, each with what its stack
+says. At the first suspicion of an attempt every rank that is not stopped is asked for
+its stacks (the stacks blame is decided on, taken at detection); a stopped rank is left
+stopped, its state being the evidence. A rank that makes progress again, or shows it
+runs code, is no longer suspected. Ranks found waiting on their peers are never handed
+over while another rank of the node is not found hung (`_release`): killing a waiter
+whose peer is busy would be a false kill.
 """
 
 from __future__ import annotations
@@ -35,19 +30,7 @@ AskStacks = Callable[[int], bool]
 @dataclasses.dataclass
 class _Suspect:
     pid: int
-    since: float  # the rank's last progress when it was first looked at
-    due: float
     first: ProcSample
-
-
-@dataclasses.dataclass(frozen=True)
-class Late:
-    """A rank whose first evidence look is due, as the scanner found it."""
-
-    pid: int  # the process that writes its slot
-    since: float  # its last progress (`judge.Lookout.since`)
-    due: float  # its deadline
-    past: bool  # `judge` found it past that deadline in this scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,33 +65,27 @@ class Suspicions:
         self._held = {}
 
     def confirm(
-        self, late: Mapping[int, Late], ranks: Mapping[int, Watched], now: float
+        self, past: Mapping[int, int], ranks: Mapping[int, Watched], now: float
     ) -> dict[int, Reading]:
-        """`late`: local rank -> the ranks whose first look is due in this scan.
+        """`past`: local rank -> pid of the ranks past their deadline in this scan.
         Returns local rank -> stack reading for those hung on evidence."""
-        for lr, was in list(self._suspects.items()):
-            seen = late.get(lr)
-            if seen is None or seen.pid != was.pid or seen.since != was.since:
-                del self._suspects[lr]  # progress again: what was seen is another stall
-        for lr in [lr for lr in self._held if lr not in late or not late[lr].past]:
+        for lr in [lr for lr in self._suspects if lr not in past]:
+            del self._suspects[lr]  # progress again: no longer suspected
+        for lr in [lr for lr in self._held if lr not in past]:
             del self._held[lr]
-        if not late and not self._held:
-            self._asked = False  # the episode is over: a later one asks for fresh stacks
-            self._offsets = {}
-        if late and not self._asked:
+        if past and not self._asked:
             self._ask_everyone(ranks, now)
         hung: dict[int, Reading] = {}
-        for lr, seen in late.items():
+        for lr, pid in past.items():
             suspect = self._suspects.get(lr)
-            if suspect is None:
-                first = self._sample(seen.pid, now)
+            if suspect is None or suspect.pid != pid:
+                first = self._sample(pid, now)
                 if first is not None:
-                    self._suspects[lr] = _Suspect(seen.pid, seen.since, seen.due, first)
+                    self._suspects[lr] = _Suspect(pid, first)
                 continue
-            suspect.due = seen.due  # a learned timeout may have changed since
-            if not seen.past or now < evidence.decision_at(suspect.first.at, seen.due, self._wait):
+            if now - suspect.first.at < self._wait:
                 continue
-            second = self._sample(seen.pid, now)
+            second = self._sample(pid, now)
             if second is None:
                 del self._suspects[lr]
                 continue
@@ -119,14 +96,6 @@ class Suspicions:
             else:
                 suspect.first = second  # running code: look again a window later
         return self._release(hung, ranks)
-
-    def next_look(self) -> float | None:
-        """Monotonic time of the earliest second look due (None: no rank is suspected),
-        for the scanner to wake then rather than up to a check interval later."""
-        times = [
-            evidence.decision_at(s.first.at, s.due, self._wait) for s in self._suspects.values()
-        ]
-        return min(times) if times else None
 
     def _release(
         self, hung: dict[int, Reading], ranks: Mapping[int, Watched]
