@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,11 @@ from .manifest import Manifest, file_identity, read_manifest, verify_files
 logger = logging.getLogger(__name__)
 
 # Loads of one step racing re-saves of it: each retry needs the writer to have
-# replaced the manifest during the previous try. A writer re-saving back to back on a
-# loaded machine beat 5 tries once in a full test run (the loader then skipped the only
-# step), so the bound is generous: each try costs one load, and only while re-saves go on.
-_ATTEMPTS = 20
+# replaced the manifest during the previous try, so retrying costs one load per re-save
+# and stops when re-saves stop.  A writer re-saving back to back on a loaded machine beat
+# 20 tries in a full test run (the loader then skipped the only step), so the bound is
+# time, not a count: a load that completes between two re-saves wins within it.
+_RESAVE_PATIENCE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -134,17 +136,16 @@ def _load_settled(
     it named, so a load racing it can fail although the new version is whole.
     """
     manifest = layout.step_dir(root, step) / layout.manifest_name(rank)
-    attempt = 1
+    give_up = time.monotonic() + _RESAVE_PATIENCE_S
     while True:
         before = _stamp(manifest)
         try:
             return load_step(root, step, rank, map_location=map_location, weights_only=weights_only)
         except (CheckpointCorruptError, OSError) as exc:
             resaved = isinstance(exc, _ReSaved) or _stamp(manifest) != before
-            if before is None or not resaved or attempt >= _ATTEMPTS:
+            if before is None or not resaved or time.monotonic() > give_up:
                 raise
             logger.debug("step %d was re-saved while it was loaded; looking again", step)
-            attempt += 1
 
 
 def load_latest(
