@@ -12,7 +12,11 @@ A reference interpreter is one with the original package installed (e.g.
 expecttest`); stalwart's rows run with this interpreter. A suite whose reference
 interpreter is not given shows "-" in that column. Nothing of the upstream suites is
 kept: each run copies them into a temporary folder (or `--keep DIR`), rewrites the
-import lines there, runs pytest with a JUnit report per side and counts its outcomes.
+import lines there, runs pytest per side and counts its outcomes: tests from pytest's
+per-test lines, and unittest `subTest`s (pytest >= 9 reports each one) through a small
+plugin of this script's that writes one line per subtest report. A test whose subtests
+fail still reads PASSED on its own line, so the subtest counts are the finer measure.
+The tests and subtests that pass under the original and fail under stalwart are listed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -250,18 +255,85 @@ SUITES = (
 )
 
 
+def _count(outcomes: dict[str, str]) -> str:
+    kinds = list(outcomes.values())
+    return (
+        f"{kinds.count('passed')} passed, {kinds.count('failed')} failed, "
+        f"{kinds.count('skipped')} skipped"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    tests: int
-    passed: int
-    failed: int
-    skipped: int
+    """Per test (and per subtest, "<test> <description>"): passed, failed or skipped."""
+
+    tests: dict[str, str]
+    subtests: dict[str, str]
     seconds: float
 
     def cell(self) -> str:
-        if self.tests == 0:
+        if not self.tests:
             return "none collected (import error)"
-        return f"{self.passed} passed, {self.failed} failed, {self.skipped} skipped"
+        return _count(self.tests)
+
+    def subtest_cell(self) -> str:
+        return _count(self.subtests) if self.subtests else "none"
+
+
+def regressions(original: Outcome, ours: Outcome) -> list[str]:
+    """Tests and subtests that pass under the original and do not under stalwart."""
+    lost = [
+        name
+        for table, theirs in ((ours.tests, original.tests), (ours.subtests, original.subtests))
+        for name, kind in theirs.items()
+        if kind == "passed" and table.get(name, "failed") != "passed"
+    ]
+    return sorted(lost)
+
+
+# Loaded into pytest with `-p`: one JSON line per subtest report, written as it comes so
+# that a suite that kills its own pytest still counts what ran. Written by this script
+# into the run's temporary folder (nothing upstream).
+_SUBTEST_PLUGIN = """\
+import json, os
+
+def pytest_runtest_logreport(report):
+    context = getattr(report, "context", None)
+    if context is None or report.when != "call":
+        return
+    kwargs = getattr(context, "kwargs", {}) or {}
+    label = " ".join(
+        ([f"[{context.msg}]"] if getattr(context, "msg", None) is not None else [])
+        + [f"{k}={v}" for k, v in kwargs.items()]
+    )
+    line = json.dumps({"test": report.nodeid, "subtest": label, "outcome": report.outcome})
+    with open(os.environ["STALWART_UPSTREAM_SUBTESTS"], "a") as out:
+        out.write(line + "\\n")
+"""
+_SUBTEST_PLUGIN_NAME = "stalwart_upstream_subtests"
+# A subtest's label names its parameters; a temporary path among them differs per run.
+_TEMP_PATH = re.compile(r"'/[^']*'")
+
+
+def read_subtests(path: Path) -> dict[str, str]:
+    """Subtest outcomes from the plugin's lines: failed if any report of it failed."""
+    outcome: dict[str, str] = {}
+    if not path.exists():
+        return outcome
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            key = (
+                _test_key(str(record["test"]))
+                + " "
+                + _TEMP_PATH.sub("'<path>'", str(record["subtest"]))
+            )
+            kind = str(record["outcome"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if kind == "failed" or key not in outcome:
+            outcome[key] = kind if kind in ("passed", "failed", "skipped") else "failed"
+    return outcome
 
 
 def materialize(suite: Suite, nvidia: Path | None, pytorch: Path | None, into: Path) -> bool:
@@ -342,12 +414,18 @@ def _wait_for_pytest(proc: subprocess.Popen[bytes], log: Path, wall_s: float) ->
             return -int(signal.SIGKILL)
 
 
-def _run_in_own_group(argv: list[str], cwd: Path, log: Path, wall_s: float = 1200) -> None:
+def _run_in_own_group(
+    argv: list[str],
+    cwd: Path,
+    log: Path,
+    wall_s: float = 1200,
+    env: dict[str, str] | None = None,
+) -> None:
     """Run pytest in a session of its own, then end whatever of it is left: some suites
     fork children that outlive a killed parent and go on running the session."""
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         try:
             status = _wait_for_pytest(proc, log, wall_s)
@@ -376,9 +454,19 @@ def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
         for line in collect_log.read_text(errors="replace").splitlines()
         if "::" in line and not line.startswith(" ")
     }
+    plugin_dir = log.with_suffix(".plugin")
+    plugin_dir.mkdir(exist_ok=True)
+    (plugin_dir / f"{_SUBTEST_PLUGIN_NAME}.py").write_text(_SUBTEST_PLUGIN)
+    subtest_log = log.with_suffix(".subtests")
+    subtest_log.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(plugin_dir), env.get("PYTHONPATH")) if p)
+    env["STALWART_UPSTREAM_SUBTESTS"] = str(subtest_log)
     t0 = time.monotonic()
-    argv = _pytest_argv(python, suite, "-v", "--timeout", str(suite.timeout_s))
-    _run_in_own_group(argv, cwd, log)
+    argv = _pytest_argv(
+        python, suite, "-v", "-p", _SUBTEST_PLUGIN_NAME, "--timeout", str(suite.timeout_s)
+    )
+    _run_in_own_group(argv, cwd, log, env=env)
     seconds = time.monotonic() - t0
     outcome: dict[str, str] = {}
     for line in log.read_text(errors="replace").splitlines():
@@ -393,10 +481,7 @@ def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
             outcome[test] = "skipped" if kind in ("SKIPPED", "XFAIL") else "passed"
     for test in collected - outcome.keys():
         outcome[test] = "failed"
-    kinds = list(outcome.values())
-    return Outcome(
-        len(kinds), kinds.count("passed"), kinds.count("failed"), kinds.count("skipped"), seconds
-    )
+    return Outcome(outcome, read_subtests(subtest_log), seconds)
 
 
 def main() -> int:
@@ -423,7 +508,8 @@ def main() -> int:
     refs.setdefault("torch", sys.executable)
     stalwart_root = Path(__file__).resolve().parent.parent
 
-    rows: list[tuple[str, str, str, str]] = []
+    rows: list[tuple[str, str, str, str, str, str]] = []
+    lost: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="stalwart-upstream-") as tmp:
         base = args.keep or Path(tmp)
         for index, suite in enumerate(SUITES):
@@ -435,17 +521,15 @@ def main() -> int:
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
             if not materialize(suite, args.nvidia, args.pytorch, orig_dir):
-                rows.append((suite.name, "-", "not available", "-"))
+                rows.append((suite.name, "-", "not available", "-", "-", "-"))
                 continue
             shutil.rmtree(ours_dir)
             shutil.copytree(orig_dir, ours_dir)
             rewrite_tree(ours_dir, suite.rewrite)
             ref_python = refs.get(suite.ref)
-            reference = "-"
+            original: Outcome | None = None
             if ref_python and not args.skip_reference:
-                reference = run_pytest(
-                    ref_python, orig_dir, suite, base / f"{index}-original.log"
-                ).cell()
+                original = run_pytest(ref_python, orig_dir, suite, base / f"{index}-original.log")
             ours = run_pytest(
                 str(stalwart_root / ".venv" / "bin" / "python")
                 if (stalwart_root / ".venv").exists()
@@ -454,14 +538,36 @@ def main() -> int:
                 suite,
                 base / f"{index}-stalwart.log",
             )
-            rows.append((suite.name, str(ours.tests), reference, ours.cell()))
-            print(f"{suite.name}: original {reference}; stalwart {ours.cell()}", flush=True)
+            reference = original.cell() if original else "-"
+            reference_sub = original.subtest_cell() if original else "-"
+            rows.append(
+                (
+                    suite.name,
+                    str(len(ours.tests)),
+                    reference,
+                    ours.cell(),
+                    reference_sub,
+                    ours.subtest_cell(),
+                )
+            )
+            if original is not None:
+                lost[suite.name] = regressions(original, ours)
+            print(
+                f"{suite.name}: original {reference} (subtests {reference_sub}); "
+                f"stalwart {ours.cell()} (subtests {ours.subtest_cell()})",
+                flush=True,
+            )
 
     print()
-    print("| suite | tests | original | stalwart |")
-    print("|---|---|---|---|")
+    print("| suite | tests | original | stalwart | original subtests | stalwart subtests |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    for name, names in lost.items():
+        if names:
+            print(f"\n{name}: pass under the original, not under stalwart:")
+            for test in names:
+                print(f"  {test}")
     return 0
 
 

@@ -142,3 +142,43 @@ def _parent(pid: int) -> int:
             return int(fh.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+@pytest.mark.timeout(120)
+def test_forkserver_workers_and_an_exit_without_error_file(tmp_path: Path) -> None:
+    """torch's api_test subtests: function workers under forkserver run (their parent is
+    the server, not the launcher), and a worker that calls sys.exit(n) fails with n and
+    no error file ("<N/A>"), as under torch. The workers run builtins: nothing of
+    stalwart is imported for them."""
+    from stalwart.compat.torch_elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from stalwart.compat.torch_elastic.multiprocessing.errors import ChildFailedError
+
+    pc = start_processes(
+        name="fs",
+        entrypoint=print,
+        args={0: ("hello",), 1: ("world",)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "fs")),
+        start_method="forkserver",
+    )
+    result = pc.wait(timeout=90, period=0.05)
+    assert result is not None
+    assert not result.failures, {lr: f.exitcode for lr, f in result.failures.items()}
+    assert result.return_values == {0: None, 1: None}
+
+    pc = start_processes(
+        name="exit",
+        entrypoint=sys.exit,
+        args={0: (138,), 1: (0,)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "exit")),
+        start_method="spawn",
+    )
+    result = pc.wait(timeout=60, period=0.05)
+    assert result is not None and list(result.failures) == [0]
+    failure = result.failures[0]
+    assert (failure.exitcode, failure.signal_name(), failure.error_file) == (138, "<N/A>", "<N/A>")
+    assert failure.error_file_data == {"message": "<NONE>"}
+    assert failure.message.startswith("To enable traceback see:")
+    assert not list((tmp_path / "exit").rglob("error.json"))
+    assert "error_file: <N/A>" in str(ChildFailedError("exit", result.failures))

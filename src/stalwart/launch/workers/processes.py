@@ -97,10 +97,19 @@ def _function_child(
     console: bool,
     conn: Connection,
     parent: int,
+    recorder: Callable[[Callable[..., Any]], Callable[..., Any]] = record,
 ) -> None:
-    """Body of a function worker (runs in the child)."""
+    """Body of a function worker (runs in the child); *recorder* wraps *fn* so that its
+    failure lands in the error file."""
     os.setpgid(0, 0)
-    procs.pdeathsig_then_check(parent)
+    server = os.getppid()
+    if server != parent and procs.parent(server) == parent:
+        # Started through a forkserver: our parent is the server the launcher started,
+        # which ends when the launcher does; checking for the launcher as our parent
+        # would end every forkserver worker at once.
+        procs.pdeathsig_then_check(server)
+    else:
+        procs.pdeathsig_then_check(parent)
     for fdno, path in ((1, stdout), (2, stderr)):
         target = path if path is not None else (None if console else os.devnull)
         if target is not None:
@@ -113,7 +122,7 @@ def _function_child(
     # After the env: the dump goes where this worker's STALWART_STACKS_FILE says, as a
     # program worker's does.
     stacks.install()
-    ret = record(fn)(*args)
+    ret = recorder(fn)(*args)
     sys.stdout.flush()
     sys.stderr.flush()
     conn.send(ret)
@@ -173,8 +182,13 @@ class ProcessContext(StrayScan):
         wait_all: bool = False,
         cgroup: JobCgroup | None = None,
         adopt_orphans: bool = False,
+        recorder: Callable[[Callable[..., Any]], Callable[..., Any]] = record,
     ) -> None:
         self.entrypoint = entrypoint
+        # What wraps a function worker's entrypoint in the child (a module-level function:
+        # spawn and forkserver pickle it): stalwart's `record` writes an error file for a
+        # non-zero SystemExit too; torch's compat `record` writes none for it.
+        self.recorder = recorder
         self.specs = list(workers)
         self.start_method = start_method
         self.run_token = run_token
@@ -319,6 +333,7 @@ class ProcessContext(StrayScan):
                 spec.logs.console,
                 send,
                 os.getpid(),
+                self.recorder,
             ),
             name=f"stalwart-worker-{spec.local_rank}",
         )

@@ -30,9 +30,9 @@ from stalwart.base import envvars
 from stalwart.config.output import Std, parse_std
 from stalwart.launch.files.logs import LogSpec, WorkerLogs, std_map
 from stalwart.launch.files.runfiles import APPEND_FLAGS
-from stalwart.launch.workers.errors import record
 from stalwart.launch.workers.processes import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.launch.workers.torch_errors import BadErrorFile, ProcessFailure
+from stalwart.launch.workers.torch_errors import record as torch_record
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def _wrap(
         _redirected(1, stdout_redirects.get(local_rank, "")),
         _redirected(2, stderr_redirects.get(local_rank, "")),
     ):
-        ret = record(fn)(*args[local_rank])
+        ret = torch_record(fn)(*args[local_rank])
     ret_vals[local_rank].put(ret)
     queue_finished_reading_event.wait()
 
@@ -298,7 +298,11 @@ class PContext:
                     int(rank) if rank is not None and rank.isdigit() else None,
                 )
             )
-        self._ctx = ProcessContext(entrypoint, specs, start_method=start_method)
+        # torch's `record`: a worker that exits with sys.exit(n) leaves no error file, so
+        # its failure says "<N/A>" as under torch.
+        self._ctx = ProcessContext(
+            entrypoint, specs, start_method=start_method, recorder=torch_record
+        )
         self._tail_logs = [_OutputCopy(self._ctx)]
         self._filtered = False
 
