@@ -525,6 +525,14 @@ def test_a_peer_that_stepped_since_the_ask_or_sent_garbage_is_left(tmp_path: Pat
     files[100].write_text(files[100].read_text() + _dump(BARRIER))
     found = s.confirm({1: Late(101, 9.4, 10.0, True)}, _since(watched, 9.8), 10.0)
     assert sorted(found) == [1]
+    # Late again by then, it is judged with rank 1, but not on the stack it had before
+    # it stepped: that one says nothing of where it is now.
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, _since(watched, 9.4), 9.7)
+    files[100].write_text(files[100].read_text() + _dump(("/job/train.py", "<module>")))
+    late = {1: Late(101, 9.4, 10.0, True), 0: Late(100, 9.8, 10.4, False)}
+    found = s.confirm(late, _since(watched, 9.8), 10.0)
+    assert sorted(found) == [0, 1] and found[0].role is Role.UNKNOWN
     # Hostile, oversized stacks (a rank writes its own stderr): no stack, not judged.
     s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
     s.confirm({1: Late(101, 9.4, 10.0, False)}, _since(watched, 9.4), 9.7)

@@ -182,6 +182,9 @@ class Suspicions:
         suspect = self._suspects.get(lr)
         stopped = suspect is not None and suspect.first.state in ("T", "t")
         asked_at = self._asked_at if lr in self._offsets else None
+        if watched.since is not None and asked_at is not None and watched.since > asked_at:
+            # It progressed after the ask: the stack dumped then says nothing of now.
+            return Bystander(late, watched.since, asked_at, Reading(Role.UNKNOWN, "stale stack"))
         reading = evidence.role(self._stacks_of(lr, watched), stopped)
         return Bystander(late, watched.since, asked_at, reading)
 
