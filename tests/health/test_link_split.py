@@ -10,8 +10,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from stalwart.health.judge import Limits
+from stalwart.health.judge import Limits, judge
+from stalwart.health.linkcheck import GATHER, GATHER_CAP, seal_now
 from stalwart.health.linksplit import Found, TimeGroups, Trial, matchings, next_step
+from stalwart.health.records import Blame, CollectiveLinks, NodeReport
 
 MS = 1e-3
 L = Limits()
@@ -126,3 +128,54 @@ def test_healthy_noisy_clusters_blame_nobody_in_many_draws() -> None:
     for seed in range(200):
         found, _ = drive(names(8), Net(noise=1.5, seed=seed))
         assert found == Found(), (seed, found)
+
+
+@pytest.mark.parametrize(
+    ("came", "expected", "quiet", "waited", "sealed"),
+    [
+        (8, 8, 0.0, 0.0, True),  # every node the job can have came
+        (3, 8, 0.2, 0.2, False),  # newcomers may still come
+        (3, 8, GATHER, GATHER, True),  # nobody new for GATHER seconds
+        (3, 8, 0.1, GATHER_CAP, True),  # a trickle of newcomers: bounded all the same
+        (9, 8, 0.0, 0.0, True),  # a stranger raised the count: no longer wait
+    ],
+)
+def test_when_the_members_are_sealed(
+    came: int, expected: int, quiet: float, waited: float, sealed: bool
+) -> None:
+    assert seal_now(came, expected, quiet, waited) is sealed
+
+
+def report(node: str, members: tuple[str, ...], *blamed: str, void: str = "") -> NodeReport:
+    found = CollectiveLinks(
+        members=members, nodes=tuple(Blame(b, f"{b} slow") for b in blamed), void=void
+    )
+    return NodeReport(run_id="job", round=0, node=node, host=node, collective=found)
+
+
+FOUR = ("n0", "n1", "n2", "n3")
+
+
+@pytest.mark.parametrize(
+    ("reports", "out"),
+    [
+        # Every member blames n3 (itself included): out.
+        ([report(n, FOUR, "n3") for n in FOUR], ["n3"]),
+        # Three of four (one was cut off and concluded nothing): out.
+        ([*(report(n, FOUR, "n3") for n in FOUR[:3]), report("n3", FOUR, void="timeout")], ["n3"]),
+        # One member alone blames a peer: a majority is needed.
+        ([report("n0", FOUR, "n1"), *(report(n, FOUR) for n in FOUR[1:])], []),
+        # Two of four: not more than half.
+        ([report("n0", FOUR, "n1"), report("n2", FOUR, "n1"), report("n1", FOUR), report("n3", FOUR)], []),
+        # A conclusion that voided (a forged timing) blames nobody.
+        ([report(n, FOUR, "n2", void="a forged timing") for n in FOUR], []),
+        # A report whose conclusion does not list its own node as a member: no vote.
+        ([report(n, ("n0", "x", "y"), "n0") for n in FOUR[1:]], []),
+    ],
+)  # fmt: skip
+def test_the_members_majority_decides_whom_the_collective_check_keeps_out(
+    reports: list[NodeReport], out: list[str]
+) -> None:
+    assert [e.node for e in judge(reports, L)] == out
+    for e in judge(reports, L):
+        assert f"{e.node} slow" in e.reasons

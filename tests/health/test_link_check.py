@@ -1,0 +1,131 @@
+"""The collective link check against a stranger: forged or oversized results in the job's
+store and forged timings in the check's own store are refused, and frame nobody. The
+check's processes are real (``python -m stalwart.health.linkrun``, torch, TCPStore)."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+
+import msgspec
+import pytest
+from torch._C._distributed_c10d import TCPStore
+
+from stalwart.health.admission import HealthGate, HealthSettings
+from stalwart.health.linkcheck import check_key
+from stalwart.health.linkrun import Orders, sealed
+from stalwart.health.records import (
+    Blame,
+    CollectiveLinks,
+    NodeReport,
+    health_key,
+    report_key,
+    sign,
+)
+from stalwart.rendezvous.kv import MemoryKV, MemoryStore
+
+pytestmark = pytest.mark.timeout(90)
+
+KEY = health_key(secrets.token_bytes(32), "job")
+NODES = ("n0", "n1", "n2")
+
+
+def report(node: str, *blamed: str) -> NodeReport:
+    found = CollectiveLinks(members=NODES, nodes=tuple(Blame(b, "slow, they say") for b in blamed))
+    return NodeReport(run_id="job", round=0, node=node, host=node, collective=found)
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        # A result blaming n1, signed with a key that is not the job's.
+        lambda n: sign(health_key(b"x" * 32, "job"), report(n, "n1")),
+        # Unsigned.
+        lambda n: msgspec.json.encode(report(n, "n1")).decode(),
+        # Signed, but oversized: a member list of a thousand long names.
+        lambda n: sign(
+            KEY,
+            NodeReport(
+                run_id="job",
+                round=0,
+                node=n,
+                host=n,
+                collective=CollectiveLinks(
+                    members=tuple(f"{i:0128d}" for i in range(1000)),
+                    nodes=(Blame("n1", "slow"),),
+                ),
+            ),
+        ),
+    ],
+)
+def test_a_forged_or_oversized_link_result_is_refused(forge: object) -> None:
+    kv = MemoryKV(MemoryStore())
+    for n in NODES:
+        kv.set(report_key(0, n), sign(KEY, report(n)))
+    gate = HealthGate(HealthSettings(), KEY, "job")
+    assert gate.refused(kv, 0, list(NODES)) == {}
+    for n in ("n0", "n2"):  # a majority, had they been genuine
+        kv.set(report_key(0, n), forge(n))  # type: ignore[operator]
+    assert "n1" not in HealthGate(HealthSettings(), KEY, "job").refused(kv, 0, list(NODES))
+    # The same results signed with the job's key would have kept n1 out.
+    for n in ("n0", "n2"):
+        kv.set(report_key(0, n), sign(KEY, report(n, "n1")))
+    refused = HealthGate(HealthSettings(), KEY, "job").refused(kv, 0, list(NODES))
+    assert list(refused) == ["n1"] and "slow, they say" in refused["n1"]
+
+
+@pytest.mark.parametrize(
+    ("forge", "why"),
+    [
+        (lambda where: sealed(check_key(health_key(b"y" * 32, "job")), where, 0.001),
+         "not signed with the job's key"),
+        (lambda where: "7" * 2**20, "a value of 1048576 bytes"),
+    ],
+)  # fmt: skip
+def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody(
+    forge: Callable[[str], str], why: str
+) -> None:
+    """Members n1 and n2 meet on a store a stranger filled first (n0, whose store it
+    would be, never comes: every group with it fails), with timings not signed with the
+    job's key, or oversized: both members refuse them and conclude nothing."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=5))  # fmt: skip
+    prefix = "stalwart-links/r0"
+    # Stage 0 of three nodes: the whole group, then the pairs (n1, n2) and (n0, n1).
+    for g, size in enumerate((3, 2, 2)):
+        for i in range(size):
+            where = f"{prefix}/s0/g{g}/t{i}"
+            store.set(where, forge(where))
+    procs = []
+    for rank in (1, 2):  # side by side, as on two nodes
+        orders = Orders(
+            rank=rank,
+            members=NODES,
+            host="127.0.0.1",
+            store=f"127.0.0.1:{store.port}",
+            prefix=prefix,
+            key=check_key(KEY).hex(),
+            stage_timeout=1.0,
+        )
+        p = subprocess.Popen(
+            [sys.executable, "-m", "stalwart.health.linkrun"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert p.stdin is not None
+        p.stdin.write(msgspec.json.encode(orders) + b"\n")
+        p.stdin.flush()
+        procs.append(p)
+    for p in procs:
+        assert p.stdin is not None and p.stdout is not None and p.stderr is not None
+        p.stdin.close()
+        p.wait(timeout=80)
+        out, err = p.stdout.read(), p.stderr.read()
+        assert p.returncode == 0, err.decode()[-2000:]
+        found = msgspec.json.decode(out.splitlines()[-1], type=CollectiveLinks)
+        assert found.nodes == () and found.links == (), found
+        assert "forged timing" in found.void and why in found.void
