@@ -131,19 +131,21 @@ def test_healthy_noisy_clusters_blame_nobody_in_many_draws() -> None:
 
 
 @pytest.mark.parametrize(
-    ("came", "expected", "quiet", "waited", "sealed"),
+    ("came", "coming", "expected", "quiet", "waited", "sealed"),
     [
-        (8, 8, 0.0, 0.0, True),  # every node the job can have came
-        (3, 8, 0.2, 0.2, False),  # newcomers may still come
-        (3, 8, GATHER, GATHER, True),  # nobody new for GATHER seconds
-        (3, 8, 0.1, GATHER_CAP, True),  # a trickle of newcomers: bounded all the same
-        (9, 8, 0.0, 0.0, True),  # a stranger raised the count: no longer wait
+        (8, 8, 8, 0.0, 0.0, True),  # every node the job can have came
+        (3, 3, 8, 0.2, 0.2, False),  # newcomers may still start
+        (3, 3, 8, GATHER, GATHER, True),  # everyone checking came; nobody new for a while
+        (3, 5, 8, 5.0, 5.0, False),  # two still checking themselves: waited for
+        (3, 5, 8, 0.1, GATHER_CAP, True),  # ... but no longer than the cap
+        (9, 9, 8, 0.0, 0.0, True),  # a stranger raised the count: no longer wait
+        (3, 10**9, 8, 5.0, 5.0, False),  # a stranger raised "coming": the cap bounds it
     ],
 )
 def test_when_the_members_are_sealed(
-    came: int, expected: int, quiet: float, waited: float, sealed: bool
+    came: int, coming: int, expected: int, quiet: float, waited: float, sealed: bool
 ) -> None:
-    assert seal_now(came, expected, quiet, waited) is sealed
+    assert seal_now(came, coming, expected, quiet, waited) is sealed
 
 
 def report(node: str, members: tuple[str, ...], *blamed: str, void: str = "") -> NodeReport:

@@ -227,6 +227,8 @@ class HealthGate:
         if not self._s.checks:
             return
         links_check = self._link_check()
+        if links_check is not None:
+            links_check.coming(kv, round_)
         try:
             listen_problem = None
             if self._probe is None and self._s.measure:

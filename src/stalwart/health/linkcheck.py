@@ -1,8 +1,9 @@
 """One node's side of a round's collective link check: who takes part, and its process.
 
 The round's nodes come to the check one by one (each after its own checks), so its
-members are sealed once: when as many nodes came as the job can have, or when nobody
-new came for `GATHER` seconds (``seal_now``, pure). The first node to see that writes
+members are sealed once: when as many nodes came as the job can have, or when every
+node that started checking came and nobody new started for `GATHER` seconds, or after
+`GATHER_CAP` (``seal_now``, pure). The first node to see that writes
 the signed member list; a node that comes after it is not a member and is judged by
 its echo times only. The first member's check process serves the store the check's
 process groups meet on and leaves its address, signed, for the others.
@@ -40,6 +41,7 @@ from stalwart.health.records import (
     CollectiveLinks,
     LinkPlan,
     LinkStore,
+    link_coming,
     link_count,
     link_node,
     link_plan_key,
@@ -52,9 +54,9 @@ from stalwart.health.records import (
 logger = logging.getLogger(__name__)
 
 #: Seconds with no newcomer after which the check's members are sealed.
-GATHER = 1.0
+GATHER = 3.0
 #: Seconds a node waits for its members at most, counted from its own arrival.
-GATHER_CAP = 10.0
+GATHER_CAP = 15.0
 _POLL = 0.05
 _LINE_LIMIT = 512 * 1024
 
@@ -67,10 +69,11 @@ class Store(Protocol):
     def add(self, key: str, amount: int) -> int: ...
 
 
-def seal_now(came: int, expected: int, quiet_for: float, waited: float) -> bool:
-    """Whether the check's members are complete: every node the job can have came, or
-    nobody new came for `GATHER` seconds, or this node waited `GATHER_CAP`."""
-    return came >= expected or quiet_for >= GATHER or waited >= GATHER_CAP
+def seal_now(came: int, coming: int, expected: int, quiet_for: float, waited: float) -> bool:
+    """Whether the check's members are complete: every node the job can have *came*,
+    or every node *coming* (it started checking) came and nobody new appeared for
+    `GATHER` seconds, or this node waited `GATHER_CAP`."""
+    return came >= expected or (came >= coming and quiet_for >= GATHER) or waited >= GATHER_CAP
 
 
 def check_key(key: bytes) -> bytes:
@@ -115,6 +118,10 @@ class LinkCheck:
 
         threading.Thread(target=pump, name="stalwart-linkcheck", daemon=True).start()
 
+    def coming(self, kv: Store, round_: int) -> None:
+        """Tells the round this node is checking, and will come to the link check."""
+        kv.add(link_coming(round_), 1)
+
     def _left(self) -> float:
         return self._t0 + self._bound - time.monotonic()
 
@@ -155,13 +162,14 @@ class LinkCheck:
         i = kv.add(link_count(round_), 1) - 1
         kv.set(link_node(round_, i), node)
         t0 = last = time.monotonic()
-        seen = -1
+        seen = (-1, -1)
         while (raw := kv.get(link_plan_key(round_))) is None:
             now = time.monotonic()
             came = min(kv.add(link_count(round_), 0), MAX_LINKS)
-            if came != seen:
-                seen, last = came, now
-            if seal_now(came, self._expected, now - last, now - t0):
+            coming = kv.add(link_coming(round_), 0)
+            if (came, coming) != seen:
+                seen, last = (came, coming), now
+            if seal_now(came, coming, self._expected, now - last, now - t0):
                 names = kv.get_many([link_node(round_, j) for j in range(came)])
                 ids = [n.decode(errors="replace")[:ID_LIMIT] for n in names if n is not None]
                 members = tuple(dict.fromkeys(reported(list(dict.fromkeys(ids)))))

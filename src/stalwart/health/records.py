@@ -48,6 +48,12 @@ def verdict_key(round_: int) -> str:
     return f"health/r{round_}/verdict"
 
 
+def link_coming(round_: int) -> str:
+    """Counts the nodes that started checking for the round (they will come to its
+    collective link check once their own checks are done)."""
+    return f"health/r{round_}/links/coming"
+
+
 def link_count(round_: int) -> str:
     """Counts the nodes that came to the round's collective link check."""
     return f"health/r{round_}/links/count"
