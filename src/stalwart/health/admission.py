@@ -277,6 +277,7 @@ class HealthGate:
                     "collective_s": collective.seconds,
                     "collective_stages": collective.stages,
                     "collective_void": collective.void,
+                    "collective_backend": collective.backend,
                 }
             self._checked(
                 round_,

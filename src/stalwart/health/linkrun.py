@@ -246,6 +246,7 @@ def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
         stages=s,
         seconds=round(time.monotonic() - t0, 4),
         void=void,
+        backend=groups.backend,
     )
 
 

@@ -108,6 +108,7 @@ class CollectiveLinks(msgspec.Struct, frozen=True, kw_only=True):
     seconds: _Seconds = 0.0
     # Why it concluded nothing ("": it ran to the end): a forged record, a timeout.
     void: _Problem = ""
+    backend: Annotated[str, msgspec.Meta(max_length=16)] = ""  # "gloo" or "nccl"
 
 
 class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
