@@ -115,6 +115,7 @@ class LinkCheck:
         def pump() -> None:
             for line in iter(lambda: out.readline(_LINE_LIMIT), b""):
                 self._lines.put(line)
+            self._lines.put(b"")  # it ended: no need to wait out the bound
 
         threading.Thread(target=pump, name="stalwart-linkcheck", daemon=True).start()
 
@@ -186,8 +187,9 @@ class LinkCheck:
             return f"a bad member list: {err}"
 
     def _line(self) -> bytes | None:
+        """The process's next line; None when it ended or its bound passed first."""
         try:
-            return self._lines.get(timeout=max(0.0, self._left()))
+            return self._lines.get(timeout=max(0.0, self._left())) or None
         except queue.Empty:
             return None
 
@@ -227,7 +229,7 @@ class LinkCheck:
             kv.create(link_store_key(round_), sign(self._key, rec))
         line = self._line()
         if line is None:
-            return self._void(members, f"no result within {self._bound:g}s")
+            return self._void(members, f"no result (it ended, or ran past {self._bound:g}s)")
         try:
             return msgspec.json.decode(line, type=CollectiveLinks)
         except msgspec.DecodeError as err:
