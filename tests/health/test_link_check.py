@@ -4,6 +4,8 @@ check's processes are real (``python -m stalwart.health.linkrun``, torch, TCPSto
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import subprocess
 import sys
@@ -16,7 +18,7 @@ from torch._C._distributed_c10d import TCPStore
 
 from stalwart.health.admission import HealthGate, HealthSettings
 from stalwart.health.linkcheck import check_key
-from stalwart.health.linkrun import Orders, sealed
+from stalwart.health.linkrun import Forged, Orders, sealed, unseal
 from stalwart.health.records import (
     Blame,
     CollectiveLinks,
@@ -30,6 +32,7 @@ from stalwart.rendezvous.kv import MemoryKV, MemoryStore
 pytestmark = pytest.mark.timeout(90)
 
 KEY = health_key(secrets.token_bytes(32), "job")
+CHECK = check_key(KEY)
 NODES = ("n0", "n1", "n2")
 
 
@@ -77,20 +80,47 @@ def test_a_forged_or_oversized_link_result_is_refused(forge: object) -> None:
     assert list(refused) == ["n1"] and "slow, they say" in refused["n1"]
 
 
+def signed_as(where: str, value: str) -> str:
+    """*value* signed with the check's key, as a member would (whatever it says)."""
+    mac = hmac.new(CHECK, (where + "\0" + value).encode(), hashlib.sha256).hexdigest()
+    return f"{value}|{mac}"
+
+
 @pytest.mark.parametrize(
-    ("forge", "why"),
+    ("raw", "want"),
     [
-        (lambda where: sealed(check_key(health_key(b"y" * 32, "job")), where, 0.001),
-         "not signed with the job's key"),
-        (lambda where: "7" * 2**20, "a value of 1048576 bytes"),
+        (lambda w: sealed(CHECK, w, 0.0125), 0.0125),
+        (lambda w: sealed(CHECK, w, None), None),
+        # Signed for another key, or for another key of the store (a replay).
+        (lambda w: sealed(check_key(health_key(b"y" * 32, "job")), w, 0.001), "not signed"),
+        (lambda w: sealed(CHECK, w + "x", 0.001), "not signed"),
+        # Oversized, garbage, a signed value that is no time.
+        (lambda w: "7" * 2**20, "a value of 1048576 bytes"),
+        (lambda w: "\xff\xfe|" * 3, "not signed"),
+        (lambda w: signed_as(w, "nan"), "not a time"),
+        (lambda w: signed_as(w, "-1.0"), "not a time"),
+        (lambda w: signed_as(w, "soon"), "not a time"),
     ],
 )  # fmt: skip
-def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody(
-    forge: Callable[[str], str], why: str
+def test_a_timing_is_read_back_only_when_it_is_the_checks_own(
+    raw: Callable[[str], str], want: float | str | None
 ) -> None:
+    where = "stalwart-links/r0/s0/g1/t0"
+    value = raw(where).encode("utf-8", "surrogateescape")
+    if isinstance(want, str):
+        with pytest.raises(Forged, match=want):
+            unseal(CHECK, where, value)
+    else:
+        assert unseal(CHECK, where, value) == want
+
+
+def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody() -> None:
     """Members n1 and n2 meet on a store a stranger filled first (n0, whose store it
-    would be, never comes: every group with it fails), with timings not signed with the
-    job's key, or oversized: both members refuse them and conclude nothing."""
+    would be, never comes: every group with it fails), with timings that say n0 is
+    fast, not signed with the job's key: both members refuse them and conclude
+    nothing (without the forgeries they would blame n0's broken links on nobody but
+    n0's own, not on n1 or n2)."""
+    forge = lambda where: sealed(check_key(health_key(b"y" * 32, "job")), where, 0.001)  # noqa: E731
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=5))  # fmt: skip
     prefix = "stalwart-links/r0"
@@ -128,4 +158,4 @@ def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody(
         assert p.returncode == 0, err.decode()[-2000:]
         found = msgspec.json.decode(out.splitlines()[-1], type=CollectiveLinks)
         assert found.nodes == () and found.links == (), found
-        assert "forged timing" in found.void and why in found.void
+        assert "forged timing" in found.void and "not signed" in found.void

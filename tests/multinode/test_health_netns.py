@@ -184,5 +184,6 @@ def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) ->
     # Every pair of nodes was timed, by one end or the other.
     evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
     assert sum(e["links"] for e in evs) == 3
-    # The collective check ran among the three, to the end, in its first stage.
-    assert [(e["collective_stages"], e["collective_void"]) for e in evs] == [(1, "")] * 3
+    # The collective check ran among the three, to the end, on gloo.
+    assert [(e["collective_backend"], e["collective_void"]) for e in evs] == [("gloo", "")] * 3
+    assert all(e["collective_stages"] >= 1 for e in evs)
