@@ -30,7 +30,9 @@ def one_gpu() -> str:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=10))  # fmt: skip
     orders = Orders(rank=0, members=("n0",), host="127.0.0.1", prefix="gpu", key="00")
-    groups = _Groups(orders, store)
+    groups = _Groups(
+        orders, lambda: TCPStore("127.0.0.1", store.port, timeout=timedelta(seconds=10))
+    )
     t = groups.time("gpu/one", 0, 1)
     assert groups.backend == "nccl", groups.backend
     assert t is not None, "a one-rank NCCL all-reduce failed"

@@ -114,21 +114,26 @@ def test_a_timing_is_read_back_only_when_it_is_the_checks_own(
         assert unseal(CHECK, where, value) == want
 
 
-def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody() -> None:
-    """Members n1 and n2 meet on a store a stranger filled first (n0, whose store it
-    would be, never comes: every group with it fails), with timings that say n0 is
-    fast, not signed with the job's key: both members refuse them and conclude
-    nothing (without the forgeries they would blame n0's broken links on nobody but
-    n0's own, not on n1 or n2)."""
-    forge = lambda where: sealed(check_key(health_key(b"y" * 32, "job")), where, 0.001)  # noqa: E731
+@pytest.mark.parametrize("forged", [True, False])
+def test_forged_timings_void_the_check_where_genuine_ones_blame_the_missing_node(
+    forged: bool,
+) -> None:
+    """Members n1 and n2 meet on a store (n0, whose store it would be, said it was
+    ready and vanished: every group with it fails at its timeout). Genuine timings: both
+    find n0 broken and blame it alone. A stranger who filled the stage's keys first with
+    timings that say all is fast, not signed with the job's key: both members refuse
+    them and conclude nothing."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=timedelta(seconds=5))  # fmt: skip
     prefix = "stalwart-links/r0"
-    # Stage 0 of three nodes: the whole group, then the pairs (n1, n2) and (n0, n1).
-    for g, size in enumerate((3, 2, 2)):
-        for i in range(size):
-            where = f"{prefix}/s0/g{g}/t{i}"
-            store.set(where, forge(where))
+    store.set(f"{prefix}/ready/0", signed_as(f"{prefix}/ready/0", "1"))
+    wrong = check_key(health_key(b"y" * 32, "job"))
+    if forged:
+        # Stage 0 of three nodes: the whole group, then the pairs (n1, n2) and (n0, n1).
+        for g, size in enumerate((3, 2, 2)):
+            for i in range(size):
+                where = f"{prefix}/s0/g{g}/t{i}"
+                store.set(where, sealed(wrong, where, 0.001))
     procs = []
     for rank in (1, 2):  # side by side, as on two nodes
         orders = Orders(
@@ -157,5 +162,10 @@ def test_forged_timings_in_the_checks_store_void_it_and_blame_nobody() -> None:
         out, err = p.stdout.read(), p.stderr.read()
         assert p.returncode == 0, err.decode()[-2000:]
         found = msgspec.json.decode(out.splitlines()[-1], type=CollectiveLinks)
-        assert found.nodes == () and found.links == (), found
-        assert "forged timing" in found.void and "not signed" in found.void
+        assert found.links == (), found
+        if forged:
+            assert found.nodes == (), found
+            assert "forged timing" in found.void and "not signed" in found.void
+        else:
+            assert found.void == "" and [b.node for b in found.nodes] == ["n0"], found
+            assert found.backend == "gloo" and found.stages == 2, found

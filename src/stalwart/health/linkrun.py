@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 PAYLOAD = 256 * 1024
 #: Stages at most (a bound on a check that keeps finding suspects).
 MAX_STAGES = 12
+#: Seconds a member waits for the others to be ready (their torch imported) before the
+#: stages start without those still missing (the default of `Orders.start_wait`).
+START_WAIT = 10.0
 _VALUE_LIMIT = 256
 
 _Id = Annotated[str, msgspec.Meta(max_length=ID_LIMIT)]
@@ -58,6 +61,7 @@ class Orders(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"  # "auto": a GPU when one is present, else the CPU
     payload: Annotated[int, msgspec.Meta(gt=0, le=64 * 2**20)] = PAYLOAD
     stage_timeout: Annotated[float, msgspec.Meta(gt=0)] = 2.0
+    start_wait: Annotated[float, msgspec.Meta(ge=0)] = START_WAIT
     limits: Limits = Limits()
 
 
@@ -71,23 +75,31 @@ def _mac(key: bytes, where: str, value: str) -> str:
     return hmac.new(key, f"{where}\0{value}".encode(), hashlib.sha256).hexdigest()
 
 
+def _seal(key: bytes, where: str, value: str) -> str:
+    return f"{value}|{_mac(key, where, value)}"
+
+
 def sealed(key: bytes, where: str, seconds: float | None) -> str:
     """A timing as stored at *where*: its value and MAC."""
-    value = "x" if seconds is None else repr(seconds)
-    return f"{value}|{_mac(key, where, value)}"
+    return _seal(key, where, "x" if seconds is None else repr(seconds))
 
 
 class Forged(ValueError):
     pass
 
 
-def unseal(key: bytes, where: str, raw: bytes) -> float | None:
-    """The timing at *where*; `Forged` when it is not one of this check's."""
+def _unseal(key: bytes, where: str, raw: bytes) -> str:
     if len(raw) > _VALUE_LIMIT:
         raise Forged(f"{where}: a value of {len(raw)} bytes (at most {_VALUE_LIMIT})")
     value, _, mac = raw.decode(errors="replace").rpartition("|")
     if not hmac.compare_digest(mac.encode(), _mac(key, where, value).encode()):
         raise Forged(f"{where}: not signed with the job's key")
+    return value
+
+
+def unseal(key: bytes, where: str, raw: bytes) -> float | None:
+    """The timing at *where*; `Forged` when it is not one of this check's."""
+    value = _unseal(key, where, raw)
     if value == "x":
         return None
     try:
@@ -102,14 +114,14 @@ def unseal(key: bytes, where: str, raw: bytes) -> float | None:
 class _Groups:
     """Makes one small process group at a time on the check's store, and times it."""
 
-    def __init__(self, orders: Orders, store: Store) -> None:
+    def __init__(self, orders: Orders, connect: Callable[[], Store]) -> None:
         import torch
         import torch.distributed as dist
 
         self._torch = torch
         self._dist = dist
         self._o = orders
-        self._store = store
+        self._connect = connect
         if orders.device != "auto":
             self.device = torch.device(orders.device)
         else:
@@ -125,7 +137,9 @@ class _Groups:
         timeout = timedelta(seconds=self._o.stage_timeout)
         from torch._C._distributed_c10d import PrefixStore
 
-        store = PrefixStore(where, self._store)
+        # A connection of its own (``connect``): a group whose peer never comes times
+        # out in a store wait, and a timed-out wait leaves a TCPStore client unusable.
+        store = PrefixStore(where, self._connect())
         if self.backend == "nccl":
             nccl = dist.ProcessGroupNCCL
             opts = nccl.Options()
@@ -176,11 +190,14 @@ def _stage(orders: Orders, store: Store, groups: _Groups, s: int, test: TimeGrou
             i = nodes.index(me)
             t = groups.time(f"{orders.prefix}/s{s}/g{g}/pg", i, len(nodes))
             store.compare_set(where[g][i], "", sealed(key, where[g][i], t))
-    flat = [w for ws in where for w in ws]
-    try:
-        store.wait(flat, timedelta(seconds=orders.stage_timeout * 2 + 1.0))
-    except RuntimeError:  # someone did not finish the stage in time: failed, for all alike
-        pass
+    # Polled, not ``wait``ed: a timed-out wait leaves a TCPStore client unusable. A key
+    # still empty at the deadline is written "failed" below, for all alike.
+    pending = [w for ws in where for w in ws]
+    deadline = time.monotonic() + orders.stage_timeout * 2 + 1.0
+    while pending and time.monotonic() < deadline:
+        pending = [w for w in pending if not store.check([w])]
+        if pending:
+            time.sleep(0.005)
     trials = []
     for g, nodes in enumerate(test.groups):
         times = []
@@ -194,6 +211,36 @@ def _stage(orders: Orders, store: Store, groups: _Groups, s: int, test: TimeGrou
     return trials
 
 
+def _roster(orders: Orders, store: Store) -> tuple[str, ...]:
+    """The members present: each says it is ready (its torch imported, the store
+    reached), and the first to see all of them, or to reach ``start_wait`` after its own
+    word, writes who was (first writer wins), so the stages start together, among the
+    same members everywhere. A member that was not ready in time is left out of the
+    check: no evidence for or against it or its links."""
+    key = bytes.fromhex(orders.key)
+    p = orders.prefix
+    mine = f"{p}/ready/{orders.rank}"
+    store.compare_set(mine, "", _seal(key, mine, "1"))
+    roster = f"{p}/roster"
+    deadline = time.monotonic() + orders.start_wait
+    present: set[int] = set()
+    while not store.check([roster]):
+        for i in set(range(len(orders.members))) - present:
+            k = f"{p}/ready/{i}"
+            if store.check([k]):
+                _unseal(key, k, store.get(k))  # a forged word of readiness: Forged
+                present.add(i)
+        if len(present) == len(orders.members) or time.monotonic() >= deadline:
+            store.compare_set(roster, "", _seal(key, roster, ",".join(map(str, sorted(present)))))
+            break
+        time.sleep(0.005)
+    ranks = _unseal(key, roster, store.get(roster)).split(",")
+    try:
+        return tuple(orders.members[int(i)] for i in ranks)
+    except (ValueError, IndexError):
+        raise Forged(f"{roster}: not a roster") from None
+
+
 def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
     """Runs the check as member *orders.rank*; the first member *announce*s its store."""
     from torch._C._distributed_c10d import TCPStore
@@ -205,15 +252,23 @@ def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
     if first:
         store = TCPStore(orders.host, 0, is_master=True, wait_for_workers=False,
                               timeout=timeout)  # fmt: skip
+        host, port = orders.host, store.port
         announce(msgspec.json.encode(Serving(f"{orders.host}:{store.port}")).decode())
     else:
-        host, _, port = orders.store.rpartition(":")
-        store = TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout)
-    groups = _Groups(orders, store)
+        host, _, at = orders.store.rpartition(":")
+        host, port = host.strip("[]"), int(at)
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+    groups = _Groups(orders, lambda: TCPStore(host, port, is_master=False, timeout=timeout))
     trials: list[Trial] = []
     void = ""
-    step = next_step(members, trials, orders.limits)
     s = 0
+    try:
+        members = _roster(orders, store)
+    except Forged as err:
+        members, void = (), f"a forged roster in the link check's store: {err}"
+    except (RuntimeError, OSError) as err:
+        members, void = (), f"lost the link check's store: {err}"
+    step: TimeGroups | Found = Found() if void else next_step(members, trials, orders.limits)
     while isinstance(step, TimeGroups):
         if s >= MAX_STAGES:
             void = f"no conclusion after {MAX_STAGES} stages"
@@ -234,13 +289,16 @@ def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
             # The store lives in this process: give the others a moment to read the
             # last stage before it goes (they need nothing after that).
             done = [f"{orders.prefix}/done/{i}" for i in range(1, len(members))]
-            store.wait(done, timedelta(seconds=orders.stage_timeout))
+            until = time.monotonic() + orders.stage_timeout
+            while done and time.monotonic() < until:
+                done = [d for d in done if not store.check([d])]
+                time.sleep(0.005)
         else:
             store.set(f"{orders.prefix}/done/{orders.rank}", "1")
     except (RuntimeError, OSError):
         pass  # a member gone by now changes nothing found
     return CollectiveLinks(
-        members=members,
+        members=members or orders.members,
         nodes=tuple(Blame(n.node, n.reason) for n in found.nodes),
         links=tuple(LinkBlame(x.a, x.b, x.reason) for x in found.links),
         stages=s,
