@@ -1,6 +1,7 @@
 """Sharded checkpoints: an FSDP2 model + AdamW on 2 gloo ranks, DCP vs stalwart's DCP path.
 
     .venv/bin/python bench/bench_dcp.py [--mib 384] [--repeats 3] [--markdown]
+        [--sections save,restore,crash]   (as root: it drops the page cache)
 
 Measured in the same two processes, interleaved, per repeat:
   - stall (the save call returns) and durable (the step is on disk, fsync'd) for
