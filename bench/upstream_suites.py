@@ -186,6 +186,22 @@ SUITES = (
         timeout_s=120,
     ),
     Suite(
+        "torch elastic/multiprocessing redirects_test.py",
+        "pytorch",
+        ("test/distributed/elastic/multiprocessing/redirects_test.py",),
+        ("test/distributed/elastic/multiprocessing/redirects_test.py",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
+        "torch elastic/multiprocessing tail_log_test.py",
+        "pytorch",
+        ("test/distributed/elastic/multiprocessing/tail_log_test.py",),
+        ("test/distributed/elastic/multiprocessing/tail_log_test.py",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
         "torch elastic/timer file_based_local_timer_test.py",
         "pytorch",
         ("test/distributed/elastic/timer/file_based_local_timer_test.py",),
