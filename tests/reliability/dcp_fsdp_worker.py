@@ -172,6 +172,8 @@ elif mode == "async":
         staged.result()
         train(model, optim, data, 1)  # changes after staging stay out of the step
         done.result()
+    assert saver.shard_process is not None
+    print(f"SHARDS WRITTEN BY {saver.shard_process.pid} FOR {os.getpid()}", flush=True)
     saver.close()
 elif mode == "ckpt":
     from stalwart.checkpoint import AsyncCheckpointer
