@@ -122,6 +122,7 @@ def test_shards_from_the_subprocess_are_plain_dcp_and_stay_private(tmp_path: Pat
         assert any("memfd:stalwart-ckpt-staging" in p for p in maps), maps
         assert not [p for p in maps if p.startswith("/dev/shm")]
         assert saver.shard_process.pid == writer_pid  # one writer for every save
+        assert saver.shard_process.writes == 2
     finally:
         saver.close()
     folder = tmp_path / "step_000000002"
@@ -164,8 +165,9 @@ def test_a_script_without_main_guard_runs_once(tmp_path: Path) -> None:
 def test_writer_killed_mid_save_fails_that_step_only(tmp_path: Path) -> None:
     saver = sdcp.AsyncDcpSaver(tmp_path, keep_last=3)
     try:
-        saver.save(state(1), 1)[1].result(timeout=100)
         assert saver.shard_process is not None
+        saver.shard_process.wait_ready(timeout=100)
+        saver.save(state(1), 1)[1].result(timeout=100)
         pid = saver.shard_process.pid
         assert pid is not None
         # Stopped, the writer cannot finish before it is killed: the save is in
@@ -186,6 +188,7 @@ def test_writer_killed_mid_save_fails_that_step_only(tmp_path: Path) -> None:
         # The next save gets a new writer.
         saver.save(state(3), 3)[1].result(timeout=100)
         assert saver.shard_process.pid not in (None, pid)
+        assert saver.shard_process.writes == 2  # steps 1 and 3
     finally:
         saver.close()
     target = blank()

@@ -16,35 +16,24 @@ from __future__ import annotations
 
 import atexit
 import io
+import logging
 import os
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .dcp_storage import HashingFile
-from .manifest import DEFAULT_ALGORITHM, FileEntry, new_hasher
+from .dcp_shard_writer import FILES_KEY, ShardFileWriter, WrittenFile
+from .manifest import DEFAULT_ALGORITHM, FileEntry
 from .process import CheckpointProcess
 from .process_args import WriterProcessConfig
 
+logger = logging.getLogger(__name__)
+
 SHARD_SUFFIX = ".distcp"
-_FILES = "files"
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """One shard file the subprocess wrote: each item's (offset, length), in the order
-    given, and the file's size and checksum."""
-
-    name: str
-    extents: tuple[tuple[int, int], ...]
-    entry: FileEntry
 
 
 def file_layout(
@@ -115,56 +104,6 @@ def write_results(
     return results
 
 
-class ShardFileWriter:
-    """Runs in the writer subprocess: writes one rank's shard files into ``path``."""
-
-    def __init__(self, algorithm: str = DEFAULT_ALGORITHM) -> None:
-        new_hasher(algorithm)
-        self.algorithm = algorithm
-
-    def write(
-        self, state_dict: Any, path: str, *, release: Callable[[], None], **kwargs: Any
-    ) -> list[WrittenFile]:
-        folder = Path(path)
-        opened: list[tuple[str, HashingFile, tuple[tuple[int, int], ...]]] = []
-        try:
-            for name, datas in state_dict[_FILES]:
-                if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
-                    raise ValueError(f"shard file name {name!r}: expected a plain file name")
-                raw = HashingFile(folder / name, new_hasher(self.algorithm))
-                opened.append((name, raw, _write_items(raw, datas)))
-            # The shared buffer is read no more: the rank may stage its next save
-            # while these files reach the disk.
-            release()
-            written: list[WrittenFile] = []
-            for name, raw, extents in opened:
-                os.fsync(raw.fileno())
-                entry = FileEntry(raw.size, raw.digest(), self.algorithm)
-                written.append(WrittenFile(name, extents, entry))
-            return written
-        finally:
-            for opened_file in opened:
-                opened_file[1].close()
-
-
-def _write_items(
-    raw: HashingFile, datas: list[bytes | torch.Tensor]
-) -> tuple[tuple[int, int], ...]:
-    # DCP's format: byte items as they are, each tensor as one torch.save record.
-    stream = io.BufferedWriter(raw, buffer_size=1 << 20)
-    extents: list[tuple[int, int]] = []
-    for data in datas:
-        offset = stream.tell()
-        if isinstance(data, bytes):
-            stream.write(data)
-        else:
-            torch.save(data, stream)
-        extents.append((offset, stream.tell() - offset))
-    stream.flush()
-    stream.detach()  # the raw file stays open for its fsync
-    return tuple(extents)
-
-
 class ShardProcess:
     """The rank's writer subprocess for DCP shard files (one per process is enough:
     DCP writes one save at a time per rank)."""
@@ -177,10 +116,28 @@ class ShardProcess:
             ShardFileWriter, {"algorithm": algorithm}, config=config or WriterProcessConfig()
         )
         self._lock = threading.Lock()
+        self._start_failure_logged = False
+        # Saves whose shards this subprocess wrote.
+        self.writes = 0
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    def ready(self) -> bool:
+        """Whether the subprocess has started and answered; until then (or when its
+        start failed) DCP writes the shards itself, so no save waits for an interpreter
+        to start."""
+        started = self._proc.process_creation_future
+        if not started.done():
+            return False
+        failed = started.exception()
+        if failed is not None and not self._start_failure_logged:
+            self._start_failure_logged = True
+            logger.warning(
+                "DCP shards are written in the rank: the writer did not start: %s", failed
+            )
+        return failed is None
 
     def wait_ready(self, timeout: float | None = None) -> None:
         self._proc.wait_ready(timeout)
@@ -195,9 +152,10 @@ class ShardProcess:
     ) -> tuple[list[WriteResult], dict[str, FileEntry]]:
         """Write one rank's items as DCP shard files; their results and file entries."""
         layout = file_layout(prefix, items, files)
-        payload = {_FILES: [(name, [_resolve(planner, i) for i in b]) for name, b in layout]}
+        payload = {FILES_KEY: [(name, [_resolve(planner, i) for i in b]) for name, b in layout]}
         with self._lock:
             written: list[WrittenFile] = self._proc.write(payload, str(folder)).result()
+            self.writes += 1
         return write_results(layout, written), {w.name: w.entry for w in written}
 
     def close(self) -> None:

@@ -51,9 +51,10 @@ from .dcp_records import (
     rank_record_name,
     steps_to_delete,
 )
+from .dcp_shard_writer import HashingFile
 from .errors import CheckpointCorruptError, CheckpointError, WriterDiedError, WriterError
 from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
-from .manifest import DEFAULT_ALGORITHM, FileEntry, Hasher, file_checksum, new_hasher
+from .manifest import DEFAULT_ALGORITHM, FileEntry, file_checksum, new_hasher
 
 if TYPE_CHECKING:
     from .dcp_shards import ShardProcess
@@ -72,34 +73,6 @@ class DcpWriteError(CheckpointError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
-
-
-class HashingFile(io.FileIO):
-    """A file that hashes what is written to it, as long as it is written in order."""
-
-    def __init__(self, path: Path, hasher: Hasher) -> None:
-        super().__init__(path, "w")
-        self._hasher = hasher
-        self.size = 0
-        self.in_order = True
-
-    def write(self, b: Any, /) -> int:
-        n = super().write(b)
-        if n:
-            self._hasher.update(memoryview(b).cast("B")[:n])
-            self.size += n
-        return n
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET, /) -> int:
-        at = super().seek(pos, whence)
-        if at != self.size:
-            # A writer that goes back would make the running hash wrong; the file
-            # is then hashed again from disk once closed.
-            self.in_order = False
-        return at
-
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
 
 
 class _HashingFileSystem(FileSystem):
@@ -308,7 +281,7 @@ class DcpWriter(FileSystemWriter):
     ) -> Future[list[WriteResult]]:
         prefix: str = plan.storage_data.prefix
         proc = self.shard_process
-        if proc is not None and self._plain_format():
+        if proc is not None and self._plain_format() and proc.ready():
             results, entries = proc.write(
                 self.folder, prefix, plan.items, planner, self.thread_count
             )
