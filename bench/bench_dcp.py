@@ -91,6 +91,9 @@ def rank_main(ns: argparse.Namespace) -> None:
         work / "stalwart-thread", keep_last=2, process_group=ckpt_group, subprocess=False
     )
     async_stager = DefaultStager(StagingOptions(False, False, True, False))
+    if saver.shard_process is not None:
+        # A save before the writer answered writes in the rank: time the subprocess.
+        saver.shard_process.wait_ready(timeout=300)
 
     def emit(**rec: object) -> None:
         if rank == 0:
