@@ -61,6 +61,7 @@ def rank_main(ns: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.process_args import WriterProcessConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -84,7 +85,13 @@ def rank_main(ns: argparse.Namespace) -> None:
     dist.all_reduce(total)
     work = Path(ns.work)
     ckpt_group = dist.new_group(backend="gloo")
-    saver = sdcp.AsyncDcpSaver(work / "stalwart", keep_last=2, process_group=ckpt_group)
+    saver = sdcp.AsyncDcpSaver(
+        work / "stalwart",
+        keep_last=2,
+        process_group=ckpt_group,
+        # A loaded host can take over a minute to start an interpreter that imports torch.
+        writer_config=WriterProcessConfig(init_timeout_s=600.0),
+    )
     # The same saver with DCP writing the shards on its own thread in the rank (the
     # path before the writer subprocess), for the before/after rows.
     thread_saver = sdcp.AsyncDcpSaver(
@@ -93,7 +100,7 @@ def rank_main(ns: argparse.Namespace) -> None:
     async_stager = DefaultStager(StagingOptions(False, False, True, False))
     if saver.shard_process is not None:
         # A save before the writer answered writes in the rank: time the subprocess.
-        saver.shard_process.wait_ready(timeout=300)
+        saver.shard_process.wait_ready(timeout=600)
 
     def emit(**rec: object) -> None:
         if rank == 0:

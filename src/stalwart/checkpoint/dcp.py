@@ -44,6 +44,7 @@ from .dcp_shards import ShardProcess
 from .dcp_stager import ReusingStager
 from .dcp_storage import DcpReader, DcpWriter, read_record, verify_entries
 from .errors import CheckpointCorruptError, CheckpointError
+from .process_args import WriterProcessConfig
 from .ram import RamSegment
 from .writer import SaveResult
 
@@ -225,7 +226,7 @@ class AsyncDcpSaver:
     segment to use, else this local rank's). ``subprocess`` (default): the shard files
     are written, checksummed and fsync'd by a writer subprocess of this saver's from
     shared memory (see :mod:`~stalwart.checkpoint.dcp_shards`), not by DCP's thread
-    in this process.
+    in this process; ``writer_config``: its start-up and write timeouts.
     """
 
     def __init__(
@@ -238,6 +239,7 @@ class AsyncDcpSaver:
         ram: bool = True,
         segment: RamSegment | None = None,
         subprocess: bool = True,
+        writer_config: WriterProcessConfig | None = None,
     ) -> None:
         self.root = Path(root)
         self._segment = (segment or local_segment()) if ram else None
@@ -250,7 +252,7 @@ class AsyncDcpSaver:
         self.process_group = process_group
         self.stager = ReusingStager(background=background)
         # Started now, so its interpreter is up by the first save's write.
-        self.shard_process = ShardProcess() if subprocess else None
+        self.shard_process = ShardProcess(config=writer_config) if subprocess else None
         self._last: Future[Any] | None = None
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
