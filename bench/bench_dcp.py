@@ -7,7 +7,8 @@ Measured in the same two processes, interleaved, per repeat:
   - stall (the save call returns) and durable (the step is on disk, fsync'd) for
     dcp.async_save with its default stager, with its asynchronous stager
     (DefaultStager, use_async_staging), and stalwart's AsyncDcpSaver (DcpWriter
-    + ReusingStager: commit record, checksums, keep-last);
+    + ReusingStager: commit record, checksums, keep-last) with its shards written by
+    the writer subprocess (default) and by DCP's thread in the rank;
   - a plain write of the same bytes with fsync (the disk's limit);
   - restore: dcp.load vs stalwart's load_newest (which also verifies every
     checksum), both after dropping the files from the page cache.
@@ -40,6 +41,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# "stalwart": shards written by the writer subprocess from shared memory (the default);
+# "stalwart (in-rank writes)": by DCP's thread in the rank, as before.
+SAVES = ("dcp default", "dcp async stager", "stalwart", "stalwart (in-rank writes)", "plain write")
 ROOT = HERE.parent
 JOB = HERE / "dcp_crash_job.py"
 SECTIONS = ("save", "restore", "crash")
@@ -75,6 +79,7 @@ def rank_main(ns: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.process_args import WriterProcessConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -98,8 +103,22 @@ def rank_main(ns: argparse.Namespace) -> None:
     dist.all_reduce(total)
     work = Path(ns.work)
     ckpt_group = dist.new_group(backend="gloo")
-    saver = sdcp.AsyncDcpSaver(work / "stalwart", keep_last=2, process_group=ckpt_group)
+    saver = sdcp.AsyncDcpSaver(
+        work / "stalwart",
+        keep_last=2,
+        process_group=ckpt_group,
+        # A loaded host can take over a minute to start an interpreter that imports torch.
+        writer_config=WriterProcessConfig(init_timeout_s=600.0),
+    )
+    # The same saver with DCP writing the shards on its own thread in the rank (the
+    # path before the writer subprocess), for the before/after rows.
+    thread_saver = sdcp.AsyncDcpSaver(
+        work / "stalwart-thread", keep_last=2, process_group=ckpt_group, subprocess=False
+    )
     async_stager = DefaultStager(StagingOptions(False, False, True, False))
+    if saver.shard_process is not None:
+        # A save before the writer answered writes in the rank: time the subprocess.
+        saver.shard_process.wait_ready(timeout=600)
 
     def emit(**rec: object) -> None:
         if rank == 0:
@@ -107,7 +126,7 @@ def rank_main(ns: argparse.Namespace) -> None:
 
     emit(kind="size", total_bytes=int(total.item()), layers=layers)
     for rep in range(ns.repeats):
-        for method in ("dcp default", "dcp async stager", "stalwart", "plain write"):
+        for method in SAVES:
             dist.barrier()
             folder = work / f"plain-{rep}" if method != "stalwart" else None
             t0 = time.perf_counter()
@@ -124,8 +143,9 @@ def rank_main(ns: argparse.Namespace) -> None:
                 )
                 stall = time.perf_counter() - t0
                 resp.upload_completion.result()  # type: ignore[union-attr]
-            elif method == "stalwart":
-                _staged, done = saver.save(state, rep + 1)
+            elif method.startswith("stalwart"):
+                chosen = saver if method == "stalwart" else thread_saver
+                _staged, done = chosen.save(state, rep + 1)
                 stall = time.perf_counter() - t0
                 done.result()
             else:
@@ -161,6 +181,7 @@ def rank_main(ns: argparse.Namespace) -> None:
         for p in work.glob(f"raw-{rep}-*"):
             p.unlink(missing_ok=True)
     saver.close()
+    thread_saver.close()
     async_stager.close()
     dist.barrier()
     dist.destroy_process_group()
@@ -251,7 +272,7 @@ def report(recs: list[dict], ns: argparse.Namespace, before: str, after: str) ->
     astall = med([r["stall"] for r in saves if r["method"] == "dcp async stager"])
     print("| save | stall s | durable s | durable ÷ plain write | stall ÷ DCP async stager |")
     print("|---|---|---|---|---|")
-    for method in ("dcp default", "dcp async stager", "stalwart", "plain write"):
+    for method in SAVES:
         rows = [r for r in saves if r["method"] == method]
         stall, durable = med([r["stall"] for r in rows]), med([r["durable"] for r in rows])
         print(
