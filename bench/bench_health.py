@@ -3,8 +3,9 @@
 N = 2, 4, 8 nodes start at once, each a ``stalwart run`` of a worker that stamps the
 moment its process group and DDP model are up (``rdzv_stamp.py``); once without and once
 with ``--node-health``, side by side in each repeat. Printed per N: each node's check
-time (its own checks and the link timing, from its ``health_checked`` event; the round
-waits for the slowest node), and the time from the start until every worker is up, with
+time (its own checks, the echo timing and the collective link check, waiting for its
+process's torch import included, from its ``health_checked`` event; the round waits for
+the slowest node), the collective check's own time in its process (``collective_s``), and the time from the start until every worker is up, with
 and without the checks. No anchor runs such a check (torchrun has none; NVIDIA's
 ft_launcher 0.4.1, the newest here, neither), so the baseline is stalwart without it.
 
@@ -33,8 +34,11 @@ STAMP = HERE / "rdzv_stamp.py"
 CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=30,join_timeout=120"
 
 
-def once(hosts: list[Host], work: Path, health: bool) -> tuple[float | None, list[float]]:
-    """(seconds until every worker is up, each node's check seconds)."""
+def once(
+    hosts: list[Host], work: Path, health: bool
+) -> tuple[float | None, list[float], list[float]]:
+    """(seconds until every worker is up, each node's check seconds, each node's
+    collective link check seconds in its process)."""
     n = len(hosts)
     endpoint = f"{hosts[0].addr}:{free_port()}"
     stamps = work / "stamps"
@@ -68,17 +72,22 @@ def once(hosts: list[Host], work: Path, health: bool) -> tuple[float | None, lis
         kill_leftovers(work)
     got = [float(f.read_text()) for f in stamps.glob("stamp_*")]
     checks = []
+    collective = []
     for f in work.glob("logs*/*/events.jsonl"):
         for line in f.read_text().splitlines():
             e = json.loads(line)
             if e["event"] == "health_checked":
                 checks.append(float(e["seconds"]) + float(e.get("links_s", 0.0)))
+                if "collective_s" in e:
+                    collective.append(float(e["collective_s"]))
+                if e.get("collective_void"):
+                    print(f"  collective check void: {e['collective_void']}", flush=True)
             if e["event"] == "node_excluded":
                 print(f"  FALSE EXCLUSION in a healthy run: {e['reasons']}", flush=True)
     if not ok or len(got) != n:
         print(f"  a run failed; logs: {work}", flush=True)
-        return None, checks
-    return max(got) - t0, checks
+        return None, checks, collective
+    return max(got) - t0, checks, collective
 
 
 def main() -> int:
@@ -100,14 +109,16 @@ def main() -> int:
         plain: list[float] = []
         checked: list[float] = []
         per_node: list[float] = []
+        in_proc: list[float] = []
         slowest: list[float] = []
         loads = []
         try:
             hosts = [net.add_host() for _ in range(n)]
             for r in range(ns.repeats):
                 loads.append(os.getloadavg()[0])
-                up, _ = once(hosts, base / f"plain{r}", health=False)
-                up_h, checks = once(hosts, base / f"health{r}", health=True)
+                up, _, _ = once(hosts, base / f"plain{r}", health=False)
+                up_h, checks, coll = once(hosts, base / f"health{r}", health=True)
+                in_proc += coll
                 if up is not None:
                     plain.append(up)
                 if up_h is not None:
@@ -122,12 +133,14 @@ def main() -> int:
             net.close()
             shutil.rmtree(base, ignore_errors=True)
         rows.append([
-            str(n), spread(per_node), spread(slowest), fmt(med(plain)), fmt(med(checked)),
+            str(n), spread(per_node), spread(slowest), spread(in_proc), fmt(med(plain)),
+            fmt(med(checked)),
             ratio(med(checked), med(plain)), f"{min(loads):.1f}-{max(loads):.1f}",
         ])  # fmt: skip
     show(
         "node health checks: what they add to a round (netns hosts, gloo on CPU)",
-        ["nodes", "check per node (min/med/max)", "slowest node per round", "all workers up, no checks",
+        ["nodes", "check per node (min/med/max)", "slowest node per round",
+         "collective check in its process", "all workers up, no checks",
          "with --node-health", "ratio", "load (1 min)"],
         rows, ns.markdown,
     )  # fmt: skip

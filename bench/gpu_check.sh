@@ -65,4 +65,7 @@ check health_run 240 bash -c '"$@" && echo "gpu_check health_run ok"' _ "${run[@
   bench/gpu_check.py env --device "$DEV"
 grep -q '"event": *"node_excluded"' "$RES"/runs/*/events.jsonl 2>/dev/null \
   && { echo "FAIL health_run: a healthy GPU node was kept out"; failed=1; }
+# The collective link check's process: one per GPU on NCCL (one GPU: a one-rank NCCL
+# group), each must conclude and blame nobody; on CPU, three on gloo.
+check health_links 180 "$PY" bench/gpu_links.py --device "$DEV"
 exit $failed

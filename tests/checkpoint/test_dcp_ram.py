@@ -124,3 +124,42 @@ def test_checksum_mismatch_is_skipped_and_a_good_set_found(tmp_path: Path) -> No
         f.seek(at + held.record.tensor_offset + 50)
         f.write(b"\x01")
     assert find_shards(path.parent, "/r", 1, 2) is None
+
+
+def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The load reads the slot through the mapping find_shards verified: one hash of the
+    bytes (the old path hashed them again, then copied them out before DCP read them),
+    and another checkpoint folder's newer shard set in the same segment is passed over
+    without a warning."""
+    import torch
+
+    from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.dcp_ram import load_from_ram, snapshot_step
+
+    path = _segment(tmp_path)
+    mine, other = tmp_path / "ckpt", tmp_path / "other"
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "b": torch.ones(3)}
+    seg = RamSegment.open(path)
+    try:
+        for root, step in ((mine, 1), (other, 2)):
+            md = sdcp.save(state, root, step, ram=False)
+            snapshot_step(seg, root, step, md, 0, 1)
+    finally:
+        seg.close()
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))
+    hashed: list[int] = []
+    verify = RamSegment.verify
+
+    def counting(self: RamSegment, slot: int, record: rl.CommitRecord) -> None:
+        hashed.append(slot)
+        verify(self, slot, record)
+
+    monkeypatch.setattr(RamSegment, "verify", counting)
+    into = {"w": torch.zeros(1 << 16), "b": torch.zeros(3)}
+    with caplog.at_level("WARNING", logger="stalwart.checkpoint.dcp_ram"):
+        assert load_from_ram(into, mine, 1) == 1
+    assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
+    assert len(hashed) == 1, hashed
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

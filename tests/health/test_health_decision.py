@@ -12,8 +12,8 @@ from stalwart.health.records import By, NodeReport
 WAIT = 20.0
 
 
-def rep(*problems: str) -> NodeReport:
-    return NodeReport(run_id="job", round=0, node="n1", host="h1", problems=problems)
+def rep(*problems: str, final: bool = True) -> NodeReport:
+    return NodeReport(run_id="job", round=0, node="n1", host="h1", problems=problems, final=final)
 
 
 def c(
@@ -42,6 +42,11 @@ SLOW = "compute 10 products/s is 8% of its peers' median 120 (below 30%)"
         (c(None, silent=0.0), True, Pending()),
         (c(None, silent=WAIT - 0.01), True, Pending()),
         (c(None, silent=WAIT), True, Refuse(By.NO_REPORT, ("no health report within 20s of joining",))),
+        # A report whose links are still being timed: waited for like a missing one.
+        (c(rep(final=False), silent=WAIT - 0.01), True, Pending()),
+        (c(rep("disk full", final=False), silent=0.0), True, Pending()),
+        (c(rep(final=False), silent=WAIT), True,
+         Refuse(By.NO_REPORT, ("no complete health report (links) within 20s of joining",))),
         # A quarantine wins over everything, and is not waited for.
         (c(rep(), quarantine=Q), True, Refuse(By.QUARANTINE, (Q,))),
         (c(rep("disk full"), quarantine=Q), True, Refuse(By.QUARANTINE, (Q,))),

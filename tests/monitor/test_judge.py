@@ -8,7 +8,14 @@ import math
 import pytest
 
 from stalwart.monitor import HangKind, MonitorConfig
-from stalwart.monitor.judge import judge, next_deadline, problems
+from stalwart.monitor.judge import (
+    LOOK_SHARE,
+    judge,
+    judged_early,
+    lookout,
+    next_deadline,
+    problems,
+)
 from stalwart.monitor.layout import MAX_SECTIONS, SlotSnapshot, SlotState
 
 ZERO = (0.0,) * MAX_SECTIONS
@@ -140,3 +147,89 @@ def test_next_deadline_is_when_judge_first_finds_a_hang(
     if due is not None:
         assert judge(snap, names, cfg, due - 1e-6, floor=1.0) is None
         assert judge(snap, names, cfg, due + 1e-6, floor=1.0) is not None
+
+
+@pytest.mark.parametrize(
+    ("snap", "cfg", "lead", "look"),
+    [
+        # A learned 0.6 s deadline: the first look a window (0.3 s) before it.
+        (slot(last_hb=110.0), MonitorConfig(hb_timeout=0.6), 0.3, (110.0, 110.3, 110.6)),
+        (slot(last_hb=110.0), MonitorConfig(hb_timeout=5), 0.3, (110.0, 114.7, 115.0)),
+        # Shorter than two windows: never before half of it (a rank that just stepped
+        # is not late by its rhythm).
+        (slot(last_hb=110.0), MonitorConfig(hb_timeout=0.4), 0.3, (110.0, 110.2, 110.4)),
+        (slot(last_hb=110.0), MonitorConfig(hb_timeout=0.1), 0.3, (110.0, 110.05, 110.1)),
+        # Before the first heartbeat: the initial clock, from attach.
+        (slot(), MonitorConfig(hb_timeout=2, hb_initial_timeout=10), 0.3, (100.0, 109.7, 110.0)),
+        # The earliest of several clocks decides.
+        (
+            slot(last_hb=110.0, name_count=1, oos_start=110.2),
+            MonitorConfig(hb_timeout=5, out_of_section_timeout=0.8),
+            0.3,
+            (110.2, 110.7, 111.0),
+        ),
+        (slot(last_hb=110.0), MonitorConfig(), 0.3, None),  # no deadline runs
+        # Hostile slot values (any process of the job can write its slot): a timestamp
+        # nobody could have written honestly runs no clock, a bad override is ignored.
+        (slot(last_hb=1e300), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (slot(last_hb=math.nan), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (slot(last_hb=-math.inf), MonitorConfig(hb_timeout=0.6), 0.3, None),
+        (
+            slot(last_hb=110.0, hb_override=-5.0),
+            MonitorConfig(hb_timeout=0.6),
+            0.3,
+            (110.0, 110.3, 110.6),
+        ),
+        (
+            slot(last_hb=110.0, hb_override=1e-300),
+            MonitorConfig(hb_timeout=2),
+            0.3,
+            (110.0, 111.7, 112.0),
+        ),
+        (slot(pid=0), MonitorConfig(hb_timeout=2), 0.3, None),
+        (slot(last_hb=110.0), MonitorConfig(hb_timeout=2), -1.0, (110.0, 112.0, 112.0)),
+    ],
+)
+def test_lookout_is_a_window_before_the_deadline_once_late(
+    snap: SlotSnapshot, cfg: MonitorConfig, lead: float, look: tuple[float, float, float] | None
+) -> None:
+    got = lookout(snap, ["fwd"], cfg, 110.0, floor=1.0, lead=lead)
+    if look is None:
+        assert got is None
+        return
+    assert got is not None
+    assert (got.since, got.look, got.due) == pytest.approx(look)
+    assert got.due == pytest.approx(next_deadline(snap, ["fwd"], cfg, 110.0, floor=1.0))
+    assert got.look - got.since >= LOOK_SHARE * (got.due - got.since) - 1e-9
+
+
+@pytest.mark.parametrize(
+    ("snap", "cfg", "now", "want"),
+    [
+        # Not yet past its 0.6 s deadline: its heartbeat clock, with its real age.
+        (slot(last_hb=110.0, iteration=40), MonitorConfig(hb_timeout=0.6), 110.4, (0.6, 0.4)),
+        # Past it: exactly judge's verdict.
+        (slot(last_hb=110.0, iteration=40), MonitorConfig(hb_timeout=0.6), 110.7, (0.6, 0.7)),
+        # The nearest of several deadlines names the kind (here the section's).
+        (
+            slot(last_hb=110.0, name_count=1, open_times=opened(0, 110.1), limits=opened(0, 0.3)),
+            MonitorConfig(hb_timeout=5),
+            110.2,
+            (0.3, 0.2),
+        ),
+        (slot(last_hb=110.0), MonitorConfig(), 110.4, None),  # no deadline runs
+        (slot(last_hb=1e300), MonitorConfig(hb_timeout=0.6), 110.4, None),  # forged time
+        (slot(pid=0, last_hb=110.0), MonitorConfig(hb_timeout=0.6), 110.4, None),
+    ],
+)
+def test_judged_early_reads_the_nearest_deadline(
+    snap: SlotSnapshot, cfg: MonitorConfig, now: float, want: tuple[float, float] | None
+) -> None:
+    got = judged_early(snap, ["fwd"], cfg, now, floor=1.0)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got.stalled_since == 110.0
+    assert (got.timeout, got.last_heartbeat_age) == pytest.approx(want)
+    past = judge(snap, ["fwd"], cfg, now, floor=1.0)
+    assert past is None or past == got

@@ -4,6 +4,7 @@ optimizer-step hook's counting, each as a table or on real torch optimizers."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from stalwart.monitor.auto import Rhythm
 from stalwart.monitor.config import RHYTHM_WARMUP_STEPS
 from stalwart.monitor.evidence import ProcSample, Role
 from stalwart.monitor.judge import Stalled, blame
+from stalwart.monitor.suspicions import Bystander, Late, judged_with
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -364,6 +366,11 @@ def test_a_slot_written_by_another_process_is_left_alone(slots) -> None:  # type
 
 
 # -- suspicions: the evidence cycle, with scripted samples ------------------------------
+def _past(pids: dict[int, int], since: float = 1.0, due: float = 9.0) -> dict[int, Late]:
+    """Ranks past their deadline `due`, silent since `since`."""
+    return {lr: Late(pid, since, due, True) for lr, pid in pids.items()}
+
+
 def _suspicions(states: dict[int, list[tuple[str, float]]], tmp_path: Path):  # type: ignore[no-untyped-def]
     from stalwart.monitor.suspicions import Suspicions, Watched
 
@@ -390,17 +397,17 @@ def test_suspicion_needs_evidence_and_holds_victims_for_their_culprit(tmp_path: 
     # Rank 0 waits in a collective, rank 1 sleeps in its own code; rank 1's deadline is
     # found one scan later than rank 0's.
     s, watched, asked, files = _suspicions({100: [("S", 1.0)], 101: [("S", 2.0)]}, tmp_path)
-    assert s.confirm({0: 100}, watched, 10.0) == {}
+    assert s.confirm(_past({0: 100}), watched, 10.0) == {}
     assert sorted(asked) == [100, 101]  # everyone's stacks, at the first suspicion
     files[100].write_text(
         "old dump\n" + _dump((f"{TORCH}/autograd/graph.py", "_engine_run_backward"))
     )
     files[101].write_text("old dump\n" + _dump(("/job/train.py", "<module>")))
-    assert s.confirm({0: 100, 1: 101}, watched, 10.1) == {}
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.1) == {}
     # Rank 0 is hung (no CPU) but waits on peers while rank 1 is still suspected: held.
-    assert s.confirm({0: 100, 1: 101}, watched, 10.35) == {}
-    assert s.confirm({0: 100, 1: 101}, watched, 10.38) == {}
-    found = s.confirm({0: 100, 1: 101}, watched, 10.45)
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.35) == {}
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.38) == {}
+    found = s.confirm(_past({0: 100, 1: 101}), watched, 10.45)
     assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.ELSEWHERE}
     assert "train.py" in found[1].where and "old dump" not in found[1].where
 
@@ -409,24 +416,161 @@ def test_a_waiter_is_never_handed_over_while_its_peer_is_busy(tmp_path: Path) ->
     # Rank 1 writes a slow checkpoint (busy), rank 0 waits for it in a collective.
     busy = [("S", 1.0 + 0.3 * i) for i in range(100)]
     s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: busy}, tmp_path)
-    s.confirm({0: 100, 1: 101}, watched, 10.0)
+    s.confirm(_past({0: 100, 1: 101}), watched, 10.0)
     files[100].write_text(
         "old dump\n" + _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"))
     )
     for k in range(1, 60):
-        assert s.confirm({0: 100, 1: 101}, watched, 10.0 + 0.1 * k) == {}
+        assert s.confirm(_past({0: 100, 1: 101}), watched, 10.0 + 0.1 * k) == {}
 
 
 def test_a_busy_rank_is_never_confirmed(tmp_path: Path) -> None:
     cpu = [("R", 1.0 + 0.3 * i) for i in range(50)]
     s, watched, _, _ = _suspicions({100: cpu, 101: cpu}, tmp_path)
     for k in range(40):
-        assert s.confirm({0: 100}, watched, 10.0 + 0.1 * k) == {}
+        assert s.confirm(_past({0: 100}), watched, 10.0 + 0.1 * k) == {}
 
 
 def test_a_rank_that_progresses_is_no_longer_suspected(tmp_path: Path) -> None:
     s, watched, _, _ = _suspicions({100: [("S", 1.0)], 101: [("S", 1.0)]}, tmp_path)
-    s.confirm({0: 100}, watched, 10.0)
-    assert s.confirm({}, watched, 10.2) == {}  # stepped again
-    assert s.confirm({0: 100}, watched, 10.4) == {}  # a new suspicion starts afresh
-    assert s.confirm({0: 100}, watched, 10.8) != {}
+    s.confirm(_past({0: 100}), watched, 10.0)
+    assert s.confirm(_past({}), watched, 10.2) == {}  # stepped again
+    assert s.confirm(_past({0: 100}), watched, 10.4) == {}  # a new suspicion starts afresh
+    assert s.confirm(_past({0: 100}), watched, 10.8) != {}
+
+
+# -- the first look a window before the deadline; victims judged with their culprit -----
+@pytest.mark.parametrize(
+    ("first_at", "due", "decide"),
+    [
+        (9.7, 10.0, 10.0),  # looked a window early: decided at the deadline itself
+        (10.0, 10.0, 10.3),  # first looked at the deadline: a window later
+        (9.9, 10.0, 10.2),  # looked late: the window still separates the looks
+        (9.0, 10.0, 10.0),  # looked long before: never decided before the deadline
+    ],
+)
+def test_decision_at_table(first_at: float, due: float, decide: float) -> None:
+    assert evidence.decision_at(first_at, due, 0.3) == pytest.approx(decide)
+
+
+_W = evidence.Reading(Role.WAITING, "waiting on peers: barrier")
+_E = evidence.Reading(Role.ELSEWHERE, "not waiting on peers: train.py")
+_U = evidence.Reading(Role.UNKNOWN, "no stack")
+
+
+@pytest.mark.parametrize(
+    ("hung", "other", "judged"),
+    [
+        # The culprit is decided at its deadline; rank 0, waiting in the barrier since
+        # before the episode asked for stacks (9.7), is judged at that same moment even
+        # though its own deadline has not passed and it is not yet late.
+        ({1: _E}, Bystander(False, 9.4, 9.7, _W), True),
+        ({1: _E}, Bystander(True, 9.4, 9.7, _W), True),  # already late
+        ({1: _E}, Bystander(True, 9.4, None, _U), True),  # late, its stack unread
+        ({1: _U}, Bystander(False, 9.4, 9.7, _W), True),  # a culprit without a stack
+        # It stepped after the ask: the stack it showed then is stale.
+        ({1: _E}, Bystander(False, 9.8, 9.7, _W), False),
+        ({1: _E}, Bystander(False, 9.4, 9.7, _E), False),  # at work elsewhere, not late
+        ({1: _E}, Bystander(False, 9.4, 9.7, _U), False),
+        ({1: _E}, Bystander(False, 9.4, None, _W), False),  # never asked this episode
+        ({1: _E}, Bystander(False, None, 9.7, _W), False),  # no deadline runs
+        # Only waiters hung (the culprit is elsewhere or busy): nobody joins them.
+        ({1: _W}, Bystander(True, 9.4, 9.7, _W), False),
+        ({}, Bystander(True, 9.4, 9.7, _W), False),
+    ],
+)
+def test_judged_with_table(
+    hung: dict[int, evidence.Reading], other: Bystander, judged: bool
+) -> None:
+    assert judged_with(hung, {0: other}) == ([0] if judged else [])
+    assert judged_with(hung, {1: other}) == ([1] if judged and 1 not in hung else [])
+
+
+def _since(watched: dict, since: float) -> dict:  # type: ignore[type-arg]
+    return {lr: dataclasses.replace(w, since=since) for lr, w in watched.items()}
+
+
+BARRIER = (f"{TORCH}/distributed/distributed_c10d.py", "barrier")
+
+
+def test_a_hung_rank_is_decided_at_its_deadline_with_its_victim(tmp_path: Path) -> None:
+    # Rank 1 is stopped; rank 0 waits in a barrier and its deadline falls just after
+    # rank 1's (it wrote its heartbeat later): both are judged when rank 1 is decided.
+    s, watched, asked, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    watched = _since(watched, 9.4)
+    assert s.confirm({1: Late(101, 9.4, 10.0, False)}, watched, 9.7) == {}  # samples only
+    assert asked == [100]  # stacks asked then (a stopped rank stays stopped)
+    assert s.next_look() == pytest.approx(10.0)
+    files[100].write_text(files[100].read_text() + _dump(BARRIER))
+    found = s.confirm({1: Late(101, 9.4, 10.0, True)}, watched, 10.0)
+    assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.ELSEWHERE}
+    assert "stopped" in found[1].where and "barrier" in found[0].where
+    assert s.next_look() is None
+
+
+def test_a_late_victim_is_judged_before_its_second_look(tmp_path: Path) -> None:
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    watched = _since(watched, 9.4)
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, watched, 9.7)
+    files[100].write_text(files[100].read_text() + _dump(BARRIER))
+    late = {1: Late(101, 9.4, 10.0, False), 0: Late(100, 9.45, 10.05, False)}
+    assert s.confirm(late, watched, 9.8) == {}
+    late = {1: Late(101, 9.4, 10.0, True), 0: Late(100, 9.45, 10.05, False)}
+    assert sorted(s.confirm(late, watched, 10.0)) == [0, 1]
+
+
+def test_a_peer_that_stepped_since_the_ask_or_sent_garbage_is_left(tmp_path: Path) -> None:
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, _since(watched, 9.4), 9.7)
+    files[100].write_text(files[100].read_text() + _dump(BARRIER))
+    found = s.confirm({1: Late(101, 9.4, 10.0, True)}, _since(watched, 9.8), 10.0)
+    assert sorted(found) == [1]
+    # Late again by then, it is judged with rank 1, but not on the stack it had before
+    # it stepped: that one says nothing of where it is now.
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, _since(watched, 9.4), 9.7)
+    files[100].write_text(files[100].read_text() + _dump(("/job/train.py", "<module>")))
+    late = {1: Late(101, 9.4, 10.0, True), 0: Late(100, 9.8, 10.4, False)}
+    found = s.confirm(late, _since(watched, 9.8), 10.0)
+    assert sorted(found) == [0, 1] and found[0].role is Role.UNKNOWN
+    # Hostile, oversized stacks (a rank writes its own stderr): no stack, not judged.
+    s, watched, _, files = _suspicions({100: [("S", 1.0)], 101: [("T", 1.0)]}, tmp_path)
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, _since(watched, 9.4), 9.7)
+    with open(files[100], "ab") as f:
+        f.write(b"\xff\x00" * evidence.MAX_STACK_CHARS + _dump(BARRIER).encode())
+    found = s.confirm({1: Late(101, 9.4, 10.0, True)}, _since(watched, 9.4), 10.0)
+    assert sorted(found) == [1]
+
+
+def test_an_early_look_that_finds_progress_is_discarded(tmp_path: Path) -> None:
+    s, watched, _, _ = _suspicions({100: [("S", 1.0)], 101: [("S", 1.0)]}, tmp_path)
+    assert s.confirm({0: Late(100, 9.4, 10.0, False)}, watched, 9.7) == {}
+    # It stepped at 9.9 and is late again by 10.2: the look at 9.7 saw another stall.
+    assert s.confirm({0: Late(100, 9.9, 10.5, False)}, watched, 10.2) == {}
+    assert s.confirm({0: Late(100, 9.9, 10.5, True)}, watched, 10.4) == {}  # 0.2 s apart
+    assert s.next_look() == pytest.approx(10.5)
+    assert s.confirm({0: Late(100, 9.9, 10.5, True)}, watched, 10.5) != {}
+
+
+def test_a_rank_that_resumes_between_the_looks_is_not_hung(tmp_path: Path) -> None:
+    # Late at 9.7, running code by the deadline (CPU used between the looks): looked at
+    # again a window later, not killed; then it steps and is no longer suspected.
+    s, watched, _, _ = _suspicions({100: [("S", 1.0), ("R", 1.2)], 101: [("S", 1.0)]}, tmp_path)
+    assert s.confirm({0: Late(100, 9.4, 10.0, False)}, watched, 9.7) == {}
+    assert s.confirm({0: Late(100, 9.4, 10.0, True)}, watched, 10.0) == {}
+    assert s.next_look() == pytest.approx(10.3)
+    assert s.confirm({}, watched, 10.1) == {} and s.next_look() is None
+
+
+def test_each_episode_asks_for_fresh_stacks(tmp_path: Path) -> None:
+    # A slow phase made rank 1 late and ended; its dump must not be read for a later
+    # hang, so the next episode asks again and reads what follows that ask.
+    s, watched, asked, files = _suspicions({100: [("S", 1.0)], 101: [("S", 1.0)]}, tmp_path)
+    s.confirm({1: Late(101, 5.0, 6.0, False)}, watched, 5.7)
+    files[101].write_text(files[101].read_text() + _dump(("/job/eval.py", "evaluate")))
+    assert s.confirm({}, watched, 5.9) == {}
+    s.confirm({1: Late(101, 9.4, 10.0, False)}, watched, 9.7)
+    assert asked == [100, 101, 100, 101]
+    files[101].write_text(files[101].read_text() + _dump(("/job/train.py", "load_batch")))
+    found = s.confirm({1: Late(101, 9.4, 10.0, True)}, watched, 10.0)
+    assert "train.py" in found[1].where and "eval.py" not in found[1].where

@@ -1,7 +1,9 @@
 """Node health checks across simulated hosts (network namespaces): a node throttled by
 its cgroup's CPU limit, a node behind a slow link (``tc`` rate limit) and a node whose own
-check fails are kept out, and the round closes with the healthy ones; a healthy cluster
-keeps everyone."""
+check fails are kept out, and the round closes with the healthy ones; a node behind a
+link narrow enough to pass the echo check is found by the collective link check; a
+healthy cluster keeps everyone. (``tc netem`` is not available here: no ``sch_netem``
+module; ``tbf`` rate limits stand in for slow links.)"""
 
 from __future__ import annotations
 
@@ -141,6 +143,33 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
     assert "compute" not in seen[ids[delayed.name]] + seen[ids[failing.name]]
 
 
+def test_a_narrow_link_is_found_by_the_collective_check_and_its_node_kept_out(
+    network: Network, tmp_path: Path
+) -> None:
+    """A node behind a 16 Mbit/s bucket: a 16 KiB echo takes ~7 ms more, inside the
+    echo check's slack, but a 256 KiB all-reduce ~130 ms: only the collective check's
+    split finds it."""
+    hosts = [network.add_host() for _ in range(4)]
+    narrow = hosts[3]
+    shape = ["tbf", "rate", "16mbit", "burst", "3000", "latency", "2s"]
+    subprocess.run(["tc", "qdisc", "add", "dev", narrow.veth, "root", *shape], check=True)
+    endpoint = f"{hosts[0].addr}:{free_port()}"
+    procs = [launch(h, tmp_path, "3:4", endpoint, "narrow", restarts=1) for h in hosts]
+    logs = finish(procs, hosts, tmp_path)
+    assert all(p.returncode == 0 for p in procs[:3]), logs[hosts[0].name][-3000:]
+    assert (tmp_path / "world").read_text() == "3 3"
+    ids = {h.name: node_id(tmp_path, h) for h in hosts}
+    for h in hosts:
+        seen = kept_out(tmp_path, h)
+        assert list(seen) == [ids[narrow.name]], (h.name, seen, logs[h.name][-3000:])
+        why = seen[ids[narrow.name]]
+        assert "the collective link check found it slow" in why, why
+        assert "fastest link takes" not in why and "compute" not in why, why
+    evs = [e for h in hosts for e in node_events(tmp_path, h)]
+    checked = [e for e in evs if e["event"] == "health_checked" and e["attempt"] == 0]
+    assert [e["collective_void"] for e in checked] == [""] * 4, checked
+
+
 def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) -> None:
     hosts = [network.add_host() for _ in range(3)]
     endpoint = f"{hosts[0].addr}:{free_port()}"
@@ -155,3 +184,6 @@ def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) ->
     # Every pair of nodes was timed, by one end or the other.
     evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
     assert sum(e["links"] for e in evs) == 3
+    # The collective check ran among the three, to the end, on gloo.
+    assert [(e["collective_backend"], e["collective_void"]) for e in evs] == [("gloo", "")] * 3
+    assert all(e["collective_stages"] >= 1 for e in evs)

@@ -169,6 +169,8 @@ elif mode == "plain":
         record(step)
 elif mode == "async":
     saver = sdcp.AsyncDcpSaver(root, keep_last=2)
+    assert saver.shard_process is not None
+    saver.shard_process.wait_ready(timeout=200)  # else the first save writes in the rank
     for step in steps:
         train(model, optim, data, 2)
         record(step)
@@ -176,6 +178,8 @@ elif mode == "async":
         staged.result()
         train(model, optim, data, 1)  # changes after staging stay out of the step
         done.result()
+    sp = saver.shard_process
+    print(f"SHARDS WRITTEN BY {sp.pid} FOR {os.getpid()} IN {sp.writes} SAVES", flush=True)
     saver.close()
 elif mode == "ckpt":
     from stalwart.checkpoint import AsyncCheckpointer

@@ -121,7 +121,12 @@ def test_round_trip_with_optimizer_and_interop_both_ways(job: tuple[Path, Path])
 @pytest.mark.timeout(600)
 def test_async_save_round_trip(job: tuple[Path, Path]) -> None:
     out, root = job
-    ranks(2, "async", out, root, 1, 2)
+    outs = ranks(2, "async", out, root, 1, 2)
+    # Each rank's shards came from its own writer subprocess, not from the rank.
+    for o in outs:
+        (line,) = [x for x in o.splitlines() if x.startswith("SHARDS WRITTEN BY")]
+        writer, rank_pid, saves = line.split()[3], line.split()[5], line.split()[7]
+        assert writer.isdigit() and writer != rank_pid and saves == "2", line
     assert (root / "step_000000002" / "stalwart.commit.json").exists()
     assert loaded(ranks(2, "load", out, root)) == {"LOADED 2"}
     assert _starts(out) == 4

@@ -40,9 +40,11 @@ from . import layout
 from .dcp_metadata import read_metadata, shard_extents
 from .dcp_ram import load_from_ram, local_segment, try_snapshot
 from .dcp_records import COMMIT_NAME, METADATA_NAME, DcpCommit, next_candidate, share_of
+from .dcp_shards import ShardProcess
 from .dcp_stager import ReusingStager
 from .dcp_storage import DcpReader, DcpWriter, read_record, verify_entries
 from .errors import CheckpointCorruptError, CheckpointError
+from .process_args import WriterProcessConfig
 from .ram import RamSegment
 from .writer import SaveResult
 
@@ -221,7 +223,10 @@ class AsyncDcpSaver:
     The next save waits for the previous one's upload (the buffers are shared).
     Under ``stalwart run --ckpt-ram`` (unless ``ram=False``) a committed step is also
     kept in the launcher's memory before ``done`` resolves (``segment``: the mapped
-    segment to use, else this local rank's).
+    segment to use, else this local rank's). ``subprocess`` (default): the shard files
+    are written, checksummed and fsync'd by a writer subprocess of this saver's from
+    shared memory (see :mod:`~stalwart.checkpoint.dcp_shards`), not by DCP's thread
+    in this process; ``writer_config``: its start-up and write timeouts.
     """
 
     def __init__(
@@ -233,6 +238,8 @@ class AsyncDcpSaver:
         background: bool = True,
         ram: bool = True,
         segment: RamSegment | None = None,
+        subprocess: bool = True,
+        writer_config: WriterProcessConfig | None = None,
     ) -> None:
         self.root = Path(root)
         self._segment = (segment or local_segment()) if ram else None
@@ -244,10 +251,14 @@ class AsyncDcpSaver:
             process_group = dist.new_group(backend="gloo")
         self.process_group = process_group
         self.stager = ReusingStager(background=background)
+        # Started now, so its interpreter is up by the first save's write.
+        self.shard_process = ShardProcess(config=writer_config) if subprocess else None
         self._last: Future[Any] | None = None
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
-        writer = DcpWriter(self.root, step, keep_last=self.keep_last)
+        writer = DcpWriter(
+            self.root, step, keep_last=self.keep_last, subprocess=self.shard_process or False
+        )
         if self._last is not None:
             self._last.exception()
         response = dcp_async_save(
@@ -267,7 +278,7 @@ class AsyncDcpSaver:
         def committed(fut: Future[Any]) -> None:
             exc = fut.exception()
             if exc is not None:
-                upload.set_exception(exc)
+                upload.set_exception(unwrap(exc))
                 return
             # On DCP's upload thread, after the commit: the RAM copy reads the files
             # back from the page cache, the training thread is not involved.
@@ -289,6 +300,8 @@ class AsyncDcpSaver:
                 self._last.exception()
         finally:
             self.stager.close()
+            if self.shard_process is not None:
+                self.shard_process.close()
 
 
 class ShardedSaves:

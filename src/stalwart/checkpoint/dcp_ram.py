@@ -29,10 +29,10 @@ import logging
 import os
 import pickle
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import msgspec
 import torch
@@ -210,12 +210,18 @@ def try_snapshot(
 
 @dataclass(frozen=True)
 class HeldShards:
-    """A verified shard set in RAM: where it is and what it holds."""
+    """A verified shard set in RAM: where it is, what it holds, and the mapping it was
+    verified through (kept open, its pages faulted in, so the load reads the bytes
+    just hashed instead of mapping and hashing them again; :meth:`close` it)."""
 
     path: Path
     slot: int
     record: rl.CommitRecord
     index: ShardSet
+    segment: RamSegment
+
+    def close(self) -> None:
+        self.segment.close()
 
 
 def find_shards(folder: Path, root: str, rank: int, world_size: int) -> HeldShards | None:
@@ -234,20 +240,34 @@ def find_shards(folder: Path, root: str, rank: int, world_size: int) -> HeldShar
                     candidates.append((path, slot, rec))
     candidates.sort(key=lambda c: (c[2].step, c[2].seq), reverse=True)
     for path, slot, rec in candidates:
-        with _opened(path) as seg:
-            if seg is None:
+        seg = _open(path)
+        if seg is None:
+            continue
+        try:
+            index = msgspec.json.decode(seg.head(slot, rec, MAX_INDEX_BYTES), type=ShardSet)
+            if index.root != root:
+                # Another checkpoint folder's shards (a job may save several): not
+                # this load's, and nothing wrong with them.
+                seg.close()
                 continue
-            try:
-                index = msgspec.json.decode(seg.head(slot, rec, MAX_INDEX_BYTES), type=ShardSet)
-                problem = index_problem(index, rec, root)
-                if problem:
-                    raise CheckpointCorruptError(f"{path} slot {slot}: {problem}")
-                seg.verify(slot, rec)
-            except (OSError, CheckpointError, msgspec.DecodeError) as exc:
-                logger.warning("rank %d: skipping step %d in RAM: %s", rank, rec.step, exc)
-                continue
-            return HeldShards(path, slot, rec, index)
+            problem = index_problem(index, rec, root)
+            if problem:
+                raise CheckpointCorruptError(f"{path} slot {slot}: {problem}")
+            seg.verify(slot, rec)
+        except (OSError, CheckpointError, msgspec.DecodeError) as exc:
+            seg.close()
+            logger.warning("rank %d: skipping step %d in RAM: %s", rank, rec.step, exc)
+            continue
+        return HeldShards(path, slot, rec, index, seg)
     return None
+
+
+def _open(path: Path) -> RamSegment | None:
+    try:
+        return RamSegment.open(path, writable=False)
+    except (OSError, ValueError, CheckpointError) as exc:
+        logger.warning("skipping snapshot segment %s: %s", path, exc)
+        return None
 
 
 @contextlib.contextmanager
@@ -305,6 +325,21 @@ def load_from_ram(
 
         wait_for_fetch(folder, rank)
         held = find_shards(folder, root_key(root), rank, world)
+    try:
+        return _load_held(state_dict, held, newest_on_disk, process_group, planner)
+    finally:
+        if held is not None:
+            held.close()
+
+
+def _load_held(
+    state_dict: dict[str, Any],
+    held: HeldShards | None,
+    newest_on_disk: int,
+    process_group: Any,
+    planner: Any,
+) -> int | None:
+    rank, _ = rank_world(process_group)
     mine = held.record.step if held is not None else -1
     lowest, neg_highest, disk = _all_min([mine, -mine, newest_on_disk], process_group)
     if not ram_choice(mine, disk, lowest, -neg_highest):
@@ -331,6 +366,8 @@ def load_from_ram(
         # DCP raises on every rank when any rank's read failed: all go to disk together.
         logger.warning("step %d from RAM failed, loading from disk: %s", mine, _first(exc))
         return None
+    finally:
+        reader.release()
     logger.info("rank %d resumes from step %d (ram, %s)", rank, mine, held.path)
     runlog.emit(runlog.CHECKPOINT_RESTORED, step=mine, source="ram", path=str(held.path))
     return mine
@@ -353,17 +390,56 @@ class _NoFiles(FileSystem):
         yield io.BytesIO()
 
 
+class _ViewReader(io.RawIOBase):
+    """A read-only file over a slice of the mapped slot: DCP's ``torch.load`` of one
+    item reads its bytes straight out of the segment, with no copy in between."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"seek to {base + offset}: before the start")
+        self._at = base + offset
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        with memoryview(buffer) as out:
+            n = max(0, min(out.nbytes, len(self._view) - self._at))
+            out.cast("B")[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()
+
+
 class RamShardReader(FileSystemReader):
-    """A DCP storage reader over one rank's shard set copied out of RAM.
+    """A DCP storage reader over one rank's shard set in RAM, read in place from the
+    mapping it was verified through (``held.segment``).
 
     ``read_data`` first fetches, from the ranks that hold them, the extents of other
-    ranks' files this rank's plan needs (collective: every rank calls it once per load).
+    ranks' files this rank's plan needs (collective: every rank calls it once per load),
+    and afterwards checks that the slot was not reused while it was read.
     """
 
     def __init__(
         self,
         held: HeldShards,
-        files: dict[str, bytes],
+        files: dict[str, memoryview],
         metadata: Metadata | None,
         process_group: Any,
         problem: str = "",
@@ -379,24 +455,19 @@ class RamShardReader(FileSystemReader):
 
     @classmethod
     def open(cls, held: HeldShards, process_group: Any) -> RamShardReader:
-        """Copy the shard set out of its slot (checked against its checksums after the
-        copy: a slot overwritten meanwhile raises)."""
-        seg = RamSegment.open(held.path, writable=False)
+        """Views of the shard set's files in its slot, and its metadata (unpickled
+        through the restricted unpickler); ``held`` was verified when found."""
+        body = held.segment.body(held.slot, held.record)
+        files = {f.name: body[f.offset : f.offset + f.length] for f in held.index.files}
+        at = held.index.metadata_offset
+        meta = bytes(body[at : at + held.index.metadata_length])
+        body.release()
         try:
-            seg.verify(held.slot, held.record)
-            with seg.body(held.slot, held.record) as body:
-                files = {
-                    f.name: bytes(body[f.offset : f.offset + f.length]) for f in held.index.files
-                }
-                at = held.index.metadata_offset
-                meta = bytes(body[at : at + held.index.metadata_length])
-            if seg.record(held.slot) != held.record:
-                raise CheckpointCorruptError(
-                    f"{held.path} slot {held.slot}: overwritten while read"
-                )
-        finally:
-            seg.close()
-        metadata = loads_metadata(meta, f"{held.path} slot {held.slot} (metadata)")
+            metadata = loads_metadata(meta, f"{held.path} slot {held.slot} (metadata)")
+        except BaseException:
+            for view in files.values():
+                view.release()
+            raise
         return cls(held, files, metadata, process_group)
 
     @classmethod
@@ -404,6 +475,12 @@ class RamShardReader(FileSystemReader):
         """A reader that takes part in the collectives and then fails the read, so the
         other ranks learn of this rank's failure instead of waiting on it."""
         return cls(held, {}, None, process_group, problem)
+
+    def release(self) -> None:
+        """Let go of the views into the slot (before its segment is closed)."""
+        for view in self._files.values():
+            view.release()
+        self._files = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
@@ -417,9 +494,16 @@ class RamShardReader(FileSystemReader):
             if info.relative_path not in self._files:
                 wanted.append(info)
         self._fetched = exchange_extents(wanted, self._files, self._group)
-        return super().read_data(plan, planner)
+        done = super().read_data(plan, planner)
+        # Read in place: a save into this slot meanwhile (it invalidates the record
+        # first) would have torn what was read; DCP then fails the load on every rank.
+        if self.held.segment.record(self.held.slot) != self.held.record:
+            raise CheckpointCorruptError(
+                f"{self.held.path} slot {self.held.slot}: overwritten while read"
+            )
+        return done
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> io.BytesIO:
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
         own = self._files.get(sinfo.relative_path)
         if own is not None:
             if sinfo.offset < 0 or sinfo.length < 0 or sinfo.offset + sinfo.length > len(own):
@@ -427,7 +511,7 @@ class RamShardReader(FileSystemReader):
                     f"{sinfo.relative_path}: extent {sinfo.offset}+{sinfo.length} "
                     f"outside its {len(own)} bytes"
                 )
-            return io.BytesIO(own[sinfo.offset : sinfo.offset + sinfo.length])
+            return cast(IO[bytes], _ViewReader(own[sinfo.offset : sinfo.offset + sinfo.length]))
         got = self._fetched.get((sinfo.relative_path, sinfo.offset, sinfo.length))
         if got is None:
             raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM by any rank")
@@ -439,7 +523,7 @@ _REQUEST_COLS = 4
 
 
 def exchange_extents(
-    wanted: list[_StorageInfo], files: dict[str, bytes], group: Any
+    wanted: list[_StorageInfo], files: Mapping[str, bytes | memoryview], group: Any
 ) -> dict[tuple[str, int, int], bytes]:
     """Every rank's ``wanted`` extents of other ranks' files, from those ranks.
 

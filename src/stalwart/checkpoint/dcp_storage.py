@@ -24,10 +24,15 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemReader,
+    FileSystemWriter,
+    SerializationFormat,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -46,9 +51,13 @@ from .dcp_records import (
     rank_record_name,
     steps_to_delete,
 )
-from .errors import CheckpointCorruptError, CheckpointError
+from .dcp_shard_writer import HashingFile
+from .errors import CheckpointCorruptError, CheckpointError, WriterDiedError, WriterError
 from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
-from .manifest import DEFAULT_ALGORITHM, FileEntry, Hasher, file_checksum, new_hasher
+from .manifest import DEFAULT_ALGORITHM, FileEntry, file_checksum, new_hasher
+
+if TYPE_CHECKING:
+    from .dcp_shards import ShardProcess
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -64,34 +73,6 @@ class DcpWriteError(CheckpointError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
-
-
-class _HashingFile(io.FileIO):
-    """A file that hashes what is written to it, as long as it is written in order."""
-
-    def __init__(self, path: Path, hasher: Hasher) -> None:
-        super().__init__(path, "w")
-        self._hasher = hasher
-        self.size = 0
-        self.in_order = True
-
-    def write(self, b: Any, /) -> int:
-        n = super().write(b)
-        if n:
-            self._hasher.update(memoryview(b).cast("B")[:n])
-            self.size += n
-        return n
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET, /) -> int:
-        at = super().seek(pos, whence)
-        if at != self.size:
-            # A writer that goes back would make the running hash wrong; the file
-            # is then hashed again from disk once closed.
-            self.in_order = False
-        return at
-
-    def digest(self) -> str:
-        return self._hasher.hexdigest()
 
 
 class _HashingFileSystem(FileSystem):
@@ -110,7 +91,7 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         p = Path(path)
-        raw = _HashingFile(p, new_hasher(self.algorithm))
+        raw = HashingFile(p, new_hasher(self.algorithm))
         stream = io.BufferedWriter(raw, buffer_size=1 << 20)
         try:
             yield stream
@@ -146,10 +127,12 @@ def _os_error(exc: BaseException) -> OSError | None:
 def _failed(step: int | None, folder: Path, exc: BaseException) -> DcpWriteError:
     err = _os_error(exc)
     what = f"{err.strerror or err} (errno {err.errno})" if err else f"{type(exc).__name__}: {exc}"
+    # The writer subprocess's OSError arrives as a WriterError that keeps its errno.
+    code = err.errno if err else getattr(exc, "errno", None)
     return DcpWriteError(
         f"DCP save of step {step} into {folder} failed: {what}; "
         "the previous checkpoint is untouched",
-        errno=err.errno if err else None,
+        errno=code if isinstance(code, int) else None,
     )
 
 
@@ -196,6 +179,10 @@ class DcpWriter(FileSystemWriter):
 
     Give ``step`` here, or a ``checkpoint_id`` naming a step folder to ``dcp.save``.
     ``keep_last``: how many committed steps stay (None: all).
+    ``subprocess``: write the shard files from stalwart's writer subprocess, the tensors
+    handed over in shared memory (True: this process's shared one, see
+    :mod:`~stalwart.checkpoint.dcp_shards`); False: DCP writes them on its own thread.
+    DCP storage extensions or safetensors output are written by DCP either way.
     """
 
     def __init__(
@@ -206,6 +193,7 @@ class DcpWriter(FileSystemWriter):
         keep_last: int | None = 3,
         algorithm: str = DEFAULT_ALGORITHM,
         thread_count: int = 1,
+        subprocess: ShardProcess | bool = False,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: expected >= 1 or None (keep everything)")
@@ -216,6 +204,11 @@ class DcpWriter(FileSystemWriter):
         super().__init__(folder, sync_files=True, thread_count=thread_count, overwrite=True)
         self.keep_last = keep_last
         self.fs: _HashingFileSystem = _HashingFileSystem(algorithm)
+        if subprocess is True:
+            from .dcp_shards import shared_process  # it imports this module
+
+            subprocess = shared_process()
+        self.shard_process: ShardProcess | None = subprocess or None
 
     @property
     def folder(self) -> Path:
@@ -238,6 +231,9 @@ class DcpWriter(FileSystemWriter):
     def _guard(self, fn: Callable[[], _T]) -> _T:
         try:
             return fn()
+        except (WriterError, WriterDiedError) as exc:
+            # The writer subprocess failed or died: said as this step's failure.
+            raise _failed(self.step, self.folder, exc) from exc
         except CheckpointError:
             raise
         except Exception as exc:
@@ -283,14 +279,29 @@ class DcpWriter(FileSystemWriter):
     def _write_data_and_record(
         self, plan: SavePlan, planner: SavePlanner
     ) -> Future[list[WriteResult]]:
-        results = super().write_data(plan, planner).wait()
-        names = {wr.storage_data.relative_path for wr in results}
         prefix: str = plan.storage_data.prefix
-        record = RankShards(FORMAT_VERSION, self.step or 0, prefix, self.fs.take(names))
+        proc = self.shard_process
+        if proc is not None and self._plain_format() and proc.ready():
+            results, entries = proc.write(
+                self.folder, prefix, plan.items, planner, self.thread_count
+            )
+        else:
+            results = super().write_data(plan, planner).wait()
+            entries = self.fs.take({wr.storage_data.relative_path for wr in results})
+        record = RankShards(FORMAT_VERSION, self.step or 0, prefix, entries)
         write_record(self.folder, rank_record_name(prefix), msgspec.json.encode(record))
         done: Future[list[WriteResult]] = Future()  # DCP's futures are torch's
         done.set_result(results)
         return done
+
+    def _plain_format(self) -> bool:
+        # Transforms (compression) and safetensors output change the bytes DCP writes;
+        # the subprocess writes DCP's default format only.
+        return (
+            self.single_file_per_rank
+            and not self.transforms.extensions
+            and self.serialization_format is SerializationFormat.TORCH_SAVE
+        )
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         try:

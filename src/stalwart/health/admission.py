@@ -36,6 +36,7 @@ from stalwart.health import local, probe
 from stalwart.health.decision import Admission, Candidate, Pending, Refuse, admission
 from stalwart.health.guard import QuarantineGuard
 from stalwart.health.judge import Limits, against_peers, slow_links
+from stalwart.health.linkcheck import LinkCheck
 from stalwart.health.records import (
     ID_LIMIT,
     MAX_LINKS,
@@ -60,6 +61,9 @@ from stalwart.rendezvous import Rendezvous
 from stalwart.rendezvous.gate import Admissions
 
 logger = logging.getLogger(__name__)
+
+#: Seconds the collective link check may take at most, its process's start included.
+LINK_BOUND = 30.0
 
 
 class Store(Protocol):
@@ -87,6 +91,9 @@ class HealthSettings:
     checks: bool = True
     # Seconds a joiner may stay without a report before it is kept out.
     wait: float = 60.0
+    # Time the links in a collective check too (``linkcheck``), among up to this many
+    # nodes (the job's MAX); 0: echo times only.
+    collective: int = 0
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,14 @@ class HealthGate:
         self._dropped: set[str] = set()
         self._quarantine: QuarantineGuard | None = None
         self._silent: dict[tuple[int, str], float] = {}  # first seen without a report
+        self._ready: LinkCheck | None = None  # a link check process started ahead
+
+    def prepare(self) -> None:
+        """Starts the first round's link check process now, so that it imports torch
+        while the launcher starts up and joins the store (call from the thread that
+        will check: its process dies with that thread)."""
+        if self._ready is None:
+            self._ready = self._new_link_check()
 
     def consult(self, quarantine: QuarantineGuard) -> None:
         """Keeps the nodes *quarantine* stands out of every round this node closes."""
@@ -203,49 +218,99 @@ class HealthGate:
         """Runs the checks, times the links to the nodes that published before this one,
         and leaves the signed report for the node that closes the round.
 
-        The report goes out twice: first without links, then this node takes its place
-        in the round's order, then it times a link to every node before it and publishes
-        again. Each pair is timed by its later node, even when both check at once."""
+        The report goes out twice: first without links (not ``final``: the round waits
+        for the rest), then this node takes its place in the round's order, times a link
+        to every node before it, takes part in the round's collective link check
+        (``linkcheck``; its process was started first, to import torch meanwhile) and
+        publishes again. Each pair is echo-timed by its later node, even when both check
+        at once."""
         if not self._s.checks:
             return
-        listen_problem = None
-        if self._probe is None and self._s.measure:
-            try:
-                self._probe = probe.ProbeServer(addr)
-            except OSError as err:  # peers could not reach its workers either
-                listen_problem = f"cannot listen on {addr}, its advertised address: {err}"
-        own = own_checks(self._s, addr)
-        if listen_problem is not None:
-            problems = (listen_problem, *own.problems)[:MAX_PROBLEMS]
-            own = OwnChecks(own.compute, problems, own.seconds)
-        mine = NodeReport(
-            run_id=self._run_id,
-            round=round_,
-            node=node,
-            host=self._host,
-            probe=self._probe.address if self._probe is not None else "",
-            compute=own.compute,
-            problems=own.problems,
-        )
-        kv.set(report_key(round_, node), sign(self._key, mine))
-        t0 = time.monotonic()
-        links: tuple[Link, ...] = ()
-        if self._s.measure:
-            i = kv.add(checked_count(round_), 1) - 1
-            kv.set(checked_node(round_, i), node)
-            first = max(0, i - MAX_LINKS)  # a forged count costs a bounded read
-            names = kv.get_many([checked_node(round_, j) for j in range(first, i)])
-            earlier = [n.decode(errors="replace")[:ID_LIMIT] for n in names if n is not None]
-            others = [p for p in dict.fromkeys([*earlier, *peers]) if p != node]
-            reports = self._reports(kv, round_, others)
-            targets = [(p, r.probe) for p, r in reports.items() if r.probe]
-            times = probe.time_links([a for _, a in targets])
-            links = tuple(Link(p, t) for (p, _), t in zip(targets, times, strict=True))
-            mine = msgspec.structs.replace(mine, links=links)
+        links_check = self._link_check()
+        if links_check is not None:
+            links_check.coming(kv, round_)
+        try:
+            listen_problem = None
+            if self._probe is None and self._s.measure:
+                try:
+                    self._probe = probe.ProbeServer(addr)
+                except OSError as err:  # peers could not reach its workers either
+                    listen_problem = f"cannot listen on {addr}, its advertised address: {err}"
+            own = own_checks(self._s, addr)
+            if listen_problem is not None:
+                problems = (listen_problem, *own.problems)[:MAX_PROBLEMS]
+                own = OwnChecks(own.compute, problems, own.seconds)
+            mine = NodeReport(
+                run_id=self._run_id,
+                round=round_,
+                node=node,
+                host=self._host,
+                probe=self._probe.address if self._probe is not None else "",
+                compute=own.compute,
+                problems=own.problems,
+                final=not self._s.measure,
+            )
             kv.set(report_key(round_, node), sign(self._key, mine))
-        self._checked(
-            round_, own, node=node, links=len(links), links_s=round(time.monotonic() - t0, 4)
+            t0 = time.monotonic()
+            links: tuple[Link, ...] = ()
+            collective = None
+            if self._s.measure:
+                i = kv.add(checked_count(round_), 1) - 1
+                kv.set(checked_node(round_, i), node)
+                first = max(0, i - MAX_LINKS)  # a forged count costs a bounded read
+                names = kv.get_many([checked_node(round_, j) for j in range(first, i)])
+                earlier = [n.decode(errors="replace")[:ID_LIMIT] for n in names if n is not None]
+                others = [p for p in dict.fromkeys([*earlier, *peers]) if p != node]
+                reports = self._reports(kv, round_, others)
+                targets = [(p, r.probe) for p, r in reports.items() if r.probe]
+                times = probe.time_links([a for _, a in targets])
+                links = tuple(Link(p, t) for (p, _), t in zip(targets, times, strict=True))
+                if links_check is not None:
+                    collective = links_check.run(
+                        kv, round_, node, addr, lambda ns: list(self._reports(kv, round_, ns))
+                    )
+                mine = msgspec.structs.replace(mine, links=links, collective=collective, final=True)
+                kv.set(report_key(round_, node), sign(self._key, mine))
+            more: dict[str, Any] = {}
+            if collective is not None:
+                more = {
+                    "collective_s": collective.seconds,
+                    "collective_stages": collective.stages,
+                    "collective_void": collective.void,
+                    "collective_backend": collective.backend,
+                }
+            self._checked(
+                round_,
+                own,
+                node=node,
+                links=len(links),
+                links_s=round(time.monotonic() - t0, 4),
+                **more,
+            )
+        finally:
+            if links_check is not None:
+                links_check.stop()
+
+    def _link_check(self) -> LinkCheck | None:
+        """The collective link check of this round, started ahead (``prepare``) or now
+        (its process imports torch while the node's other checks run); None: echo times
+        only."""
+        ready, self._ready = self._ready, None
+        return ready if ready is not None else self._new_link_check()
+
+    def _new_link_check(self) -> LinkCheck | None:
+        if not self._s.checks or not self._s.measure or self._s.collective < 2:
+            return None
+        check = LinkCheck(
+            self._key,
+            self._run_id,
+            expected=self._s.collective,
+            limits=self._s.limits,
+            # Below the round's wait for a report, with room for the other checks.
+            bound=min(LINK_BOUND, self._s.wait / 2),
         )
+        check.start()
+        return check
 
     def _checked(self, round_: int, own: OwnChecks, log: bool = True, **more: object) -> None:
         if own.problems and log:
@@ -279,8 +344,8 @@ class HealthGate:
                 if k not in self._dropped:
                     self._dropped.add(k)
                     logger.warning("dropped the health report at %s: %s", k, err)
-        if len(found) == len(ids):  # written once each: complete means final
-            self._cache = {(round_, ids): found}
+        if len(found) == len(ids) and all(r.final for r in found.values()):
+            self._cache = {(round_, ids): found}  # final reports are written no more
         return found
 
     def _decided(self, kv: Store, round_: int, nodes: Sequence[str]) -> dict[str, Admission]:
@@ -292,7 +357,8 @@ class HealthGate:
         decided: dict[str, Admission] = {}
         for n in nodes:
             report = reports.get(n)
-            since = now if report is not None else self._silent.setdefault((round_, n), now)
+            done = report is not None and report.final
+            since = now if done else self._silent.setdefault((round_, n), now)
             q = standing.of(n) if standing is not None else None
             c = Candidate(n, report, now - since, peers.get(n, ()), q.line() if q else None)
             decided[n] = admission(c, checks=self._s.checks, wait=self._s.wait)
@@ -363,6 +429,9 @@ class HealthGate:
         return next(("; ".join(e.reasons) for e in verdict.excluded if e.node == node), None)
 
     def close(self) -> None:
+        if self._ready is not None:
+            self._ready.stop()
+            self._ready = None
         if self._probe is not None:
             self._probe.close()
             self._probe = None
@@ -383,9 +452,12 @@ def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> Heal
         folders=folders,
         # One node has no peers to compare a rate with: nothing to measure.
         measure=cfg.max_nodes > 1,
+        collective=cfg.max_nodes if cfg.max_nodes > 1 else 0,
         checks=cfg.health_checks,
         wait=cfg.node_health_wait,
     )
     # Validated with the config: several nodes share a secret; one keeps its own.
     key = health_key(secret or secrets.token_bytes(32), cfg.run_id)
-    return HealthGate(settings, key, cfg.run_id, emit)
+    gate = HealthGate(settings, key, cfg.run_id, emit)
+    gate.prepare()
+    return gate

@@ -21,7 +21,8 @@ class Candidate:
     """One joiner of an open round, as the node about to close it sees it."""
 
     node: str
-    # Its signed report for the round; None: none yet (or none that was valid).
+    # Its signed report for the round; None: none yet (or none that was valid). One not
+    # ``final`` yet (its links are being timed) is waited for like a missing one.
     report: NodeReport | None
     # Seconds since this node first saw it joined without a report.
     silent_for: float
@@ -61,9 +62,10 @@ def admission(c: Candidate, *, checks: bool, wait: float) -> Admission:
         return Refuse(By.QUARANTINE, (c.quarantine,))
     if not checks:
         return Admit()
-    if c.report is None:
+    if c.report is None or not c.report.final:
         if c.silent_for < wait:
             return Pending()
-        return Refuse(By.NO_REPORT, (f"no health report within {wait:g}s of joining",))
+        what = "health report" if c.report is None else "complete health report (links)"
+        return Refuse(By.NO_REPORT, (f"no {what} within {wait:g}s of joining",))
     reasons = (*c.report.problems, *c.against_peers)[:MAX_PROBLEMS]
     return Refuse(By.HEALTH_CHECK, reasons) if reasons else Admit()

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from stalwart.health.records import MAX_PROBLEMS, Exclusion, NodeReport
+from stalwart.health.records import MAX_PROBLEMS, Exclusion, LinkBlame, NodeReport
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,45 @@ def _link_problem(node: str, links: dict[frozenset[str], float], lim: Limits) ->
     return f"its fastest link takes {_ms(mine)}, {mine / ref:.0f}x its peers' median {_ms(ref)}"
 
 
+def _collective(reps: Sequence[NodeReport]) -> tuple[dict[str, str], tuple[LinkBlame, ...]]:
+    """What the round's collective link check found, by its members' word: a node is
+    slow when more than half of the members whose conclusion names it as a member blame
+    it (they ran the same decision over the same timings, so they agree unless one was
+    cut off; a conclusion that came to nothing counts against nobody). Its slow links,
+    from any member's conclusion."""
+    votes: dict[str, int] = {}
+    voters: dict[str, int] = {}
+    why: dict[str, str] = {}
+    links: dict[LinkBlame, None] = {}
+    for r in reps:
+        c = r.collective
+        if c is None or c.void or r.node not in c.members:
+            continue
+        for m in set(c.members):
+            voters[m] = voters.get(m, 0) + 1
+        for b in c.nodes:
+            if b.node in c.members:
+                votes[b.node] = votes.get(b.node, 0) + 1
+                why.setdefault(b.node, b.reason)
+        links.update(dict.fromkeys(c.links))
+    slow = {n: why[n] for n, v in votes.items() if 2 * v > voters[n]}
+    return slow, tuple(links)
+
+
 def against_peers(reports: Iterable[NodeReport], lim: Limits) -> dict[str, tuple[str, ...]]:
     """What comparing each node of *reports* with its peers found (slow compute, slow
-    links); a node with nothing against it is absent."""
+    links, by echo and by the collective check); a node with nothing against it is
+    absent."""
     reps = list(reports)
     links = _pairs(reps)
+    collective, _ = _collective(reps)
     found: dict[str, tuple[str, ...]] = {}
     for r in reps:
-        mine = (_compute_problem(r, reps, lim), _link_problem(r.node, links, lim))
+        mine = (
+            _compute_problem(r, reps, lim),
+            _link_problem(r.node, links, lim),
+            collective.get(r.node),
+        )
         if any(f is not None for f in mine):
             found[r.node] = tuple(f for f in mine if f is not None)
     return found
@@ -130,4 +161,6 @@ def slow_links(
         if math.isfinite(ref) and t > lim.slow_link * ref + lim.link_slack:
             took = "unreachable" if math.isinf(t) else _ms(t)
             found.append(f"{a} <-> {b}: {took} (each end's best link: {_ms(ref)})")
+    _, collective = _collective(reps)
+    found += [f"{x.reason} (collective check)" for x in collective if not out_ & {x.a, x.b}]
     return tuple(found)

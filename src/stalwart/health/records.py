@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -48,11 +48,67 @@ def verdict_key(round_: int) -> str:
     return f"health/r{round_}/verdict"
 
 
+def link_coming(round_: int) -> str:
+    """Counts the nodes that started checking for the round (they will come to its
+    collective link check once their own checks are done)."""
+    return f"health/r{round_}/links/coming"
+
+
+def link_count(round_: int) -> str:
+    """Counts the nodes that came to the round's collective link check."""
+    return f"health/r{round_}/links/count"
+
+
+def link_node(round_: int, i: int) -> str:
+    """The node id that came *i*-th to the round's collective link check."""
+    return f"health/r{round_}/links/who/{i}"
+
+
+def link_plan_key(round_: int) -> str:
+    """The members of the round's collective link check (the first sealer's list wins)."""
+    return f"health/r{round_}/links/plan"
+
+
+def link_store_key(round_: int) -> str:
+    """Where the check's first member serves the store its process groups meet on."""
+    return f"health/r{round_}/links/store"
+
+
 class Link(msgspec.Struct, frozen=True):
     """The best time of a small echo to *peer* (seconds); None: it could not be reached."""
 
     peer: _Id
     seconds: _Seconds | None
+
+
+class Blame(msgspec.Struct, frozen=True):
+    """A node the collective link check found slow or broken, and why."""
+
+    node: _Id
+    reason: _Problem
+
+
+class LinkBlame(msgspec.Struct, frozen=True):
+    """A link between two nodes the collective link check found slow or broken."""
+
+    a: _Id
+    b: _Id
+    reason: _Problem
+
+
+class CollectiveLinks(msgspec.Struct, frozen=True, kw_only=True):
+    """What one member of the round's collective link check concluded
+    (``linksplit.next_step``'s last answer): every member runs the same decision over
+    the same timings, so their conclusions agree unless one was cut off."""
+
+    members: Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_LINKS)]
+    nodes: Annotated[tuple[Blame, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+    links: Annotated[tuple[LinkBlame, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+    stages: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seconds: _Seconds = 0.0
+    # Why it concluded nothing ("": it ran to the end): a forged record, a timeout.
+    void: _Problem = ""
+    backend: Annotated[str, msgspec.Meta(max_length=16)] = ""  # "gloo" or "nccl"
 
 
 class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +123,25 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     compute: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     problems: Annotated[tuple[_Problem, ...], msgspec.Meta(max_length=MAX_PROBLEMS)] = ()
     links: Annotated[tuple[Link, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
+    collective: CollectiveLinks | None = None
+    # False: more is coming (its links); the round waits for the rest within its bound.
+    final: bool = True
+
+
+class LinkPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The members of a round's collective link check, in rank order."""
+
+    run_id: _Id
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    members: Annotated[tuple[_Id, ...], msgspec.Meta(max_length=MAX_LINKS)]
+
+
+class LinkStore(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the check's process groups meet: its first member's store."""
+
+    run_id: _Id
+    round: Annotated[int, msgspec.Meta(ge=0)]
+    address: _Id
 
 
 class By(enum.StrEnum):
@@ -110,10 +185,12 @@ def _mac(key: bytes, label: str, body: str) -> str:
     return hmac.new(key, f"{label}\0{body}".encode(), hashlib.sha256).hexdigest()
 
 
-def sign(key: bytes, rec: NodeReport | Verdict) -> str:
+_LABELS: dict[type, str] = {}
+
+
+def sign(key: bytes, rec: NodeReport | Verdict | LinkPlan | LinkStore) -> str:
     body = msgspec.json.encode(rec).decode()
-    label = "report" if isinstance(rec, NodeReport) else "verdict"
-    return msgspec.json.encode(_Signed(body, _mac(key, label, body))).decode()
+    return msgspec.json.encode(_Signed(body, _mac(key, _LABELS[type(rec)], body))).decode()
 
 
 class BadRecord(ValueError):
@@ -146,6 +223,27 @@ def open_report(key: bytes, raw: bytes, run_id: str, round_: int, node: str) -> 
     return rec
 
 
+_Rec = TypeVar("_Rec", LinkPlan, LinkStore)
+
+
+def _open_as(key: bytes, raw: bytes, kind: type[_Rec], run_id: str, round_: int) -> _Rec:
+    try:
+        rec = msgspec.json.decode(_open(key, _LABELS[kind], raw), type=kind)
+    except msgspec.DecodeError as err:
+        raise BadRecord(f"a signed body that is not a {_LABELS[kind]}: {err}") from None
+    if (rec.run_id, rec.round) != (run_id, round_):
+        raise BadRecord(f"a {_LABELS[kind]} of {rec.run_id}/r{rec.round} for {run_id}/r{round_}")
+    return rec
+
+
+def open_link_plan(key: bytes, raw: bytes, run_id: str, round_: int) -> LinkPlan:
+    return _open_as(key, raw, LinkPlan, run_id, round_)
+
+
+def open_link_store(key: bytes, raw: bytes, run_id: str, round_: int) -> LinkStore:
+    return _open_as(key, raw, LinkStore, run_id, round_)
+
+
 def open_verdict(key: bytes, raw: bytes, run_id: str, round_: int) -> Verdict:
     try:
         rec = msgspec.json.decode(_open(key, "verdict", raw), type=Verdict)
@@ -154,3 +252,8 @@ def open_verdict(key: bytes, raw: bytes, run_id: str, round_: int) -> Verdict:
     if (rec.run_id, rec.round) != (run_id, round_):
         raise BadRecord(f"a verdict of {rec.run_id}/r{rec.round} stored as {run_id}/r{round_}")
     return rec
+
+
+_LABELS.update(
+    {NodeReport: "report", Verdict: "verdict", LinkPlan: "link-plan", LinkStore: "link-store"}
+)

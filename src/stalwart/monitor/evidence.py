@@ -3,7 +3,11 @@
 A missed deadline that was *learned* (no timeout configured) is only a suspicion: an
 evaluation pass, a slow checkpoint, a first-step compilation or a data loader warming up
 misses it too while running code. The monitor then samples the rank's processes twice,
-`CONFIRM_WAIT` apart, and `is_hung` (pure) decides from the two samples:
+`CONFIRM_WAIT` apart, and `is_hung` (pure) decides from the two samples. The first look
+is taken `CONFIRM_WAIT` before the deadline once the rank is late by its rhythm
+(`judge.lookout`), so the second falls on the deadline (`decision_at`): a hung rank is
+decided at its deadline, not a window after it. A rank that makes progress between the
+looks is no longer suspected, and its first look is thrown away.
 
 * stopped (``T``: SIGSTOP, a debugger) at either sample: hung;
 * blocked: the rank's processes (it and its descendants, so data-loader workers count)
@@ -103,6 +107,13 @@ def is_hung(first: ProcSample, second: ProcSample) -> bool:
     if second.wakeups - first.wakeups >= LIVE_WAKEUPS:
         return False
     return (second.cpu - first.cpu) < IDLE_SHARE * wall
+
+
+def decision_at(first_at: float, due: float, wait: float = CONFIRM_WAIT) -> float:
+    """When the second look at a rank first sampled at `first_at` may decide: `wait`
+    after the first look and never before the rank's deadline `due` (looking early
+    saves the window's time; it does not move the deadline)."""
+    return max(first_at + wait, due)
 
 
 def main_stack(text: str) -> list[tuple[str, str, str]]:

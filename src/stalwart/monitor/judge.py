@@ -257,6 +257,34 @@ def judge(
             break
     else:
         return None
+    return _verdict(snap, names, clock, now, floor)
+
+
+def judged_early(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float = 0.0,
+) -> Verdict | None:
+    """The verdict on a rank judged together with a culprit before its own deadline
+    passed (a victim waiting on it): that of the clock nearest its deadline, as it reads
+    at `now`, so the report shows its real age, not the limit. `judge`'s verdict when a
+    deadline has already passed; None when no deadline runs."""
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return None
+    past = judge(snap, names, config, now, floor)
+    if past is not None:
+        return past
+    clocks = _clocks(snap, names, config, now, floor)
+    if not clocks:
+        return None
+    return _verdict(snap, names, min(clocks, key=lambda c: c.start + c.limit), now, floor)
+
+
+def _verdict(
+    snap: SlotSnapshot, names: list[str], clock: _Clock, now: float, floor: float
+) -> Verdict:
     last_hb = _believable(snap.last_hb, floor, now)
     last_section = names[snap.last_section] if 0 <= snap.last_section < len(names) else None
     return Verdict(
@@ -284,6 +312,48 @@ def next_deadline(
         return None
     due = [clock.start + clock.limit for clock in _clocks(snap, names, config, now, floor)]
     return min(due) if due else None
+
+
+#: The first evidence look is never taken before a rank was silent for this share of the
+#: deadline it runs. A learned timeout is `MonitorConfig.safety_factor` (5) times the
+#: longest gap seen, so half of it is already late by the rank's rhythm, while a rank
+#: that has just stepped is neither sampled nor asked for its stacks.
+LOOK_SHARE = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookout:
+    """When the evidence cycle looks at a slot that stays as it is (monotonic times)."""
+
+    #: Start of the earliest deadline's clock: the rank's last progress (heartbeat,
+    #: attach, a section opened or left). A look taken while it read otherwise saw
+    #: another stall and is worth nothing.
+    since: float
+    look: float  # the first look: `lead` before the deadline, once the rank is late
+    due: float  # the deadline itself: no hang is decided before it
+
+
+def lookout(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float,
+    lead: float,
+) -> Lookout | None:
+    """When to take the first of the two looks that confirm a hang (None: no deadline
+    runs): `lead` (the looks' spacing) before the earliest deadline, so the second look
+    falls on the deadline and a hung rank is decided there instead of a window after it;
+    never before the rank was silent for `LOOK_SHARE` of that deadline. Reads the same
+    clocks as `judge` and `next_deadline`."""
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return None
+    clocks = _clocks(snap, names, config, now, floor)
+    if not clocks:
+        return None
+    clock = min(clocks, key=lambda c: c.start + c.limit)
+    ahead = max(clock.limit - max(lead, 0.0), clock.limit * LOOK_SHARE)
+    return Lookout(clock.start, clock.start + ahead, clock.start + clock.limit)
 
 
 def stragglers(step_times: dict[int, float], factor: float) -> dict[int, float]:

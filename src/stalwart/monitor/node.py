@@ -29,7 +29,7 @@ from pathlib import Path
 
 from stalwart.base import procs
 from stalwart.base.events import Event
-from stalwart.monitor import envvars, layout
+from stalwart.monitor import envvars, evidence, layout
 from stalwart.monitor.config import MonitorConfig
 from stalwart.monitor.evidence import Reading, Role
 from stalwart.monitor.jobsync import JobPeers
@@ -38,6 +38,8 @@ from stalwart.monitor.judge import (
     Stalled,
     Verdict,
     judge,
+    judged_early,
+    lookout,
     next_deadline,
     problems,
 )
@@ -59,7 +61,7 @@ from stalwart.monitor.node_state import (
 from stalwart.monitor.node_stragglers import StragglerWatch
 from stalwart.monitor.node_sync import JobSync
 from stalwart.monitor.reports import ControlRequest, HangReport
-from stalwart.monitor.suspicions import Suspicions
+from stalwart.monitor.suspicions import Late, Suspicions
 from stalwart.monitor.timer_server import TimerServer
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,13 @@ def _waiting(reading: Reading | None) -> bool | None:
     if reading is None or reading.role is Role.UNKNOWN:
         return None
     return reading.role is Role.WAITING
+
+
+def _late(rank: Rank, writer: int, past: bool) -> Late:
+    look = rank.lookout
+    if look is None:  # judge found a deadline, so lookout did too; kept safe regardless
+        return Late(writer, -1.0, rank.due or 0.0, past)
+    return Late(writer, look.since, look.due, past)
 
 
 def scan_wait(dues: Iterable[float | None], now: float, interval: float) -> float:
@@ -263,12 +272,23 @@ class NodeMonitor:
                 self._last_scan_began = began
                 self._scanned.notify_all()
             now = time.monotonic()
-            wait = scan_wait((r.due for r in self._ranks.armed()), now, interval)
+            wait = scan_wait(self._wake_times(), now, interval)
             due = self._hangs.next_due()
             if due is not None:
                 wait = max(0.0, min(wait, due - time.monotonic()))
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _wake_times(self) -> list[float | None]:
+        """The armed ranks' deadlines and, in evidence mode, their first looks and the
+        second looks due: the times the scanner must not sleep past."""
+        times: list[float | None] = []
+        for rank in self._ranks.armed():
+            times.append(rank.due)
+            if rank.lookout is not None:
+                times.append(rank.lookout.look)
+        times.append(self._suspicions.next_look())
+        return times
 
     def scan_once(self) -> None:
         """Judges every armed rank once (the scanner thread calls this each interval)."""
@@ -277,9 +297,14 @@ class NodeMonitor:
             return
         ranks = self._ranks.armed()
         found: dict[int, tuple[Rank, int, Verdict]] = {}
+        # Evidence mode: ranks late by their rhythm, not yet past their deadline.
+        early: dict[int, tuple[Rank, int]] = {}
         for rank in ranks:
             verdict, writer = self._judge_rank(mm, rank)
             if verdict is None:
+                look = rank.lookout
+                if look is not None and look.look <= time.monotonic() and procs.is_alive(writer):
+                    early[rank.local_rank] = (rank, writer)
                 continue
             # Re-read once: a slot field read mid-update must not be taken for a hang.
             again, _ = self._judge_rank(mm, rank)
@@ -296,9 +321,16 @@ class NodeMonitor:
         readings: dict[int, Reading] = {}
         if self.config.needs_evidence:
             # A missed deadline is a suspicion; only evidence makes it a hang.
-            past = {lr: writer for lr, (_, writer, _) in found.items()}
-            readings = self._suspicions.confirm(past, self._ranks.watched(), time.monotonic())
-            found = {lr: found[lr] for lr in readings}
+            late = {lr: _late(rank, writer, False) for lr, (rank, writer) in early.items()}
+            late.update({lr: _late(rank, writer, True) for lr, (rank, writer, _) in found.items()})
+            readings = self._suspicions.confirm(late, self._ranks.watched(), time.monotonic())
+            # Victims judged with their culprit before their own deadline passed.
+            for rank in ranks:
+                if rank.local_rank in readings and rank.local_rank not in found:
+                    verdict, writer = self._judge_rank(mm, rank, early=True)
+                    if verdict is not None and procs.is_alive(writer):
+                        found[rank.local_rank] = (rank, writer, verdict)
+            found = {lr: found[lr] for lr in readings if lr in found}
         if not found:
             return
         # Handled root cause first, and every other one named as waiting on it; ranks
@@ -328,7 +360,13 @@ class NodeMonitor:
                 rank, writer, verdict, int(self.config.term_signal), waiting_on=waiting, stalled=s
             )
 
-    def _judge_rank(self, mm: mmap.mmap, rank: Rank) -> tuple[Verdict | None, int]:
+    def _judge_rank(
+        self, mm: mmap.mmap, rank: Rank, early: bool = False
+    ) -> tuple[Verdict | None, int]:
+        """The verdict on one read of the rank's slot and the pid that wrote it (0: no
+        believable writer). early: the verdict of its nearest deadline even before it
+        passed (a victim judged with its culprit)."""
+        rank.lookout = None  # a slot without a believable writer is not looked at
         snap = layout.read_slot(mm, rank.local_rank)
         if snap.pid <= 0:
             return None, 0
@@ -357,4 +395,7 @@ class NodeMonitor:
         if config.any_auto and not bad:
             config = self._learning.judged_by(rank.local_rank, snap, rank.names, now)
         rank.due = next_deadline(snap, rank.names, config, now, floor)
-        return judge(snap, rank.names, config, now, floor), snap.pid
+        if self.config.needs_evidence:
+            rank.lookout = lookout(snap, rank.names, config, now, floor, evidence.CONFIRM_WAIT)
+        verdict = (judged_early if early else judge)(snap, rank.names, config, now, floor)
+        return verdict, snap.pid

@@ -21,7 +21,7 @@ from stalwart.base.events import Event
 from stalwart.base.files import untrusted
 from stalwart.monitor import stacks
 from stalwart.monitor.jobsync import NodeRhythm
-from stalwart.monitor.judge import Verdict
+from stalwart.monitor.judge import Lookout, Verdict
 from stalwart.monitor.suspicions import Watched
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class Rank:
     names_key: tuple[int, float, int] = (0, 0.0, 0)  # (pid, attach time, count) they were read at
     judged: bool = True  # False once a hang was handled: one report per rank and attempt
     due: float | None = None  # when its earliest deadline passes, as of the last read
+    # When the evidence cycle looks at it (evidence mode only), as of the last read.
+    lookout: Lookout | None = None
     # (monotonic time, iteration) whenever the iteration moved: the straggler check's input
     progress: list[tuple[float, int]] = dataclasses.field(default_factory=list)
 
@@ -173,7 +175,10 @@ class AttemptRanks:
 
     def watched(self) -> dict[int, Watched]:
         with self._lock:
-            return {lr: Watched(r.pid, r.stderr) for lr, r in self._ranks.items()}
+            return {
+                lr: Watched(r.pid, r.stderr, r.lookout.since if r.lookout is not None else None)
+                for lr, r in self._ranks.items()
+            }
 
     def pid_of(self, local_rank: int) -> int:
         """The worker pid of `local_rank` this attempt; 0 when there is none."""

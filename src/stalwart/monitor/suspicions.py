@@ -1,13 +1,27 @@
-"""Ranks past a learned deadline, held until `evidence` says they are hung.
+"""Ranks late by their rhythm, held until `evidence` says they are hung.
 
-The scanner hands `Suspicions.confirm` the ranks its judge found past their deadline on
-each scan; it answers with those that are hung on evidence, each with what its stack
-says. At the first suspicion of an attempt every rank that is not stopped is asked for
-its stacks (the stacks blame is decided on, taken at detection); a stopped rank is left
-stopped, its state being the evidence. A rank that makes progress again, or shows it
-runs code, is no longer suspected. Ranks found waiting on their peers are never handed
-over while another rank of the node is not found hung (`_release`): killing a waiter
-whose peer is busy would be a false kill.
+The scanner hands `Suspicions.confirm` the ranks whose first evidence look is due
+(`judge.lookout`: one evidence window before the deadline, once the rank is late), each
+marked past its deadline or not; it answers with those that are hung on evidence, each
+with what its stack says. The first look only samples; the second, at the deadline
+(`evidence.decision_at`), decides. A rank whose last progress moved in between (it
+stepped) is no longer suspected and its first look is thrown away, so nothing is decided
+on a look taken before a rank's latest progress.
+
+When the first rank of an episode turns late, every rank that is not stopped is asked
+for its stacks (the stacks blame is decided on, taken at detection); a stopped rank is
+left stopped, its state being the evidence. Once no rank is late any more, the next
+episode asks afresh: a dump taken during a slow phase that ended is never read for a
+later hang.
+
+Ranks found waiting on their peers are never handed over while another rank of the node
+is not found hung (`_release`): killing a waiter whose peer is busy would be a false
+kill. The other way round, when a rank that is not waiting (the culprit) is found hung,
+its victims are judged at that same moment (`judged_with`): a rank already late, or one
+whose stack taken at the episode's start shows it waiting on its peers and that made no
+progress since. Their own deadlines may fall a little later (a heartbeat written a few
+ms after the culprit's, a learned timeout that grew); judged then, they would be judged
+after the culprit was continued for its own dump and had let them run on.
 """
 
 from __future__ import annotations
@@ -30,7 +44,19 @@ AskStacks = Callable[[int], bool]
 @dataclasses.dataclass
 class _Suspect:
     pid: int
+    since: float  # the rank's last progress when it was first looked at
+    due: float
     first: ProcSample
+
+
+@dataclasses.dataclass(frozen=True)
+class Late:
+    """A rank whose first evidence look is due, as the scanner found it."""
+
+    pid: int  # the process that writes its slot
+    since: float  # its last progress (`judge.Lookout.since`)
+    due: float  # its deadline
+    past: bool  # `judge` found it past that deadline in this scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +65,37 @@ class Watched:
 
     pid: int  # the process that writes its slot
     stacks: Path | None  # where its stack dumps go
+    #: Its last progress as of the scan (`judge.Lookout.since`; None: no deadline runs).
+    since: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Bystander:
+    """A rank of the node not found hung, at the moment another one is."""
+
+    late: bool  # late by its rhythm: its first evidence look was due
+    #: Its last progress (None: unknown) and when the episode asked for its stacks
+    #: (None: it was not asked); its stack says where it was at that ask.
+    since: float | None
+    asked_at: float | None
+    reading: Reading
+
+
+def judged_with(hung: Mapping[int, Reading], others: Mapping[int, Bystander]) -> list[int]:
+    """The ranks of `others` to judge hung together with `hung` (pure): none unless a
+    rank in `hung` is not waiting on its peers (a culprit); then each rank already late,
+    and each whose stack at the episode's ask shows it waiting on its peers and that has
+    made no progress since that ask (a later step would make that stack stale)."""
+    if all(r.role is Role.WAITING for r in hung.values()):
+        return []
+    out: list[int] = []
+    for lr, b in sorted(others.items()):
+        if lr in hung:
+            continue
+        stale = b.since is None or b.asked_at is None or b.since > b.asked_at
+        if b.late or (b.reading.role is Role.WAITING and not stale):
+            out.append(lr)
+    return out
 
 
 class Suspicions:
@@ -55,37 +112,44 @@ class Suspicions:
         self._wait = wait
         self._suspects: dict[int, _Suspect] = {}
         self._offsets: dict[int, int] = {}  # local rank -> size of its stacks file when asked
-        self._asked = False
+        self._asked_at: float | None = None  # when this episode asked for stacks
         self._held: dict[int, Reading] = {}  # found hung, waiting for their peers' verdicts
 
     def reset(self) -> None:
         self._suspects = {}
         self._offsets = {}
-        self._asked = False
+        self._asked_at = None
         self._held = {}
 
     def confirm(
-        self, past: Mapping[int, int], ranks: Mapping[int, Watched], now: float
+        self, late: Mapping[int, Late], ranks: Mapping[int, Watched], now: float
     ) -> dict[int, Reading]:
-        """`past`: local rank -> pid of the ranks past their deadline in this scan.
-        Returns local rank -> stack reading for those hung on evidence."""
-        for lr in [lr for lr in self._suspects if lr not in past]:
-            del self._suspects[lr]  # progress again: no longer suspected
-        for lr in [lr for lr in self._held if lr not in past]:
+        """`late`: local rank -> the ranks whose first look is due in this scan.
+        Returns local rank -> stack reading for those hung on evidence, and for the
+        victims judged with them (`judged_with`)."""
+        for lr, was in list(self._suspects.items()):
+            seen = late.get(lr)
+            if seen is None or seen.pid != was.pid or seen.since != was.since:
+                del self._suspects[lr]  # progress again: what was seen is another stall
+        for lr in [lr for lr in self._held if lr not in late or not late[lr].past]:
             del self._held[lr]
-        if past and not self._asked:
+        if not late and not self._held:
+            self._asked_at = None  # the episode is over: a later one asks afresh
+            self._offsets = {}
+        if late and self._asked_at is None:
             self._ask_everyone(ranks, now)
         hung: dict[int, Reading] = {}
-        for lr, pid in past.items():
+        for lr, seen in late.items():
             suspect = self._suspects.get(lr)
-            if suspect is None or suspect.pid != pid:
-                first = self._sample(pid, now)
+            if suspect is None:
+                first = self._sample(seen.pid, now)
                 if first is not None:
-                    self._suspects[lr] = _Suspect(pid, first)
+                    self._suspects[lr] = _Suspect(seen.pid, seen.since, seen.due, first)
                 continue
-            if now - suspect.first.at < self._wait:
+            suspect.due = seen.due  # a learned timeout may have grown since
+            if not seen.past or now < evidence.decision_at(suspect.first.at, seen.due, self._wait):
                 continue
-            second = self._sample(pid, now)
+            second = self._sample(seen.pid, now)
             if second is None:
                 del self._suspects[lr]
                 continue
@@ -95,7 +159,34 @@ class Suspicions:
                 del self._suspects[lr]
             else:
                 suspect.first = second  # running code: look again a window later
+        if hung:
+            others = {
+                lr: self._bystander(lr, w, lr in late)
+                for lr, w in ranks.items()
+                if lr not in self._held
+            }
+            for lr in judged_with(hung, others):
+                hung[lr] = others[lr].reading
+                self._suspects.pop(lr, None)
         return self._release(hung, ranks)
+
+    def next_look(self) -> float | None:
+        """Monotonic time of the earliest second look due (None: no rank is suspected),
+        for the scanner to wake then instead of up to a check interval later."""
+        times = [
+            evidence.decision_at(s.first.at, s.due, self._wait) for s in self._suspects.values()
+        ]
+        return min(times) if times else None
+
+    def _bystander(self, lr: int, watched: Watched, late: bool) -> Bystander:
+        suspect = self._suspects.get(lr)
+        stopped = suspect is not None and suspect.first.state in ("T", "t")
+        asked_at = self._asked_at if lr in self._offsets else None
+        if watched.since is not None and asked_at is not None and watched.since > asked_at:
+            # It progressed after the ask: the stack dumped then says nothing of now.
+            return Bystander(late, watched.since, asked_at, Reading(Role.UNKNOWN, "stale stack"))
+        reading = evidence.role(self._stacks_of(lr, watched), stopped)
+        return Bystander(late, watched.since, asked_at, reading)
 
     def _release(
         self, hung: dict[int, Reading], ranks: Mapping[int, Watched]
@@ -115,7 +206,7 @@ class Suspicions:
         return out
 
     def _ask_everyone(self, ranks: Mapping[int, Watched], now: float) -> None:
-        self._asked = True
+        self._asked_at = now
         for lr, watched in ranks.items():
             first = self._sample(watched.pid, now)
             if first is None or first.state in ("T", "t"):

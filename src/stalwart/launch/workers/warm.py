@@ -198,6 +198,7 @@ class WarmPool:
             rss_bytes=info.get("rss"),
             import_s=info.get("import_s"),
             modules=info.get("modules"),
+            prewarmed=info.get("prewarmed"),
         )
         return True
 
@@ -352,6 +353,7 @@ class WarmPool:
                 modules=info.get("modules"),
                 learned=info.get("learned"),
                 dropped=info.get("dropped"),
+                prewarmed=info.get("prewarmed"),
             )
             _stop(old[0], old[1])
 

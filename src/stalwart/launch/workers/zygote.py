@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.checkpoint import seed
+from stalwart.launch.workers import prewarm
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel")
 # stalwart's own checkpointing, for the writer seed each worker forks (seed.py) and for
@@ -470,6 +471,13 @@ def _say_ready(
     serve (and if not, why)."""
     blocker = fork_blocker()
     done, dropped, learn_blocker = _import_learned(learned)
+    warmed: list[str] = []
+    if blocker is None and learn_blocker is None:
+        # Still at low priority where it is a learned template: the job is training.
+        warmed, failed = prewarm.run(prewarm.due(sys.modules), sys.modules)
+        dropped += failed
+        if (why := fork_blocker()) is not None:
+            learn_blocker = f"prewarm {', '.join(warmed)}: {why}"
     restore()
     blocker = blocker or learn_blocker
     if blocker is not None:
@@ -491,6 +499,7 @@ def _say_ready(
             "modules": modules,
             "learned": done,
             "dropped": dropped,
+            "prewarmed": warmed,
             "import_s": time.monotonic() - t0,
         },
     )

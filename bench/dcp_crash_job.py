@@ -1,0 +1,197 @@
+"""An FSDP2 job for bench_dcp.py's restore and crash sections (no ``__main__`` guard,
+like most training scripts).
+
+    dcp_crash_job.py MODE OUT CKPT MIB ARG
+
+``--mib`` of ``Linear(2048, 2048)`` parameters, fully sharded, with AdamW (three times
+the bytes in all), 2 ranks on gloo.
+
+MODE ``plain`` (under torchrun; never imports stalwart) or ``stalwart`` (under
+``stalwart run --ckpt-ram``): train; at step ARG save a checkpoint (plain ``dcp.save``,
+or stalwart's ``dcp.save`` with its RAM copy) and rank 1 SIGKILLs itself right after
+it; the restarted job loads the newest step (plain: the newest folder with DCP's
+metadata; stalwart: ``load_newest``) and trains two more steps. Rank 0 appends a line
+per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the wall time.
+
+MODE ``restore`` (under ``stalwart run --ckpt-ram``): the first attempt saves step 1
+three ways (plain ``dcp.save``; stalwart's ``save`` without and with the RAM copy), and
+rank 1 SIGKILLs itself; the restarted ranks then load it ARG times each way, dropping
+the page cache before each: ``dcp.load``, ``load_newest`` from disk and from RAM. Rank 0
+appends ``{"kind": "load", ...}`` lines; every load is checked against the sums saved.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+mode, out, ckpt, mib, arg = (
+    sys.argv[1],
+    Path(sys.argv[2]),
+    Path(sys.argv[3]),
+    int(sys.argv[4]),
+    int(sys.argv[5]),
+)
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+SIDE = 2048
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+
+def log(**rec: object) -> None:
+    if rank == 0:
+        with open(out / "events.jsonl", "a") as f:
+            f.write(json.dumps({**rec, "attempt": attempt, "t": time.time()}) + "\n")
+
+
+class App:
+    """Model and optimizer as one ``Stateful`` (the torchtitan pattern)."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, object]:
+        m, o = get_state_dict(self.model, self.optim)
+        return {"model": m, "optim": o}
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
+
+
+torch.manual_seed(attempt)
+layers = max(1, round(mib * 2**20 / (SIDE * SIDE * 4)))
+model = torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step() -> None:
+    model(torch.randn(4, SIDE)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def local_sums() -> list[float]:
+    """This rank's shards, summed (a check that a load restored what was saved)."""
+    m, o = get_state_dict(model, optim)
+    tensors = [*m.values(), *[v for s in o["state"].values() for v in s.values()]]
+    return [float(t.to_local().double().sum()) for t in tensors if hasattr(t, "to_local")]
+
+
+def drop_cache() -> None:
+    dist.barrier()
+    if rank == 0:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    dist.barrier()
+
+
+def newest_plain() -> int | None:
+    steps = [
+        int(p.name[5:])
+        for p in ckpt.glob("step_*")
+        if p.name[5:].isdigit() and (p / ".metadata").exists()
+    ]
+    return max(steps, default=None)
+
+
+if mode in ("plain", "stalwart"):
+    state = {"app": App(model, optim)}
+    step = 0
+    if attempt:
+        if mode == "plain":
+            found = newest_plain()
+            if found is not None:
+                dcp.load(state, checkpoint_id=ckpt / f"step_{found}")
+                step = found
+        else:
+            from stalwart.checkpoint import dcp as sdcp
+
+            step = sdcp.load_newest(state, ckpt) or 0
+        log(kind="restored", step=step)
+    while step < arg + 2:
+        step += 1
+        train_step()
+        dist.barrier()
+        log(kind="step", step=step)
+        if attempt == 0 and step == arg:
+            if mode == "plain":
+                dcp.save(state, checkpoint_id=ckpt / f"step_{step}")
+            else:
+                from stalwart.checkpoint import dcp as sdcp
+
+                sdcp.save(state, ckpt, step)
+            dist.barrier()
+            if rank == 1:
+                # The crash: right after a save, as late as it can cost nothing.
+                (out / "crash_at").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "restore":
+    from stalwart.checkpoint import dcp as sdcp
+
+    m, o = get_state_dict(model, optim)
+    state = {"model": m, "optim": o}
+    sums = out / f"sums_{rank}.json"
+    if attempt == 0:
+        train_step()
+        m, o = get_state_dict(model, optim)
+        state = {"model": m, "optim": o}
+        dcp.save(state, checkpoint_id=ckpt / "plain")
+        sdcp.save(state, ckpt / "disk", 1, ram=False)
+        sdcp.save(state, ckpt / "ram", 1)
+        sums.write_text(json.dumps(local_sums()))
+        total = sum(
+            t.to_local().numel() * t.element_size()
+            for t in [*m.values(), *[v for s in o["state"].values() for v in s.values()]]
+            if hasattr(t, "to_local")
+        )
+        sizes = torch.tensor([total])
+        dist.all_reduce(sizes)
+        log(kind="size", total_bytes=int(sizes.item()), layers=layers)
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()  # rank 0 waits here until the launcher stops it
+    want = json.loads(sums.read_text())
+    for rep in range(arg):
+        for method in ("dcp.load", "load_newest disk", "load_newest ram"):
+            drop_cache()
+            t0 = time.perf_counter()
+            if method == "dcp.load":
+                dcp.load(state, checkpoint_id=ckpt / "plain")
+                got: int | None = 1
+            else:
+                root = ckpt / ("disk" if method.endswith("disk") else "ram")
+                got = sdcp.load_newest(state, root)
+            took = time.perf_counter() - t0
+            dist.barrier()
+            ok = got == 1 and local_sums() == want
+            flag = torch.tensor([int(ok)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            log(kind="load", method=method, rep=rep, took=took, ok=bool(flag.item()))
+            # Scramble the state between loads so each one has to restore it.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+                for s in optim.state.values():
+                    for v in s.values():
+                        if isinstance(v, torch.Tensor):
+                            v.zero_()
+else:
+    raise SystemExit(f"dcp_crash_job.py: mode {mode!r}: expected plain, stalwart or restore")
+
+dist.barrier()
+dist.destroy_process_group()
