@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 import tracemalloc
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.launch.files.logs import MAX_BACKLOG, Tee
-from tests.helpers import events, run_dir, stalwart, warm_and_cold
+from tests.helpers import events, run_dir, stalwart, wait_for, warm_and_cold
 
 from .helpers import SCRIPTS
 
@@ -174,3 +176,32 @@ def test_tee_with_a_stalled_console_keeps_memory_and_the_file(tmp_path: Path) ->
     assert console.notices, "a console that fell behind is told how many lines it missed"
     with open(log, "rb") as fh:
         assert sum(1 for _ in fh) == 400_010
+
+
+def test_tee_never_blocks_on_a_fifo_nor_follows_a_swapped_link(tmp_path: Path) -> None:
+    """A worker can replace its own log file: a FIFO there used to block the tee's open
+    (and the launcher's stop) for good; a link there used to be followed at each round."""
+    fifo, swapped, secret = tmp_path / "0.log", tmp_path / "1.log", tmp_path / "secret"
+    os.mkfifo(fifo)
+    secret.write_text("SECRET\n" * 100)
+    swapped.write_text("before\n")
+    console = _CountingConsole()
+    tee = Tee(interval=0.01)
+    tee.add(fifo, console, "[0]:")  # type: ignore[arg-type]
+    tee.add(swapped, console, "[1]:")  # type: ignore[arg-type]
+    tee.start()
+    try:
+        wait_for(lambda: console.lines >= 1, timeout=10, what="the first line")
+        link = tmp_path / "link"
+        link.symlink_to(secret)
+        os.replace(link, swapped)
+        stopper = threading.Thread(target=tee.stop, daemon=True)
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive(), "the tee blocked on a FIFO"
+    finally:
+        # Releases an old tee blocked in open(): a writer appears, then leaves (ENXIO:
+        # nobody is reading, nothing to release).
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert console.lines == 1  # "before" only: the link's target was never read

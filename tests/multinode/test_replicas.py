@@ -1,7 +1,8 @@
 """RAM snapshot replicas across simulated hosts: a node is lost, the spare that takes its
 place restores the lost node's ranks from a replica a survivor holds, and every rank
-resumes from RAM at a step newer than anything on disk. Then the other side: with the
-launcher SIGKILLed the snapshots are gone and the disk checkpoints load as before.
+resumes from RAM at a step newer than anything on disk; the same for an FSDP2 job's DCP
+shard sets. Then the other side: with the launcher SIGKILLed the snapshots are gone and
+the disk checkpoints load as before.
 
 The job is ``bench/ram_train.py`` (``elastic_train.py`` checkpointed with ``AsyncCheckpointer``);
 its final model is compared with a one-process reference, so a resume from a wrong or
@@ -19,9 +20,11 @@ from pathlib import Path
 import pytest
 
 from bench.netns import Host, Network, rdzv_args
+from stalwart.base.events import Event
 from stalwart.checkpoint import complete_steps
+from stalwart.checkpoint import ramlayout as rl
 from stalwart.launch.replicas import node as rp
-from tests.helpers import free_port, wait_for
+from tests.helpers import ROOT, free_port, wait_for
 from tests.multinode.replica_helpers import ram_job, start_job
 
 from .test_netns import FAST, assert_matches_reference, events, text, wait_for_step
@@ -96,6 +99,99 @@ def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
     fetched = [e for e in events(tmp_path, "c") if e["event"] == rp.REPLICA_FETCHED]
     assert [(e["rank"], e["from_node"]) for e in fetched] == [(1, 0)], fetched
     assert int(str(fetched[0]["step"])) >= start - 1
+
+
+DCP_WORKER = ROOT / "tests" / "reliability" / "dcp_fsdp_worker.py"
+
+
+def replica_step(folder: Path, rank: int) -> tuple[int, str] | None:
+    """(step, kind) of the newest replica of ``rank`` committed in a launcher's folder."""
+    try:
+        seg = rp.SegmentFile(
+            folder / f"{rp.REPLICA_PREFIX}{rank}{rl.SEGMENT_SUFFIX}", writable=False
+        )
+    except (OSError, ValueError):
+        return None
+    try:
+        held = seg.records()
+        return (held[0][1].step, held[0][1].kind) if held else None
+    finally:
+        seg.close()
+
+
+def test_a_spare_restores_the_lost_nodes_fsdp2_shards_from_a_peer_replica(
+    network: Network, tmp_path: Path
+) -> None:
+    """An FSDP2 job, one rank per node, DCP shard sets in RAM: rank 1's node is lost
+    after step 2; the spare fetches rank 1's shard set from node 0's replica, and both
+    ranks load step 2 from RAM, the gathered state equal to the saved one bit for bit
+    (checked in the workers, whose script has no ``__main__`` guard)."""
+    a, b, c = network.add_host(), network.add_host(), network.add_host()
+    endpoint = f"{a.addr}:{free_port()}"
+    root = tmp_path / "ckpt"
+
+    def start(host: Host, name: str) -> subprocess.Popen[str]:
+        return host.stalwart(
+            *rdzv_args(backend="c10d", endpoint=endpoint, nnodes="1:2", run_id="job",
+                       conf=FAST, max_restarts=3),
+            # Rank 1 waits to be lost for longer than a learned heartbeat timeout.
+            "--shutdown-timeout", "3", "--hb-timeout", "120",
+            "--ckpt-ram", "8MiB", "--ckpt-replicas", "1",
+            "--log-dir", tmp_path / f"logs-{name}",
+            DCP_WORKER, "nodejob", tmp_path, root, "3", "2",
+            log=tmp_path / f"{name}.out",
+        )  # fmt: skip
+
+    pa, pb = start(a, "a"), start(b, "b")
+
+    def paused() -> bool:
+        for name, p in (("a", pa), ("b", pb)):
+            assert p.poll() is None, text(tmp_path, name)[-3000:]
+        return (tmp_path / "paused").exists()
+
+    wait_for(paused, 120, "rank 1 to hold step 2 in RAM", 0.05)
+    pid = (tmp_path / "paused").read_text()
+    where = subprocess.run(["ip", "netns", "identify", pid], capture_output=True, text=True)
+    assert where.stdout.split() == [b.name], f"rank 1 runs in {where.stdout!r}, not on node b"
+    folder = Path(
+        str(
+            next(e for e in events(tmp_path, "a") if e["event"] == Event.CKPT_RAM_RESERVED)[
+                "folder"
+            ]
+        )
+    )
+    # Node b's replicator pushed rank 1's shard set of step 2 to node a.
+    wait_for(
+        lambda: replica_step(folder, 1) == (2, rl.KIND_DCP), 30, "node a's replica of step 2", 0.05
+    )
+    pc = start(c, "c")
+
+    def spare() -> bool:
+        assert pc.poll() is None, text(tmp_path, "c")[-2000:]
+        return "waiting as a spare" in text(tmp_path, "c")
+
+    wait_for(spare, 60, "node c to wait as a spare", 0.05)
+    lose_node(b, pb)
+    assert pa.wait(120) == 0, text(tmp_path, "a")[-3000:]
+    assert pc.wait(60) == 0, text(tmp_path, "c")[-3000:]
+    # First attempt: nothing to load; second: both ranks at step 2 (4 batches).
+    resumes = sorted((tmp_path / "resumes").read_text().splitlines())
+    assert resumes == ["0 2 4", "0 None 0", "1 2 4", "1 None 0"], resumes
+    restored = sorted(
+        (e["rank"], e["step"], e["source"], Path(str(e["path"])).name)
+        for name in ("a", "c")
+        for e in events(tmp_path, name)
+        if e["event"] == Event.CHECKPOINT_RESTORED
+    )
+    # Rank 0 from its own segment on node a; rank 1, on the spare, from the replica.
+    assert restored == [
+        (0, 2, "ram", rl.segment_name(0)), (1, 2, "ram", f"{rp.REPLICA_PREFIX}1{rl.SEGMENT_SUFFIX}")
+    ], restored  # fmt: skip
+    fetched = [e for e in events(tmp_path, "c") if e["event"] == rp.REPLICA_FETCHED]
+    assert [(e["rank"], e["from_node"], e["step"]) for e in fetched] == [(1, 0, 2)], fetched
+    assert os.readlink(root / "latest") == "step_000000003"
+    # The script ran once per rank and attempt: nothing on the save path re-ran it.
+    assert len((tmp_path / "starts").read_text().splitlines()) == 4
 
 
 def test_launcher_sigkilled_snapshots_gone_disk_checkpoint_loads(tmp_path: Path) -> None:

@@ -21,6 +21,10 @@ argv: <mode> <out> <root> [step...]
                first tears step 3's shards on disk (so only RAM holds it whole), then
                SIGKILLs itself; at step 5 it flips a byte of its RAM copy of step 5 (so
                not every rank holds it: all load it from disk), then SIGKILLs itself
+  nodejob N K  one rank per node under `stalwart run --ckpt-ram` on simulated hosts:
+               resume from the newest step, train and save steps up to N; in the first
+               attempt, after step K is in RAM, rank 1 writes its pid to <out>/paused and waits for
+               its node to be lost (rank 0 blocks in the next step's collectives)
 """
 
 import mmap
@@ -148,7 +152,7 @@ def check(step: int) -> None:
 
 
 model, optim = build(
-    seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job", "ramjob") else 99
+    seed=1 if mode in ("save", "async", "plain", "loop", "ckpt", "job", "ramjob", "nodejob") else 99
 )
 data = DataPosition()
 state = {"app": App(model, optim), "data": data}
@@ -245,6 +249,24 @@ elif mode == "ramjob":
             continue
         (out / f"tampered_{step}").write_text("")
         os.kill(os.getpid(), signal.SIGKILL)
+    saver.close()
+elif mode == "nodejob":
+    loaded = sdcp.load_newest(state, root)
+    if loaded is not None:
+        check(loaded)
+    with open(out / "resumes", "a") as f:
+        f.write(f"{rank} {loaded} {data.index}\n")
+    saver = sdcp.AsyncDcpSaver(root, keep_last=3)
+    for step in range((loaded or 0) + 1, steps[0] + 1):
+        train(model, optim, data, 2)
+        record(step)
+        saver.save(state, step)[1].result()
+        if loaded is None and step == steps[1] and rank == 1:
+            # Step K is committed on disk and in this rank's segment: the launcher's
+            # replicator pushes it to the peer node while the test takes this node away.
+            (out / "paused").write_text(str(os.getpid()))
+            while True:
+                signal.pause()
     saver.close()
 elif mode == "plainload":
     dcp.load(state, checkpoint_id=root / f"step_{steps[0]:09d}")

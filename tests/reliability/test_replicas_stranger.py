@@ -2,8 +2,9 @@
 snapshot segments. Whatever it reads in the store (it has no authentication), it cannot
 fetch a rank's weights, push a snapshot, make the server allocate, redirect a node's
 pushes to itself, or get more than one log line per kind of trouble; a node of the job
-cannot push a rank it does not run. And a multi-node job with replicas and no secret is
-a one-line error at start.
+cannot push a rank it does not run; a DCP shard set whose record was altered, or that
+holds another job's steps, never becomes what a rank restores. And a multi-node job with
+replicas and no secret is a one-line error at start.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 
+from stalwart import runlog
+from stalwart.base.events import Event
+from stalwart.checkpoint import dcp as sdcp
 from stalwart.checkpoint import ramlayout as rl
+from stalwart.checkpoint.dcp_ram import snapshot_step
+from stalwart.checkpoint.ram import RamSegment
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
 from stalwart.config.secret import JOB_SECRET_ENV
@@ -30,7 +37,7 @@ from stalwart.launch.replicas import auth, wire
 from stalwart.launch.replicas import node as rp
 from stalwart.launch.replicas.snapshots import SnapshotMemory
 from stalwart.rendezvous.kv import C10dKV
-from tests.helpers import wait_for
+from tests.helpers import read_events, wait_for
 from tests.multinode.replica_helpers import (
     KEY,
     SLOT,
@@ -270,6 +277,110 @@ def test_a_node_of_the_job_cannot_push_a_rank_it_does_not_run(
         seg.close()
     finally:
         node_a.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kind": rl.KIND_STATE},
+        {"step": 999},
+        {"rank": 3},
+        {"world_size": 8},
+        {"tensor_bytes": 1},
+        {"tensor_hash": 1},
+        {"skeleton_hash": 1},
+        {"created_unix": 1.5},
+    ],
+)
+def test_the_record_mac_covers_every_field_but_seq(change: dict[str, object]) -> None:
+    rec = rl.CommitRecord(
+        rl.FORMAT, 2, 0, 1, 1, 10, 0, 4096, 100, 7, 0.0, rl.KIND_DCP
+    )  # fmt: skip
+    mac = auth.record_mac(KEY, rec)
+    assert auth.record_ok(KEY, msgspec.structs.replace(rec, seq=9), mac)  # holders renumber
+    assert not auth.record_ok(KEY, msgspec.structs.replace(rec, **change), mac)  # type: ignore[arg-type]
+
+
+def _dcp_step(root: Path, step: int, value: float) -> tuple[dict[str, torch.Tensor], object]:
+    """A one-rank DCP step of ``root`` written through stalwart, and its metadata."""
+    state = {"w": torch.full((4096,), value), "b": torch.arange(16.0) + value}
+    return state, sdcp.save(state, root, step, ram=False)
+
+
+def test_a_forged_shard_set_replica_is_refused_and_the_job_loads_from_disk(
+    make_node: Callable[..., SnapshotMemory],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Node a serves replicas; rank 0's shard sets come from node b. A stranger's push, a
+    record altered after its MAC, and another job's steps (MACed by a node of the job:
+    the server sees bytes, not roots) never become what rank 0 restores: it loads from
+    disk. The same push of the job's own step is then restored from RAM."""
+    a, b = make_node("a"), make_node("b")
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    saved, meta = _dcp_step(ours, 1, 1.0)
+    _, their_meta = _dcp_step(theirs, 5, 5.0)
+    srv = server(a, Events(), 0, world=1)
+    target = srv.address(0, 0, 0, 1, 1)
+    ring = rp.Ring(0, 1, 2, 1)
+
+    def stage(
+        root: Path, step: int, metadata: object
+    ) -> tuple[rp.SegmentFile, int, rl.CommitRecord]:
+        seg = RamSegment.open(b.folder / rl.segment_name(0))
+        try:
+            snapshot_step(seg, root, step, metadata, 0, 1)  # type: ignore[arg-type]
+        finally:
+            seg.close()
+        return segment_record(b)
+
+    events = tmp_path / "events.jsonl"
+    events.touch()
+    monkeypatch.setenv(runlog.EVENTS_FILE_ENV, str(events))
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(a.folder))
+
+    def restore() -> tuple[int | None, str]:
+        fresh = {"w": torch.zeros(4096), "b": torch.zeros(16)}
+        step = sdcp.load_newest(fresh, ours)
+        assert all(torch.equal(fresh[k], saved[k]) for k in saved), fresh
+        sources = [
+            e["source"] for e in read_events(events) if e["event"] == Event.CHECKPOINT_RESTORED
+        ]
+        return step, sources[-1]
+
+    try:
+        seg, slot, rec = stage(ours, 1, meta)
+        assert rec.kind == rl.KIND_DCP
+        # A stranger (no key) cannot push it; a node of the job cannot alter the record.
+        with pytest.raises(rp.PeerGone):
+            rp.push(target, seg, slot, rec, ring, auth.job_key(secrets.token_bytes(32), "job"))
+        for change in ({"kind": rl.KIND_STATE}, {"step": 9}, {"world_size": 2}):
+            with rp.connect(target, KEY, 1) as sock:
+                forged = msgspec.structs.replace(rec, **change)  # type: ignore[arg-type]
+                wire.send_frame(
+                    sock, wire.Push(0, wire.Manifest(forged, 1, auth.record_mac(KEY, rec)))
+                )
+                reply = wire.expect(sock, wire.Reply)
+            assert isinstance(reply, wire.Reply) and "MAC differs" in reply.error, reply
+        seg.close()
+        assert rp.replica_ranks(a.folder) == []  # nothing allocated for any of it
+        assert restore() == (1, "disk")
+        # Another job's step 5, MACed: held, but rank 0 restores step 1 from disk.
+        seg, slot, rec = stage(theirs, 5, their_meta)
+        assert rp.push(target, seg, slot, rec, ring, KEY) == ""
+        seg.close()
+        assert rp.replica_ranks(a.folder) == [0]
+        with caplog.at_level(logging.WARNING, logger="stalwart.checkpoint"):
+            assert restore() == (1, "disk")
+        assert any(f"shard set of {str(theirs)!r}" in r.getMessage() for r in caplog.records)
+        # The job's own step, pushed the same way, is what rank 0 restores, from RAM.
+        seg, slot, rec = stage(ours, 1, meta)
+        assert rp.push(target, seg, slot, rec, ring, KEY) == ""
+        seg.close()
+        assert restore() == (1, "ram")
+    finally:
+        srv.close()
 
 
 HOSTILE = [

@@ -13,11 +13,15 @@ wrote is lost.  The local-ranks filter limits only what reaches the console.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 import socket
+import stat
 import string
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -25,6 +29,8 @@ from typing import IO
 # The settings' vocabulary is config's; Std stays importable from here as before.
 from stalwart.config.output import DEFAULT_PREFIX
 from stalwart.config.output import Std as Std
+
+logger = logging.getLogger(__name__)
 
 
 def std_map(spec: Std | dict[int, Std], nprocs: int) -> dict[int, Std]:
@@ -115,14 +121,22 @@ _CHUNK = 1 << 20
 MAX_BACKLOG = 16 << 20
 _MAX_LINE = 64 << 10
 
+# A tailed path is opened once, without following a link and without waiting for a
+# writer (a FIFO planted there would otherwise block the open for good), and only a
+# regular file is read; later renames or replacements of the path are not followed.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
 
 @dataclass
 class _Tailed:
     path: Path
     sink: IO[str]
     prefix: str
+    line_filter: Callable[[str], bool] | None = None
+    fd: int | None = None
     offset: int = 0
     partial: bytes = b""
+    refused: bool = False
 
 
 class Tee:
@@ -130,7 +144,8 @@ class Tee:
 
     The copy is bounded: when the console falls more than ``max_backlog`` bytes behind a
     file, the lines in between are skipped on the console with one line saying how many
-    and where they are (the file has every line, since the worker writes to it)."""
+    and where they are (the file has every line, since the worker writes to it).  A path
+    that is a link, a FIFO, a device or a folder is refused once, with one log line."""
 
     def __init__(self, interval: float = 0.05, max_backlog: int = MAX_BACKLOG) -> None:
         self._files: list[_Tailed] = []
@@ -140,38 +155,81 @@ class Tee:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def add(self, path: Path, sink: IO[str], prefix: str) -> None:
+    def add(
+        self,
+        path: Path,
+        sink: IO[str],
+        prefix: str,
+        line_filter: Callable[[str], bool] | None = None,
+    ) -> None:
+        """*line_filter*, when given, sees each line (with its newline, as ``readline``
+        returns it) and only the lines it accepts are copied."""
         with self._lock:
-            self._files.append(_Tailed(path, sink, prefix))
+            self._files.append(_Tailed(path, sink, prefix, line_filter))
 
     def start(self) -> None:
         if self._files and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="stalwart-tee", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="stalwart-tee", daemon=True)
             self._thread.start()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Copies until ``stop()`` is called (the body of the tee's thread; a caller that
+        owns a thread of its own may run it there instead of calling ``start()``)."""
         while not self._stop.wait(self._interval):
             self._pump(final=False)
 
     def _pump(self, final: bool) -> None:
         with self._lock:
+            if not final and self._stop.is_set():
+                return  # stop() drained and closed the files: nothing may reopen them
             for t in self._files:
-                try:
-                    with open(t.path, "rb") as fh:
-                        self._copy(t, fh, final)
-                except FileNotFoundError:
+                if t.refused:
                     continue
+                if t.fd is None:
+                    t.fd = self._open(t)
+                    if t.fd is None:
+                        continue
+                try:
+                    self._copy(t, t.fd, final)
+                except OSError as e:
+                    self._refuse(t, f"read failed ({e.strerror or e})")
 
-    def _copy(self, t: _Tailed, fh: IO[bytes], final: bool) -> None:
+    def _open(self, t: _Tailed) -> int | None:
+        try:
+            fd = os.open(t.path, _OPEN_FLAGS)
+        except FileNotFoundError:
+            return None  # not written yet
+        except OSError as e:
+            # ELOOP: the last component is a symbolic link.
+            what = "a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))
+            self._refuse(t, what)
+            return None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            self._refuse(t, f"not a regular file (mode {stat.filemode(mode)})")
+            return None
+        return fd
+
+    @staticmethod
+    def _refuse(t: _Tailed, why: str) -> None:
+        t.refused = True
+        if t.fd is not None:
+            os.close(t.fd)
+            t.fd = None
+        logger.error("log file %s is not copied: %s", t.path, why)
+
+    def _copy(self, t: _Tailed, fd: int, final: bool) -> None:
         # A few chunks per file per round while running, so that one chatty rank does not
         # starve the others; everything (up to the backlog bound) at the end.
         rounds = None if final else 4
         while rounds is None or rounds > 0:
-            size = os.fstat(fh.fileno()).st_size
+            size = os.fstat(fd).st_size
+            if size < t.offset:  # truncated under us: what is there now is new
+                t.offset, t.partial = 0, b""
             if size - t.offset > self._max_backlog:
-                self._skip(t, fh, size - self._max_backlog // 2)
-            fh.seek(t.offset)
-            chunk = fh.read(_CHUNK)
+                self._skip(t, fd, size - self._max_backlog // 2)
+            chunk = os.pread(fd, _CHUNK, t.offset)
             if not chunk:
                 break
             t.offset += len(chunk)
@@ -180,22 +238,23 @@ class Tee:
             if len(t.partial) > _MAX_LINE:  # a line without end: show it in pieces
                 lines.append(t.partial)
                 t.partial = b""
-            self._write(t, lines)
+            self._write(t, lines, ended=True)
+            if t.refused:
+                return
             if rounds is not None:
                 rounds -= 1
         if final and t.partial:
-            self._write(t, [t.partial])  # a crash mid-line: keep what was written
+            self._write(t, [t.partial], ended=False)  # a crash mid-line: keep what was written
             t.partial = b""
 
-    def _skip(self, t: _Tailed, fh: IO[bytes], target: int) -> None:
+    def _skip(self, t: _Tailed, fd: int, target: int) -> None:
         """Moves *t* to the first line start at or after *target*, counting the lines
         passed over (reading in chunks: nothing is held)."""
-        fh.seek(t.offset)
         dropped = 0  # a line begun in t.partial is counted at its end below
         t.partial = b""
-        pos = t.offset
+        start = pos = t.offset
         while True:
-            chunk = fh.read(_CHUNK)
+            chunk = os.pread(fd, _CHUNK, pos)
             if not chunk:
                 break
             if pos + len(chunk) < target:
@@ -211,17 +270,24 @@ class Tee:
                 break
             pos += len(chunk)  # no line end yet: keep looking
         t.offset = pos
-        if dropped:
+        if pos > start:
             self._write_text(
                 t,
-                f"{t.prefix}[stalwart: {dropped} line(s) not shown, the console fell behind; "
-                f"all are in {t.path}]\n",
+                f"{t.prefix}[stalwart: {dropped} line(s) not shown ({pos - start} bytes), "
+                f"the console fell behind; all are in {t.path}]\n",
             )
 
-    def _write(self, t: _Tailed, lines: list[bytes]) -> None:
-        if lines:
+    def _write(self, t: _Tailed, lines: list[bytes], ended: bool) -> None:
+        texts = [ln.decode("utf-8", "replace") + ("\n" if ended else "") for ln in lines]
+        if t.line_filter is not None:
+            try:
+                texts = [tx for tx in texts if t.line_filter(tx)]
+            except Exception as e:  # the filter is the caller's code: stop using it, say why
+                self._refuse(t, f"its line filter raised {e!r}")
+                return
+        if texts:
             self._write_text(
-                t, "".join(f"{t.prefix}{ln.decode('utf-8', 'replace')}\n" for ln in lines)
+                t, "".join(t.prefix + (tx if tx.endswith("\n") else tx + "\n") for tx in texts)
             )
 
     @staticmethod
@@ -237,9 +303,14 @@ class Tee:
         return self._thread is None
 
     def stop(self) -> None:
-        """Stops the thread and copies whatever is left in the files."""
+        """Stops the thread, copies whatever is left in the files and closes them."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         self._pump(final=True)
+        with self._lock:
+            for t in self._files:
+                if t.fd is not None:
+                    os.close(t.fd)
+                    t.fd = None
