@@ -65,7 +65,7 @@ def exit_status(code: object) -> ExitStatus:
     if code is None:
         return ExitStatus(0)
     if isinstance(code, int):
-        # bool included, as there.
+        # bool included, as there; a C long is 64 bits on the Linux we run on.
         if not -(2**63) <= code < 2**63:
             return ExitStatus(-1 & 0xFF)
         return ExitStatus(code & 0xFF)
@@ -115,6 +115,10 @@ def _threading_shutdown() -> None:
     if shutdown is not None:
         shutdown()
         return
+    # The same two steps by hand: the callbacks first, or a pool's workers wait on
+    # their queue forever while we join them.
+    for callback in reversed(getattr(threading, "_threading_atexits", [])):
+        callback()
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon:
