@@ -10,27 +10,30 @@ exception's traceback starting at the user's code):
   for the launcher with no change to the program;
 * ``faulthandler`` on a real-time signal (``stacks.STACK_SIGNAL``), so the hang monitor can ask for every thread's stack;
 * an uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's format)
-  even when the script has no ``@record``.
+  even when the script has no ``@record``;
+* a program that failed (an uncaught exception, ``sys.exit`` with a failure code) ends
+  through ``exiting``: the shutdown it can see, without the interpreter's teardown.
 
 Warm workers forked from the template (``zygote.py``) run the same ``run_target``.
-It imports only the standard library, ``setproctitle`` and ``stalwart.launch.workers.errors``.
+It imports only the standard library, ``setproctitle``, ``stalwart.launch.workers.errors``
+and ``stalwart.launch.workers.exiting``.
 """
 
 from __future__ import annotations
 
-import atexit
 import builtins
 import io
 import os
 import runpy
-import signal
 import sys
 import types
 import zipimport
 from importlib.machinery import SourceFileLoader
+from typing import NoReturn
 
 from stalwart import autostep
 from stalwart.base import envvars
+from stalwart.launch.workers import exiting
 from stalwart.monitor import stacks
 
 
@@ -78,8 +81,6 @@ def run_target(args: list[str]) -> None:
     # What torchrun's worker would have: ``python -u [-m] TARGET ARGS``.
     sys.orig_argv = [sys.executable, "-u", *command]
     set_title(sys.orig_argv)
-    # Registered before the program's own handlers, so it runs after them (LIFO).
-    atexit.register(_die_by_sigint_if_interrupted)
     try:
         if as_module:
             # -m semantics: sys.path[0] is the working directory.
@@ -92,11 +93,12 @@ def run_target(args: list[str]) -> None:
         else:
             _run_script(target)
     except SystemExit as exc:
-        if exc.code not in (None, 0):
-            # The error file's traceback starts at the program, as the uncaught case's does.
-            _drop_own_frames(exc)
-            write_error_file(exc)
-        raise
+        if exc.code in (None, 0):
+            raise
+        # The error file's traceback starts at the program, as the uncaught case's does.
+        _drop_own_frames(exc)
+        write_error_file(exc)
+        _exit_failed(exc)
     except BaseException as exc:
         _drop_own_frames(exc)
         write_error_file(exc)
@@ -146,13 +148,10 @@ def _run_script(target: str) -> None:
     exec(code, main.__dict__)
 
 
-_interrupted = False
-
-
-def _exit_uncaught(exc: BaseException) -> None:
+def _exit_uncaught(exc: BaseException) -> NoReturn:
     """What the interpreter does with an uncaught exception, done here because letting it
-    propagate would prepend our frames (and runpy's) to the traceback it prints."""
-    global _interrupted
+    propagate would prepend our frames (and runpy's) to the traceback it prints; then the
+    shutdown of ``exiting``, without the interpreter's teardown."""
     tb = exc.__traceback__
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
     if sys.version_info >= (3, 12):
@@ -165,19 +164,20 @@ def _exit_uncaught(exc: BaseException) -> None:
         print("\nOriginal exception was:", file=sys.stderr)
         sys.__excepthook__(type(exc), exc, tb)
     # An uncaught KeyboardInterrupt ends the process by SIGINT once it has shut down.
-    _interrupted = isinstance(exc, KeyboardInterrupt)
-    raise SystemExit(1) from None
+    exiting.shut_down_and_exit(1, interrupted=isinstance(exc, KeyboardInterrupt))
 
 
-def _die_by_sigint_if_interrupted() -> None:
-    if _interrupted:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+def _exit_failed(exc: SystemExit) -> NoReturn:
+    """``sys.exit(code)`` with a code that is not success: what the interpreter prints and
+    the status it exits with, after the shutdown of ``exiting``."""
+    end = exiting.exit_status(exc.code)
+    if end.message is not None:
+        try:
+            print(end.message, file=sys.stderr)
+        except Exception:
+            # As the interpreter: no stderr to print to (closed, None) loses the message.
+            pass
+    exiting.shut_down_and_exit(end.status)
 
 
 def _drop_own_frames(exc: BaseException) -> None:

@@ -22,7 +22,8 @@ wait for it, read its exit status and signal it like any child it spawned itself
 worker then puts itself in the state a fresh ``python -u`` would have (own process group,
 environment, cwd, standard streams, default signal handlers, fresh random state, the
 parent-death signal once the launcher is its parent) and runs the target through
-``bootstrap.run_target``, exiting through the interpreter's normal shutdown.
+``bootstrap.run_target``, exiting through the interpreter's normal shutdown (a program
+that failed: through ``exiting``, without the interpreter's teardown).
 
 Before running the target, while still one thread, a worker forks the seed of its
 checkpoint writer (``stalwart.checkpoint.seed``), which never imports the program.
