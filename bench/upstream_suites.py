@@ -64,6 +64,18 @@ def rewrite_torch(text: str) -> str:
     return text
 
 
+def rewrite_torch_patching_processes(text: str) -> str:
+    """As `rewrite_torch`, but a `mock.patch` of a global of torch's
+    `multiprocessing.api` (its `signal`, `threading`, `logger`) targets the module whose
+    code reads it: the compat module only re-exports `PContext`."""
+    text = re.sub(
+        r"""(["'])torch\.distributed\.elastic\.multiprocessing\.api\.""",
+        r"\g<1>stalwart.launch.workers.torch_processes.",
+        text,
+    )
+    return rewrite_torch(text)
+
+
 def rewrite_nvidia_fault_tolerance_from(text: str) -> str:
     """`from nvidia_resiliency_ext import fault_tolerance` names the package by attribute;
     the stalwart spelling imports the module under the same local name."""
@@ -207,6 +219,32 @@ SUITES = (
         ("test/distributed/elastic/timer/file_based_local_timer_test.py",),
         ("test/distributed/elastic/timer/file_based_local_timer_test.py",),
         rewrite_torch,
+        "torch",
+    ),
+    # torch's timer API (TimerServer's watchdog round over a RequestQueue) and the
+    # multiprocessing-queue timers; torch 2.13's PContext.start signal handling.
+    Suite(
+        "torch elastic/timer api_test.py",
+        "pytorch",
+        ("test/distributed/elastic/timer/api_test.py",),
+        ("test/distributed/elastic/timer/api_test.py",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
+        "torch elastic/timer local_timer_test.py",
+        "pytorch",
+        ("test/distributed/elastic/timer/local_timer_test.py",),
+        ("test/distributed/elastic/timer/local_timer_test.py",),
+        rewrite_torch,
+        "torch",
+    ),
+    Suite(
+        "torch elastic/multiprocessing test_api.py (signals)",
+        "pytorch",
+        ("test/distributed/elastic/multiprocessing/test_api.py",),
+        ("test/distributed/elastic/multiprocessing/test_api.py",),
+        rewrite_torch_patching_processes,
         "torch",
     ),
 )

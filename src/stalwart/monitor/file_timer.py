@@ -11,20 +11,18 @@ stopping the reaping (see `stalwart.monitor.timer_server`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import signal as _signal
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from stalwart.base import procs
 from stalwart.monitor.pipe import PipeError, PipeWriter
 from stalwart.monitor.timer_server import ExpiredTimer, TimerServer
+from stalwart.monitor.torch_timer import TimerClient, configure, expires
 from stalwart.monitor.wire import TimerMessage, encode
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,7 @@ class FileTimerRequest:
         )
 
 
-class FileTimerClient:
+class FileTimerClient(TimerClient):
     """Sends this process's timers to the `FileTimerServer` reading `file_path`.
 
     Each request opens, writes and closes the pipe, so it works against torch's server
@@ -84,42 +82,6 @@ class FileTimerClient:
                 f"could not send the timer request: no FileTimerServer is reading "
                 f"{self._file_path} ({exc})"
             ) from None
-
-
-_client: FileTimerClient | None = None
-
-
-def configure(timer_client: FileTimerClient | None) -> None:
-    """Sets the client `expires` uses when it is given none (None: no default)."""
-    global _client
-    _client = timer_client
-
-
-@contextlib.contextmanager
-def expires(
-    after: float, scope: str | None = None, client: FileTimerClient | None = None
-) -> Iterator[None]:
-    """The worker is reaped if the block is still running `after` seconds from now.
-
-    Without `scope`, the caller's file:line names the timer, so a recursive call
-    re-arms the one timer rather than stacking new ones.
-    """
-    if not after > 0 or after == float("inf"):
-        raise ValueError(
-            f"expires(after=...) must be a finite number of seconds > 0, got {after!r}"
-        )
-    if client is None:
-        client = _client
-    if client is None:
-        raise RuntimeError("configure a timer client (timer.configure) before expires()")
-    if scope is None:
-        frame = sys._getframe(2)
-        scope = f"{frame.f_code.co_filename}#{frame.f_lineno}"
-    client.acquire(scope, time.time() + after)
-    try:
-        yield
-    finally:
-        client.release(scope)
 
 
 def log_debug_info_for_expired_timers(run_id: str, expired_timers: dict[int, list[str]]) -> None:

@@ -213,7 +213,9 @@ class ProcessContext(StrayScan):
             env[envvars.RUN_TOKEN] = self.run_token
         return env
 
-    def start(self) -> None:
+    def start(self, copy_output: bool = True) -> None:
+        """Starts the workers; without `copy_output`, teeing their output to the console
+        waits for `start_output` (torch's contexts start their log tails after)."""
         if self._workers:
             raise RuntimeError("ProcessContext.start() called twice")
         if self.adopt_orphans:
@@ -232,6 +234,11 @@ class ProcessContext(StrayScan):
             if spec.logs.tee_stderr and spec.logs.stderr is not None:
                 self._tee.add(spec.logs.stderr, sys.stderr, spec.logs.prefix)
         self._watcher.start()
+        if copy_output:
+            self._tee.start()
+
+    def start_output(self) -> None:
+        """Starts copying the workers' output to the console (after `start(False)`)."""
         self._tee.start()
 
     def _start_warm(self, spec: WorkerSpecEntry) -> _Worker | None:

@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+# This system's signal names, read once: a name is looked up in `signal` only when it is
+# one of them, so SIG_IGN (a handler constant equal to SIGHUP), NSIG or a typo is refused.
+_SIGNAL_NAMES = frozenset(s.name for s in signal.Signals)
 # Lines read per file when applying the duplicate filters: a worker's log can be huge.
 _FILTER_LINE = 64 << 10
 
@@ -229,6 +232,9 @@ class _OutputCopy:
     def __init__(self, ctx: ProcessContext) -> None:
         self._ctx = ctx
 
+    def start(self) -> None:
+        self._ctx.start_output()
+
     def stopped(self) -> bool:
         return self._ctx.output_stopped()
 
@@ -300,17 +306,21 @@ class PContext:
         """Starts the workers; in the main thread, a termination signal then raises
         ``SignalException`` (the signals named by TORCHELASTIC_SIGNALS_TO_HANDLE)."""
         if threading.current_thread() is threading.main_thread():
-            for sig_name in os.environ.get(envvars.SIGNALS_TO_HANDLE, DEFAULT_SIGNALS).split(","):
-                sig_name = sig_name.strip()
-                sig = getattr(signal, sig_name, None)
-                if not isinstance(sig, signal.Signals):
+            names = os.environ.get(envvars.SIGNALS_TO_HANDLE, DEFAULT_SIGNALS).split(",")
+            for sig_name in (name.strip() for name in names):
+                if sig_name not in _SIGNAL_NAMES:
                     logger.warning(
                         "%s names %r, which is no signal here; not handled",
                         envvars.SIGNALS_TO_HANDLE,
                         sig_name,
                     )
                     continue
-                signal.signal(sig, _terminate_process_handler)
+                try:
+                    signal.signal(getattr(signal, sig_name), _terminate_process_handler)
+                except (OSError, RuntimeError, ValueError) as exc:
+                    logger.warning("%s cannot be handled here (%s); not handled", sig_name, exc)
+                    continue
+                logger.info("Registered signal handler for %s: it raises SignalException", sig_name)
         else:
             logger.warning(
                 "start_processes called outside the main thread: termination signals are not "
@@ -318,9 +328,11 @@ class PContext:
                 "parent-death signal"
             )
         self._start()
+        for tail in self._tail_logs:
+            tail.start()
 
     def _start(self) -> None:
-        self._ctx.start()
+        self._ctx.start(copy_output=False)
 
     def pids(self) -> dict[int, int]:
         return self._ctx.pids()
