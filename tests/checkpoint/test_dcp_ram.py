@@ -1,5 +1,6 @@
-"""Shard sets in RAM: the pure rules (which step the ranks load from RAM, what an index
-may say) and hostile heads in a real segment, which find_shards skips."""
+"""Shard sets in RAM: the pure rules (which step the ranks load from RAM and who serves
+which files, what an offer and an index may say) and hostile heads in a real segment,
+which find_all_shards skips."""
 
 from __future__ import annotations
 
@@ -11,32 +12,107 @@ import pytest
 
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.dcp_ram import (
+    MAX_HELD,
     MAX_INDEX_BYTES,
+    MAX_OFFER_BYTES,
+    OFFER_FORMAT,
     SHARD_SET_FORMAT,
+    HeldSet,
+    RamOffer,
+    RamPlan,
     ShardFile,
     ShardSet,
-    find_shards,
+    find_all_shards,
     index_problem,
-    ram_choice,
+    plan_ram_load,
+    read_offer,
 )
+from stalwart.checkpoint.errors import CheckpointCorruptError
 from stalwart.checkpoint.ram import RamSegment
 
 pytestmark = pytest.mark.timeout(60)
 
 
+def _offer(rank: int, disk: int, *held: tuple[int, int, int]) -> RamOffer:
+    """``held``: (step, saving world size, saving rank) of each shard set."""
+    return RamOffer(OFFER_FORMAT, rank, disk, [HeldSet(*h) for h in held])
+
+
 @pytest.mark.parametrize(
-    ("mine", "disk", "lowest", "highest", "expected"),
+    ("offers", "plan"),
     [
-        (5, 4, 5, 5, True),  # every rank holds 5, newer than disk
-        (5, 5, 5, 5, True),
-        (5, 6, 5, 5, False),  # disk holds a newer step
-        (5, 4, 4, 5, False),  # another rank holds only 4
-        (-1, 4, -1, 5, False),  # this rank holds nothing
-        (-1, -1, -1, -1, False),
+        # The same world, each rank its own set: nothing crosses the group.
+        ([_offer(0, 4, (5, 2, 0)), _offer(1, 4, (5, 2, 1))], RamPlan(5, 2, (0, 1))),
+        ([_offer(0, 5, (5, 2, 0)), _offer(1, 5, (5, 2, 1))], RamPlan(5, 2, (0, 1))),
+        # Shrink 2 -> 1: the one rank's node holds both saving ranks' sets.
+        ([_offer(0, 3, (3, 2, 0), (3, 2, 1))], RamPlan(3, 2, (0, 0))),
+        # Shrink 4 -> 2: rank 1's node holds 1..3 (its own and replicas); 2 and 3 go to
+        # the least loaded holder.
+        (
+            [_offer(0, 7, (7, 4, 0), (7, 4, 2)), _offer(1, 7, (7, 4, 1), (7, 4, 2), (7, 4, 3))],
+            RamPlan(7, 4, (0, 1, 0, 1)),
+        ),
+        # Grow 1 -> 2: the new rank holds nothing, rank 0 serves the one set.
+        ([_offer(0, 3, (3, 1, 0)), _offer(1, 3)], RamPlan(3, 1, (0,))),
+        # The newest step is not whole (rank 1's set is gone), the older one is, but disk
+        # holds the newest: disk.
+        ([_offer(0, 6, (6, 2, 0), (5, 2, 0)), _offer(1, 6, (5, 2, 1))], None),
+        # ... and when disk is no newer than the older whole step, that step from RAM.
+        ([_offer(0, 5, (6, 2, 0), (5, 2, 0)), _offer(1, 5, (5, 2, 1))], RamPlan(5, 2, (0, 1))),
+        # Disk holds a newer step.
+        ([_offer(0, 6, (5, 2, 0)), _offer(1, 6, (5, 2, 1))], None),
+        # Only one rank sees the newer step on disk: the newest every rank sees is 4.
+        ([_offer(0, 4, (5, 2, 0)), _offer(1, 6, (5, 2, 1))], RamPlan(5, 2, (0, 1))),
+        # Sets of the same step from different world sizes never mix.
+        ([_offer(0, 3, (3, 2, 0)), _offer(1, 3, (3, 4, 1))], None),
+        ([_offer(0, -1), _offer(1, -1)], None),
+        ([_offer(0, 2, (3, 2, 0), (3, 2, 1)), None], None),  # rank 1's offer refused
+        ([], None),
     ],
 )
-def test_ram_choice(mine: int, disk: int, lowest: int, highest: int, expected: bool) -> None:
-    assert ram_choice(mine, disk, lowest, highest) is expected
+def test_plan_ram_load(offers: list[RamOffer | None], plan: RamPlan | None) -> None:
+    got, why = plan_ram_load(offers)
+    assert got == plan, why
+    assert (why == "") is (plan is not None)
+
+
+def _raw(**kw: object) -> bytes:
+    base: dict[str, object] = dict(
+        format=OFFER_FORMAT, rank=1, newest_on_disk=4,
+        held=[{"step": 5, "world_size": 2, "rank": 1}],
+    )  # fmt: skip
+    base.update(kw)
+    return msgspec.json.encode(base)
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (_raw(), ""),
+        (b"x" * (MAX_OFFER_BYTES + 1), "at most"),  # oversized
+        (b"\xff not json", "offer"),
+        (_raw(held="all"), "offer"),  # wrong type
+        (_raw(secret=1), "offer"),  # a field no offer has
+        (_raw(format=2), "format"),
+        (_raw(rank=0), "says it is rank 0"),  # another rank's (or a stranger's) record
+        (_raw(newest_on_disk=-5), "on disk"),
+        (_raw(held=[{"step": 5, "world_size": 2, "rank": 2}]), "expected step"),
+        (_raw(held=[{"step": 5, "world_size": 2, "rank": -1}]), "expected step"),
+        (_raw(held=[{"step": -1, "world_size": 2, "rank": 0}]), "expected step"),
+        (_raw(held=[{"step": 5, "world_size": 1 << 40, "rank": 0}]), "expected step"),
+        (_raw(held=[{"step": 5, "world_size": 2, "rank": 1}] * 2), "twice"),
+        (
+            _raw(held=[{"step": s, "world_size": 1, "rank": 0} for s in range(MAX_HELD + 1)]),
+            "at most",
+        ),
+    ],
+)
+def test_read_offer(raw: bytes, problem: str) -> None:
+    if not problem:
+        assert read_offer(raw, 1, 2) == RamOffer(OFFER_FORMAT, 1, 4, [HeldSet(5, 2, 1)])
+        return
+    with pytest.raises(CheckpointCorruptError, match=problem):
+        read_offer(raw, 1, 2)
 
 
 def _record(
@@ -104,7 +180,7 @@ def test_hostile_heads_are_skipped(tmp_path: Path, head: bytes) -> None:
         seg.commit(staged)  # committed with matching checksums: only the index is bad
     finally:
         seg.close()
-    assert find_shards(path.parent, "/r", 1, 2) is None
+    assert find_all_shards(path.parent, "/r") == []
 
 
 def test_checksum_mismatch_is_skipped_and_a_good_set_found(tmp_path: Path) -> None:
@@ -116,21 +192,21 @@ def test_checksum_mismatch_is_skipped_and_a_good_set_found(tmp_path: Path) -> No
         seg.commit(staged)
     finally:
         seg.close()
-    held = find_shards(path.parent, "/r", 1, 2)
-    assert held is not None and held.index.step == 3
-    assert find_shards(path.parent, "/r", 1, 4) is None  # another world size: disk
+    (held,) = find_all_shards(path.parent, "/r")
+    held.close()
+    assert (held.index.step, held.index.rank, held.index.world_size) == (3, 1, 2)
     with open(path, "r+b") as f:
         at = rl.data_offset(held.slot, rl.slot_capacity(os.fstat(f.fileno()).st_size))
         f.seek(at + held.record.tensor_offset + 50)
         f.write(b"\x01")
-    assert find_shards(path.parent, "/r", 1, 2) is None
+    assert find_all_shards(path.parent, "/r") == []
 
 
 def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The load reads the slot through the mapping find_shards verified: one hash of the
-    bytes (the old path hashed them again, then copied them out before DCP read them),
+    """The load reads the slot through the mapping find_all_shards verified: one hash of the
+    bytes (an older path hashed them again, then copied them out before DCP read them),
     and another checkpoint folder's newer shard set in the same segment is passed over
     without a warning."""
     import torch

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart import runlog
+from stalwart.checkpoint import ramlayout as rl
 from tests.helpers import ROOT, clean_env, free_port, stalwart, wait_for
 
 WORKER = Path(__file__).with_name("dcp_fsdp_worker.py")
@@ -31,7 +33,9 @@ class Rank:
         return self.out.read_text(), self.err.read_text()
 
 
-def _start(n: int, args: list[str | Path], port: int) -> list[Rank]:
+def _start(
+    n: int, args: list[str | Path], port: int, extra: dict[str, str] | None = None
+) -> list[Rank]:
     # Output goes to files: a rank blocked on a full pipe would stall its peers'
     # collectives while the test waits on another rank.
     started = []
@@ -45,6 +49,7 @@ def _start(n: int, args: list[str | Path], port: int) -> list[Rank]:
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             PYTHONFAULTHANDLER="1",
+            **(extra or {}),
         )
         out = Path(args[1]) / f"{args[0]}-{port}-{rank}.stdout"
         err = out.with_suffix(".stderr")
@@ -68,9 +73,11 @@ def _stop(started: list[Rank]) -> None:
         r.proc.wait()
 
 
-def ranks(n: int, *args: str | Path, timeout: float = 240) -> list[str]:
+def ranks(
+    n: int, *args: str | Path, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[str]:
     """Run the worker on ``n`` ranks; every rank's stdout (all must exit 0)."""
-    started = _start(n, list(args), free_port())
+    started = _start(n, list(args), free_port(), env)
     try:
         wait_for(lambda: all(r.proc.poll() is not None for r in started), timeout, f"{args[0]}")
     finally:
@@ -270,3 +277,45 @@ def test_bigger_worlds_step_with_a_shard_missing_falls_back_whole(job: tuple[Pat
     # 2 ranks: step 2's metadata names a shard that is gone, so every rank loads step 1,
     # whole (the gathered state equals step 1's, checked inside the workers).
     assert loaded(ranks(2, "load", out, root)) == {"LOADED 1"}
+
+
+def _tear(folder: Path) -> None:
+    for shard in folder.glob("__*_*.distcp"):
+        raw = bytearray(shard.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.timeout(600)
+def test_resized_world_restores_from_the_shard_sets_its_node_holds_in_ram(
+    job: tuple[Path, Path],
+) -> None:
+    out, root = job
+    # One node's launcher memory, as `--ckpt-ram` lays it out, shared by the three runs:
+    # 2 ranks save, then 1 rank resumes (and saves), then 2 ranks resume again.
+    ram = out / "ram"
+    ram.mkdir(mode=0o700)
+    for local in range(2):
+        fd = os.open(ram / rl.segment_name(local), os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, rl.segment_bytes(8 << 20))
+        os.close(fd)
+    events = out / "events.jsonl"
+    events.touch()
+    env = {rl.RAM_DIR_ENV: str(ram), runlog.EVENTS_FILE_ENV: str(events)}
+    ranks(2, "save", out, root, 2, env=env)
+    # Step 2's shards on disk are torn: only RAM holds it whole. One rank loads what two
+    # saved, both shard sets read from its node's segments (the gathered state equals
+    # the saved one, checked in the worker), then saves step 3 at world size 1.
+    _tear(root / "step_000000002")
+    assert loaded(ranks(1, "load", out, root, 3, env=env)) == {"LOADED 2"}
+    # Two ranks load what one saved: rank 0 serves the shard set, rank 1's share of it
+    # comes over the process group.
+    _tear(root / "step_000000003")
+    assert loaded(ranks(2, "load", out, root, env=env)) == {"LOADED 3"}
+    restored = sorted(
+        (e["step"], e["source"])
+        for e in map(json.loads, events.read_text().splitlines())
+        if e["event"] == "checkpoint_restored"
+    )
+    assert restored == [(2, "ram"), (3, "ram"), (3, "ram")], restored
+    assert _starts(out) == 5

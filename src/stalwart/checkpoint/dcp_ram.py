@@ -7,18 +7,17 @@ cache) and DCP's global metadata into the older slot of its segment (``ram``), w
 :class:`ShardSet` index as the slot's head. The launcher's replicas move such a slot like
 any other (its record's ``kind`` says what it holds).
 
-At load every rank offers the newest shard set of its own rank and world size that
-verifies; only when every rank offers the same step (and it is no older than the newest
-step on disk) is it read from memory, with :class:`RamShardReader`: DCP plans and
-deserializes as from files, the bytes come from the slot. What a rank needs from
-another rank's files (DCP writes each replicated value once, in one rank's file) is
-sent by that rank over the process group. Any failure in there fails DCP's read phase
-on every rank together, and every rank then loads from disk.
-
-A shard set is only of use at the world size that wrote it: at another one the ranks
-offer nothing and load from disk (DCP reshards there). :class:`ShardSet` records the
-step, the rank, the world size and every file's extent, which is what a resharding
-restore from memory would need to gather.
+At load every rank offers what its node's segments hold for the job's root (its own
+slots, its node's other ranks' slots, replicas of peers): step, saving world size and
+saving rank of each shard set that verifies, as a bounded :class:`RamOffer`. From the
+gathered offers every rank computes the same :class:`RamPlan` (:func:`plan_ram_load`):
+the newest step whose every saving rank's shard set some rank holds, no older than the
+newest step on disk, and which rank serves which saving rank's files. That may be at
+another world size than the one loading: DCP plans the resharding from the step's
+metadata as it would from files, each rank reads the files it serves out of its slots,
+and the extents of other files its plan needs are sent by their serving rank over the
+process group. When no step qualifies, or any rank cannot read what it serves, every
+rank loads from disk together.
 """
 
 from __future__ import annotations
@@ -207,6 +206,12 @@ def try_snapshot(
 
 # -- finding and agreeing ---------------------------------------------------------------
 
+#: Bounds of one rank's offer: a real one lists a few shard sets.
+OFFER_FORMAT = 1
+MAX_OFFER_BYTES = 16 << 10
+MAX_HELD = 64
+MAX_WORLD = 1 << 20
+
 
 @dataclass(frozen=True)
 class HeldShards:
@@ -224,22 +229,28 @@ class HeldShards:
         self.segment.close()
 
 
-def find_shards(folder: Path, root: str, rank: int, world_size: int) -> HeldShards | None:
-    """The newest shard set of ``rank`` at ``world_size`` for ``root`` that verifies."""
+def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
+    """Every shard set of ``root`` in ``folder``'s segments that verifies, newest step
+    first, one per (step, saving world size, saving rank); :meth:`HeldShards.close`
+    each."""
     candidates: list[tuple[Path, int, rl.CommitRecord]] = []
     try:
         paths = sorted(p for p in folder.iterdir() if p.name.endswith(rl.SEGMENT_SUFFIX))
     except OSError:
-        return None
+        return []
     for path in paths:
         with _opened(path) as seg:
             if seg is None:
                 continue
             for slot, rec in seg.records():
-                if (rec.kind, rec.rank, rec.world_size) == (rl.KIND_DCP, rank, world_size):
+                if rec.kind == rl.KIND_DCP:
                     candidates.append((path, slot, rec))
-    candidates.sort(key=lambda c: (c[2].step, c[2].seq), reverse=True)
+    candidates.sort(key=lambda c: (c[2].step, c[2].world_size, -c[2].rank, c[2].seq), reverse=True)
+    found: dict[tuple[int, int, int], HeldShards] = {}
     for path, slot, rec in candidates:
+        key = (rec.step, rec.world_size, rec.rank)
+        if key in found:
+            continue
         seg = _open(path)
         if seg is None:
             continue
@@ -256,10 +267,10 @@ def find_shards(folder: Path, root: str, rank: int, world_size: int) -> HeldShar
             seg.verify(slot, rec)
         except (OSError, CheckpointError, msgspec.DecodeError) as exc:
             seg.close()
-            logger.warning("rank %d: skipping step %d in RAM: %s", rank, rec.step, exc)
+            logger.warning("skipping step %d of rank %d in RAM: %s", rec.step, rec.rank, exc)
             continue
-        return HeldShards(path, slot, rec, index, seg)
-    return None
+        found[key] = HeldShards(path, slot, rec, index, seg)
+    return list(found.values())
 
 
 def _open(path: Path) -> RamSegment | None:
@@ -268,6 +279,113 @@ def _open(path: Path) -> RamSegment | None:
     except (OSError, ValueError, CheckpointError) as exc:
         logger.warning("skipping snapshot segment %s: %s", path, exc)
         return None
+
+
+class HeldSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One shard set a rank can serve: saving rank ``rank`` of ``world_size``, ``step``."""
+
+    step: int
+    world_size: int
+    rank: int
+
+
+class RamOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one loading rank offers: the shard sets its node holds, and the newest step
+    it finds on disk (-1: none)."""
+
+    format: int
+    rank: int
+    newest_on_disk: int
+    held: list[HeldSet]
+
+
+def read_offer(raw: bytes, sender: int, world_size: int) -> RamOffer:
+    """The offer rank ``sender`` of ``world_size`` sent, checked (CheckpointCorruptError)."""
+    if len(raw) > MAX_OFFER_BYTES:
+        raise CheckpointCorruptError(
+            f"rank {sender}'s RAM offer is {len(raw)} bytes, expected at most {MAX_OFFER_BYTES}"
+        )
+    try:
+        offer = msgspec.json.decode(raw, type=RamOffer)
+    except msgspec.DecodeError as exc:
+        raise CheckpointCorruptError(f"rank {sender}'s RAM offer: {exc}") from None
+    problem = ""
+    if offer.format != OFFER_FORMAT:
+        problem = f"format {offer.format!r}, expected {OFFER_FORMAT}"
+    elif offer.rank != sender:
+        problem = f"it says it is rank {offer.rank}"
+    elif offer.newest_on_disk < -1:
+        problem = f"newest step on disk {offer.newest_on_disk}, expected -1 or more"
+    elif len(offer.held) > MAX_HELD:
+        problem = f"{len(offer.held)} shard sets, expected at most {MAX_HELD}"
+    elif len(set(offer.held)) != len(offer.held):
+        problem = "a shard set is listed twice"
+    else:
+        for h in offer.held:
+            if h.step < 0 or not 0 <= h.rank < h.world_size <= MAX_WORLD:
+                problem = (
+                    f"shard set step {h.step} rank {h.rank} of {h.world_size}: expected "
+                    f"step >= 0 and 0 <= rank < world size <= {MAX_WORLD}"
+                )
+                break
+    if problem or not 0 <= sender < world_size:
+        raise CheckpointCorruptError(f"rank {sender}'s RAM offer refused: {problem}")
+    return offer
+
+
+@dataclass(frozen=True)
+class RamPlan:
+    """Load ``step`` (saved by ``saved_world`` ranks) from RAM; saving rank ``s``'s files
+    are served by loading rank ``servers[s]``."""
+
+    step: int
+    saved_world: int
+    servers: tuple[int, ...]
+
+
+def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
+    """Which step the ranks load from RAM and who serves which files; None and why: disk.
+
+    ``offers``: every loading rank's offer in rank order, None where it was refused. Pure:
+    every rank computes it over the same gathered offers and gets the same answer.
+    """
+    if not offers:
+        return None, "no ranks"
+    refused = [r for r, o in enumerate(offers) if o is None]
+    if refused:
+        return None, f"the RAM offer of rank {refused[0]} was refused"
+    valid = [o for o in offers if o is not None]
+    disk = min(o.newest_on_disk for o in valid)
+    holders: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for r, o in enumerate(valid):
+        for h in o.held:
+            holders.setdefault((h.step, h.world_size), {}).setdefault(h.rank, []).append(r)
+    if not holders:
+        return None, "no rank holds a shard set in RAM"
+    why = f"no step in RAM is whole and as new as the newest on disk ({disk})"
+    for step, saved_world in sorted(holders, reverse=True):
+        if step < disk:
+            break
+        by_rank = holders[(step, saved_world)]
+        if len(by_rank) != saved_world:
+            continue
+        load = [0] * len(valid)
+        servers: list[int] = []
+        for saved in range(saved_world):
+            held_by = by_rank[saved]
+            # A rank serves its own saving rank's files where it can (nothing crosses
+            # the group when the world is unchanged); else the least loaded holder.
+            server = saved if saved in held_by else min(held_by, key=lambda r: (load[r], r))
+            load[server] += 1
+            servers.append(server)
+        return RamPlan(step, saved_world, tuple(servers)), ""
+    return None, why
+
+
+def offer_of(rank: int, held: list[HeldShards], newest_on_disk: int) -> RamOffer:
+    """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first)."""
+    sets = [HeldSet(h.index.step, h.index.world_size, h.index.rank) for h in held[:MAX_HELD]]
+    return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets)
 
 
 @contextlib.contextmanager
@@ -298,11 +416,52 @@ def _all_min(values: list[int], group: Any) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def ram_choice(mine: int, newest_on_disk: int, lowest: int, highest: int) -> bool:
-    """Whether the ranks load from RAM: every rank holds the same step (``lowest`` and
-    ``highest`` over the ranks' offers, -1 for none) and it is no older than the newest
-    step on disk that every rank sees."""
-    return mine >= 0 and lowest == highest == mine and mine >= newest_on_disk
+def gather_offers(mine: bytes, group: Any) -> list[RamOffer | None]:
+    """Every rank's offer (collective); one longer than ``MAX_OFFER_BYTES`` is refused
+    before anything of its size is allocated."""
+    _, world = rank_world(group)
+    if world == 1:
+        return [_checked(mine, 0, 1)]
+    length = torch.tensor([len(mine)], dtype=torch.int64)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(t.item()) for t in lengths]
+    width = min(max(sizes), MAX_OFFER_BYTES)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if len(mine) <= width:
+        buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    gathered = [torch.empty_like(buf) for _ in range(world)]
+    if width:
+        dist.all_gather(gathered, buf, group=group)
+    out: list[RamOffer | None] = []
+    for r, (t, n) in enumerate(zip(gathered, sizes, strict=True)):
+        raw = t.numpy().tobytes()[:n] if 0 <= n <= width else b"x" * (MAX_OFFER_BYTES + 1)
+        out.append(_checked(raw, r, world))
+    return out
+
+
+def _checked(raw: bytes, sender: int, world: int) -> RamOffer | None:
+    try:
+        return read_offer(raw, sender, world)
+    except CheckpointCorruptError as exc:
+        logger.warning("%s", exc)
+        return None
+
+
+def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
+    """``data`` of rank ``src`` on every rank (collective; a world of one returns it)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return data or b""
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(length, group=group, group_src=src)
+    n = int(length.item())
+    if data is not None:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        dist.broadcast(buf, group=group, group_src=src)
+    return buf.numpy().tobytes() if n else b""
 
 
 def load_from_ram(
@@ -313,64 +472,89 @@ def load_from_ram(
     process_group: Any = None,
     planner: Any = None,
 ) -> int | None:
-    """Load the step every rank holds in RAM, in place (collective); None: load from disk.
+    """Load the newest step the ranks hold whole in RAM, in place (collective); None:
+    load from disk.
 
     ``newest_on_disk``: this rank's newest loadable step on disk (-1: none).
     """
-    rank, world = rank_world(process_group)
+    rank, _ = rank_world(process_group)
     folder, _ = ram_folder()
-    held: HeldShards | None = None
+    found: list[HeldShards] = []
     if folder is not None:
         from .resume import wait_for_fetch
 
         wait_for_fetch(folder, rank)
-        held = find_shards(folder, root_key(root), rank, world)
+        found = find_all_shards(folder, root_key(root))
     try:
-        return _load_held(state_dict, held, newest_on_disk, process_group, planner)
+        return _load_held(state_dict, found[:MAX_HELD], newest_on_disk, process_group, planner)
     finally:
-        if held is not None:
-            held.close()
+        for h in found:
+            h.close()
 
 
 def _load_held(
     state_dict: dict[str, Any],
-    held: HeldShards | None,
+    held: list[HeldShards],
     newest_on_disk: int,
     process_group: Any,
     planner: Any,
 ) -> int | None:
     rank, _ = rank_world(process_group)
-    mine = held.record.step if held is not None else -1
-    lowest, neg_highest, disk = _all_min([mine, -mine, newest_on_disk], process_group)
-    if not ram_choice(mine, disk, lowest, -neg_highest):
-        if mine >= 0 or lowest >= 0:
-            logger.info(
-                "rank %d: RAM holds step %d here, %d..%d over the ranks (disk: %d): "
-                "loading from disk",
-                rank,
-                mine,
-                lowest,
-                -neg_highest,
-                disk,
+    offer = msgspec.json.encode(offer_of(rank, held, newest_on_disk))
+    plan, why = plan_ram_load(gather_offers(offer, process_group))
+    if plan is None:
+        if held:
+            logger.info("rank %d: loading from disk: %s", rank, why)
+        return None
+    serving = [
+        h
+        for h in held
+        if (h.index.step, h.index.world_size) == (plan.step, plan.saved_world)
+        and plan.servers[h.index.rank] == rank
+    ]
+    files: dict[str, memoryview] = {}
+    meta: bytes | None = None
+    problem = ""
+    try:
+        for h in serving:
+            got, meta = shard_views(h)
+            files.update(got)
+    except (OSError, CheckpointError, ValueError) as exc:
+        problem = str(exc)
+        logger.warning("rank %d: step %d in RAM unreadable: %s", rank, plan.step, exc)
+    reader = RamShardReader(plan, serving, files, process_group)
+    try:
+        (ok,) = _all_min([0 if problem else 1], process_group)
+        if not ok:
+            return None
+        # Every rank plans from the same metadata: the copy of saving rank 0's server.
+        raw_meta = _broadcast_bytes(meta, plan.servers[0], process_group)
+        try:
+            reader.metadata = loads_metadata(raw_meta, f"step {plan.step} in RAM (metadata)")
+        except CheckpointError as exc:
+            # The same bytes on every rank: every rank fails here together.
+            logger.warning("rank %d: step %d in RAM: %s", rank, plan.step, exc)
+            return None
+        try:
+            dcp_load(
+                state_dict, storage_reader=reader, planner=planner, process_group=process_group
             )
-        return None
-    assert held is not None
-    try:
-        reader = RamShardReader.open(held, process_group)
-    except (OSError, CheckpointError) as exc:
-        logger.warning("rank %d: step %d in RAM unreadable: %s", rank, mine, exc)
-        reader = RamShardReader.broken(held, process_group, str(exc))
-    try:
-        dcp_load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
-    except CheckpointException as exc:
-        # DCP raises on every rank when any rank's read failed: all go to disk together.
-        logger.warning("step %d from RAM failed, loading from disk: %s", mine, _first(exc))
-        return None
+        except CheckpointException as exc:
+            # DCP raises on every rank when any rank's read failed: all go to disk together.
+            logger.warning("step %d from RAM failed, loading from disk: %s", plan.step, _first(exc))
+            return None
     finally:
         reader.release()
-    logger.info("rank %d resumes from step %d (ram, %s)", rank, mine, held.path)
-    runlog.emit(runlog.CHECKPOINT_RESTORED, step=mine, source="ram", path=str(held.path))
-    return mine
+    where = ",".join(sorted({str(h.path) for h in serving})) or "peers"
+    logger.info(
+        "rank %d resumes from step %d (ram, saved by %d ranks, %s)",
+        rank,
+        plan.step,
+        plan.saved_world,
+        where,
+    )
+    runlog.emit(runlog.CHECKPOINT_RESTORED, step=plan.step, source="ram", path=where)
+    return plan.step
 
 
 def _first(exc: CheckpointException) -> str:
@@ -380,6 +564,17 @@ def _first(exc: CheckpointException) -> str:
 
 
 # -- reading ----------------------------------------------------------------------------
+
+
+def shard_views(held: HeldShards) -> tuple[dict[str, memoryview], bytes]:
+    """Views of a shard set's files in its slot, read through the mapping it was
+    verified through (no second hash, no copy), and its metadata's bytes;
+    :meth:`RamShardReader.release` the views before ``held`` is closed."""
+    with held.segment.body(held.slot, held.record) as body:
+        files = {f.name: body[f.offset : f.offset + f.length] for f in held.index.files}
+        at = held.index.metadata_offset
+        meta = bytes(body[at : at + held.index.metadata_length])
+    return files, meta
 
 
 class _NoFiles(FileSystem):
@@ -428,64 +623,41 @@ class _ViewReader(io.RawIOBase):
 
 
 class RamShardReader(FileSystemReader):
-    """A DCP storage reader over one rank's shard set in RAM, read in place from the
-    mapping it was verified through (``held.segment``).
+    """A DCP storage reader over the shard files this rank serves under ``plan``, read
+    in place from the mappings they were verified through (``serving``' segments).
 
-    ``read_data`` first fetches, from the ranks that hold them, the extents of other
-    ranks' files this rank's plan needs (collective: every rank calls it once per load),
-    and afterwards checks that the slot was not reused while it was read.
+    ``read_data`` first fetches, from their serving ranks, the extents of other files
+    this rank's plan needs (collective: every rank calls it once per load), and
+    afterwards checks that no served slot was reused while it was read.
     """
 
     def __init__(
         self,
-        held: HeldShards,
+        plan: RamPlan,
+        serving: list[HeldShards],
         files: dict[str, memoryview],
-        metadata: Metadata | None,
         process_group: Any,
-        problem: str = "",
     ) -> None:
-        super().__init__(f"ram-step-{held.index.step}")
+        super().__init__(f"ram-step-{plan.step}")
         self.fs = _NoFiles()
-        self.held = held
+        self.plan = plan
+        self.serving = serving
+        #: Set (from the broadcast copy every rank shares) before DCP reads it.
+        self.metadata: Metadata | None = None
         self._files = files
-        self._metadata = metadata
         self._group = process_group
-        self._problem = problem
         self._fetched: dict[tuple[str, int, int], bytes] = {}
 
-    @classmethod
-    def open(cls, held: HeldShards, process_group: Any) -> RamShardReader:
-        """Views of the shard set's files in its slot, and its metadata (unpickled
-        through the restricted unpickler); ``held`` was verified when found."""
-        body = held.segment.body(held.slot, held.record)
-        files = {f.name: body[f.offset : f.offset + f.length] for f in held.index.files}
-        at = held.index.metadata_offset
-        meta = bytes(body[at : at + held.index.metadata_length])
-        body.release()
-        try:
-            metadata = loads_metadata(meta, f"{held.path} slot {held.slot} (metadata)")
-        except BaseException:
-            for view in files.values():
-                view.release()
-            raise
-        return cls(held, files, metadata, process_group)
-
-    @classmethod
-    def broken(cls, held: HeldShards, process_group: Any, problem: str) -> RamShardReader:
-        """A reader that takes part in the collectives and then fails the read, so the
-        other ranks learn of this rank's failure instead of waiting on it."""
-        return cls(held, {}, None, process_group, problem)
-
     def release(self) -> None:
-        """Let go of the views into the slot (before its segment is closed)."""
+        """Let go of the views into the slots (before their segments are closed)."""
         for view in self._files.values():
             view.release()
         self._files = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            raise CheckpointCorruptError(self._problem)
-        return stamp_load_id(self._metadata, self.load_id)
+        if self.metadata is None:
+            raise CheckpointCorruptError(f"step {self.plan.step} in RAM: no metadata")
+        return stamp_load_id(self.metadata, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         wanted: list[_StorageInfo] = []
@@ -493,14 +665,13 @@ class RamShardReader(FileSystemReader):
             info: _StorageInfo = self.storage_data[item.storage_index]
             if info.relative_path not in self._files:
                 wanted.append(info)
-        self._fetched = exchange_extents(wanted, self._files, self._group)
+        self._fetched = exchange_extents(wanted, self._files, self.plan.servers, self._group)
         done = super().read_data(plan, planner)
-        # Read in place: a save into this slot meanwhile (it invalidates the record
+        # Read in place: a save into a served slot meanwhile (it invalidates the record
         # first) would have torn what was read; DCP then fails the load on every rank.
-        if self.held.segment.record(self.held.slot) != self.held.record:
-            raise CheckpointCorruptError(
-                f"{self.held.path} slot {self.held.slot}: overwritten while read"
-            )
+        for h in self.serving:
+            if h.segment.record(h.slot) != h.record:
+                raise CheckpointCorruptError(f"{h.path} slot {h.slot}: overwritten while read")
         return done
 
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
@@ -518,16 +689,20 @@ class RamShardReader(FileSystemReader):
         return io.BytesIO(got)
 
 
-#: Columns of one extent request: owner rank, index in the owner's file list, offset, length.
-_REQUEST_COLS = 4
+#: Columns of one extent request: serving rank, saving rank, file number, offset, length.
+_REQUEST_COLS = 5
 
 
 def exchange_extents(
-    wanted: list[_StorageInfo], files: Mapping[str, bytes | memoryview], group: Any
+    wanted: list[_StorageInfo],
+    files: Mapping[str, bytes | memoryview],
+    servers: tuple[int, ...],
+    group: Any,
 ) -> dict[tuple[str, int, int], bytes]:
-    """Every rank's ``wanted`` extents of other ranks' files, from those ranks.
+    """Every rank's ``wanted`` extents of files it does not serve, from their servers
+    (``servers[s]``: the rank serving saving rank ``s``'s files).
 
-    Collective. Requests travel as int64 tensors; the owners check them against their
+    Collective. Requests travel as int64 tensors; the servers check them against their
     files before anything is sent, and any bad request fails the exchange on every rank
     (CheckpointCorruptError), so a hostile index cannot make a rank allocate or send
     more than the files hold.
@@ -536,12 +711,13 @@ def exchange_extents(
     problem = ""
     rows: list[list[int]] = []
     for info in wanted:
-        owner = shard_owner(info.relative_path)
+        saved = shard_owner(info.relative_path)
         file_no = _file_number(info.relative_path)
-        if owner is None or file_no is None or not 0 <= owner < world or owner == rank:
+        server = servers[saved] if saved is not None and 0 <= saved < len(servers) else -1
+        if file_no is None or saved is None or not 0 <= server < world or server == rank:
             problem = f"{info.relative_path[:80]!r}: no rank holds it"
             continue
-        rows.append([owner, file_no, info.offset, info.length])
+        rows.append([server, saved, file_no, info.offset, info.length])
     if world == 1:
         if problem or rows:
             raise CheckpointCorruptError(problem or "extents of other ranks' files wanted")
@@ -559,14 +735,13 @@ def exchange_extents(
         dist.all_gather(gathered, mine, group=group)
         for r, (t, c) in enumerate(zip(gathered, counts, strict=True)):
             requests[r] = t[: int(c.item())].tolist()
-    own_by_number = {_file_number(name): data for name, data in files.items()}
     for req_rows in requests:
-        for owner, file_no, offset, length in req_rows:
-            if owner != rank:
+        for server, saved, file_no, offset, length in req_rows:
+            if server != rank:
                 continue
-            data = own_by_number.get(file_no)
+            data = files.get(f"__{saved}_{file_no}.distcp")
             if data is None or offset < 0 or length < 0 or offset + length > len(data):
-                problem = problem or f"a rank asked for {offset}+{length} of file {file_no}"
+                problem = problem or f"a rank asked for {offset}+{length} of __{saved}_{file_no}"
     (bad,) = _all_min([0 if not problem else -1], group)
     if bad < 0:
         raise CheckpointCorruptError(problem or "another rank's RAM shard set is unusable")
@@ -575,14 +750,15 @@ def exchange_extents(
         pieces = [
             (r, row) for r, req_rows in enumerate(requests) for row in req_rows if row[0] == src
         ]
-        total = sum(row[3] for _, row in pieces)
+        total = sum(row[4] for _, row in pieces)
         if not total:
             continue
         if src == rank:
             payload = bytearray(total)
             at = 0
-            for _, (_, file_no, offset, length) in pieces:
-                payload[at : at + length] = own_by_number[file_no][offset : offset + length]
+            for _, (_, saved, file_no, offset, length) in pieces:
+                data = files[f"__{saved}_{file_no}.distcp"]
+                payload[at : at + length] = data[offset : offset + length]
                 at += length
             buf = torch.frombuffer(payload, dtype=torch.uint8)
         else:
@@ -592,9 +768,9 @@ def exchange_extents(
             continue
         raw = buf.numpy().tobytes()
         at = 0
-        for r, (_, file_no, offset, length) in pieces:
+        for r, (_, saved, file_no, offset, length) in pieces:
             if r == rank:
-                out[(f"__{src}_{file_no}.distcp", offset, length)] = raw[at : at + length]
+                out[(f"__{saved}_{file_no}.distcp", offset, length)] = raw[at : at + length]
             at += length
     return out
 
