@@ -371,9 +371,9 @@ def test_a_forged_shard_set_replica_is_refused_and_the_job_loads_from_disk(
         assert rp.push(target, seg, slot, rec, ring, KEY) == ""
         seg.close()
         assert rp.replica_ranks(a.folder) == [0]
-        with caplog.at_level(logging.WARNING, logger="stalwart.checkpoint"):
-            assert restore() == (1, "disk")
-        assert any(f"shard set of {str(theirs)!r}" in r.getMessage() for r in caplog.records)
+        # Another folder's set is skipped quietly (a segment may hold two checkpointers'
+        # folders by right); what matters is that rank 0 does not load it.
+        assert restore() == (1, "disk")
         # The job's own step, pushed the same way, is what rank 0 restores, from RAM.
         seg, slot, rec = stage(ours, 1, meta)
         assert rp.push(target, seg, slot, rec, ring, KEY) == ""
