@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ckpt_helpers import remount_read_only
+from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpoint import dcp as sdcp
 from stalwart.checkpoint.dcp_metadata import read_metadata
@@ -27,7 +28,12 @@ from stalwart.checkpoint.dcp_records import (
     share_of,
     steps_to_delete,
 )
-from stalwart.checkpoint.dcp_storage import DcpReader, DcpWriteError, DcpWriter
+from stalwart.checkpoint.dcp_storage import (
+    DcpReader,
+    DcpWriteError,
+    DcpWriter,
+    latest_while_resaving,
+)
 from stalwart.checkpoint.errors import CheckpointCorruptError
 
 pytestmark = [
@@ -317,3 +323,36 @@ def test_the_checkpoint_package_does_not_import_dcp() -> None:
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("step", "committed", "expected"),
+    [
+        (2, [1, 2], 1),
+        (5, [1, 3, 5, 7], 3),  # never a newer step: `latest` named 5, not 7
+        (1, [1], None),
+        (4, [], None),
+        (2, [2, 3], None),
+    ],
+)
+def test_latest_while_resaving(step: int, committed: list[int], expected: int | None) -> None:
+    assert latest_while_resaving(step, committed) == expected
+
+
+class _DiesAfterClearing(DcpWriter):
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        raise OSError(errno.EIO, "the rank died here")
+
+
+def test_a_resave_of_the_latest_step_that_dies_leaves_latest_on_a_committed_step(
+    tmp_path: Path,
+) -> None:
+    for step in (1, 2):
+        sdcp.save(state(step), tmp_path, step)
+    assert os.readlink(tmp_path / "latest") == "step_000000002"
+    with pytest.raises(CheckpointException, match="the rank died here"):
+        dcp.save(state(9), storage_writer=_DiesAfterClearing(tmp_path, 2))
+    # The re-save emptied step 2 before dying: `latest` must not name it.
+    assert not (step_dir(tmp_path, 2) / COMMIT_NAME).exists()
+    assert os.readlink(tmp_path / "latest") == "step_000000001"
+    loads_as(tmp_path, 1)

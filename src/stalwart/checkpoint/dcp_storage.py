@@ -252,6 +252,19 @@ class DcpWriter(FileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def _clear_folder(self) -> None:
+        # `latest` only moves forward at commit, so it may name this very step from an
+        # earlier save: point it away first, or a kill during the re-save leaves it
+        # naming a folder without a commit record.
+        if self.step is not None and layout.read_latest(self.root) == self.step:
+            present = layout.list_steps(self.root)
+            committed = [s for s in present if is_committed(layout.step_dir(self.root, s))]
+            before = latest_while_resaving(self.step, committed)
+            link = self.root / layout.LATEST
+            if before is None:
+                link.unlink(missing_ok=True)
+            else:
+                replace_symlink(link, layout.step_dir_name(before))
+            fsync_dir(self.root)
         for entry in self.folder.iterdir():
             if entry.is_file() or entry.is_symlink():
                 entry.unlink()
@@ -346,6 +359,13 @@ class DcpWriter(FileSystemWriter):
                     remove_tree(layout.step_dir(self.root, s))
         except OSError as exc:
             logger.warning("step %s committed, but housekeeping failed: %s", self.step, exc)
+
+
+def latest_while_resaving(step: int, committed: Iterable[int]) -> int | None:
+    """The step ``latest`` names while `step`, which it named, is cleared and written
+    again: the newest other committed step before it, or None (no pointer) if none."""
+    older = [s for s in committed if s < step]
+    return max(older) if older else None
 
 
 def is_committed(folder: Path) -> bool:
