@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import os
 import stat
 import sys
@@ -39,24 +38,29 @@ def _flush(stream: TextIO) -> None:
     _libc.fflush(None)
 
 
-def _open_destination(to_file: str | os.PathLike[str]) -> int:
-    path = os.fspath(to_file)
+def open_regular(path: str | os.PathLike[str], flags: int, what: str) -> int:
+    """A blocking fd for writing to `path`, opened with `flags` (which must carry
+    ``O_NOFOLLOW | O_NONBLOCK``, so a planted link is refused and a planted FIFO never
+    blocks the open); anything but a regular file is a one-line `ValueError`."""
+    name = os.fspath(path)
     try:
-        fd = os.open(path, _OPEN_FLAGS, 0o644)
+        fd = os.open(name, flags, 0o644)
     except OSError as e:
         raise ValueError(
-            f"redirect destination {path!r}: cannot open it for writing "
+            f"{what} {name!r}: cannot open it for writing "
             f"({e.strerror or e}); expected a regular file or a new path, not a link"
         ) from e
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise ValueError(
-            f"redirect destination {path!r} is {stat.filemode(mode)!r}: expected a regular file"
-        )
+        raise ValueError(f"{what} {name!r} is {stat.filemode(mode)!r}: expected a regular file")
     # The flag was only for the open; children that inherit the fd must not see it.
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    os.set_blocking(fd, True)
     return fd
+
+
+def _open_destination(to_file: str | os.PathLike[str]) -> int:
+    return open_regular(to_file, _OPEN_FLAGS, "redirect destination")
 
 
 def _targets(std: str) -> list[int]:

@@ -15,13 +15,13 @@ import contextlib
 import logging
 import math
 import os
-import stat
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
 from stalwart.launch.files.logs import Tee
+from stalwart.launch.files.redirects import open_regular
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +31,7 @@ _DST_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBL
 
 
 def _open_destination(path: str | os.PathLike[str]) -> IO[str]:
-    name = os.fspath(path)
-    try:
-        fd = os.open(name, _DST_FLAGS, 0o644)
-    except OSError as e:
-        raise ValueError(
-            f"TailLog destination {name!r}: cannot open it for appending ({e.strerror or e}); "
-            "expected a regular file or a new path, not a link"
-        ) from e
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ValueError(
-            f"TailLog destination {name!r} is {stat.filemode(mode)!r}: expected a regular file"
-        )
-    os.set_blocking(fd, True)
+    fd = open_regular(path, _DST_FLAGS, "TailLog destination")
     return os.fdopen(fd, "a", encoding="utf-8", errors="replace")
 
 
