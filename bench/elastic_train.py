@@ -76,14 +76,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def reference(steps: int, out: Path) -> None:
+def reference_state(steps: int) -> dict[str, torch.Tensor]:
+    """The model after ``steps`` steps in one process, without torch.distributed."""
     model, opt = model_and_opt()
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    torch.save(model.state_dict(), out)
+    return model.state_dict()
+
+
+def reference(steps: int, out: Path) -> None:
+    torch.save(reference_state(steps), out)
 
 
 def train(steps: int, out: Path, step_s: float) -> None:
