@@ -114,3 +114,43 @@ def test_elastic_drops_a_forged_job_end_out_of_bounds(raw: str) -> None:
     finally:
         for n in (a, b):
             n.leave()
+
+
+def test_elastic_spare_learns_the_job_ended_before_it_checks_again() -> None:
+    """A node kept out of a round rejoins the next one at once; when the job ended in
+    between, it leaves without running a health check for a round that never comes."""
+    from stalwart.base.events import Event
+    from stalwart.health.admission import HealthGate, HealthSettings
+    from stalwart.health.records import health_key
+
+    events: list[Event] = []
+    gate = HealthGate(
+        HealthSettings(measure=False, wait=1.0),
+        health_key(b"k" * 32, "mem"),
+        "mem",
+        lambda ev, **f: events.append(ev),
+    )
+    store = MemoryStore()
+    a, b = (
+        ElasticRendezvous(MemoryKV(store, f"m#{i}"), S, run_id="mem", local_addr="127.0.0.1")
+        for i in range(2)
+    )
+    nodes = [a, b]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(n.join, 0, 1) for n in (a, b)]:
+                f.result(timeout=20)
+        # It came after round 0 closed full, and its next try is round 1.
+        spare = ElasticRendezvous(
+            MemoryKV(store, "m#2"), S, run_id="mem", local_addr="127.0.0.1", gate=gate
+        )
+        nodes.append(spare)
+        a.finish(True, "done")
+        with pytest.raises(JobEnded) as ended:
+            spare.join(1, 1)
+        assert ended.value.succeeded
+        assert Event.HEALTH_CHECKED not in events, events
+    finally:
+        gate.close()
+        for n in nodes:
+            n.leave()

@@ -206,6 +206,10 @@ class ElasticRendezvous:
                     f"rendezvous {self.run_id}: the job has used its restart budget "
                     f"({self.settings.max_restarts}); this node is not needed"
                 )
+            # A spare kept out of the last round comes back here at once: when the job
+            # ended meanwhile, no round follows, and a check now would wait out its bound
+            # for peers that are gone (the store's host waiting for it to leave).
+            self._check_ended()
             prev = self._members.get(r - 1, [])
             hint = next((i for i, m in enumerate(prev) if m.id == self.id), self._hint)
             me = Member(self.id, socket.gethostname(), self.local_addr, local_world_size, hint)
