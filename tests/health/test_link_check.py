@@ -9,6 +9,8 @@ import hmac
 import secrets
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -17,17 +19,23 @@ import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from stalwart.health.admission import HealthGate, HealthSettings
-from stalwart.health.linkcheck import check_key
+from stalwart.health.judge import Limits
+from stalwart.health.linkcheck import LinkCheck, check_key
 from stalwart.health.linkrun import Forged, Orders, sealed, unseal
 from stalwart.health.records import (
     Blame,
     CollectiveLinks,
     NodeReport,
     health_key,
+    link_count,
+    link_node,
+    link_store_key,
     report_key,
     sign,
 )
+from stalwart.rendezvous import keys
 from stalwart.rendezvous.kv import MemoryKV, MemoryStore
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -169,3 +177,32 @@ def test_forged_timings_void_the_check_where_genuine_ones_blame_the_missing_node
         else:
             assert found.void == "" and [b.node for b in found.nodes] == ["n0"], found
             assert found.backend == "gloo" and found.stages == 2, found
+
+
+def test_a_check_waiting_for_a_peer_gives_up_when_the_job_ends() -> None:
+    """A spare checks for the next round while the job runs; its peer in the check never
+    comes. Once the job's end record is in the store it stops waiting (its bound is
+    40 s here), so it leaves with the job and the store's host does not wait for it."""
+    kv = MemoryKV(MemoryStore())
+    ended: list[float] = []
+    check = LinkCheck(KEY, "job", expected=2, limits=Limits(), bound=40.0)
+    check.start()
+
+    def peer_then_end() -> None:
+        # The peer counts itself in after this node (so this node serves the check's
+        # store), never shows up; then the job ends.
+        wait_for(lambda: kv.add(link_count(0), 0) == 1 or None, timeout=30)
+        kv.add(link_count(0), 1)
+        kv.set(link_node(0, 1), "ghost")
+        wait_for(lambda: kv.get(link_store_key(0)), timeout=60)
+        ended.append(time.monotonic())
+        kv.set(keys.JOB_ENDED, '{"succeeded": true, "reason": "done"}')
+
+    helper = threading.Thread(target=peer_then_end, daemon=True)
+    helper.start()
+    found = check.run(kv, 0, "n0", "127.0.0.1", lambda ids: ids)
+    returned = time.monotonic()
+    helper.join(timeout=5)
+    # Its process alone would give up on the peer after its own 10 s.
+    assert ended and returned - ended[0] < 3.0, (ended, returned)
+    assert found is not None and found.members == ("n0", "ghost") and found.void, found

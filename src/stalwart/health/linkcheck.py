@@ -50,6 +50,7 @@ from stalwart.health.records import (
     open_link_store,
     sign,
 )
+from stalwart.rendezvous import keys
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ GATHER = 3.0
 #: Seconds a node waits for its members at most, counted from its own arrival.
 GATHER_CAP = 15.0
 _POLL = 0.05
+# How often a wait for the check's process also looks whether the job ended.
+_LINE_POLL = 0.25
 _LINE_LIMIT = 512 * 1024
 
 
@@ -97,6 +100,7 @@ class LinkCheck:
         self._lines: queue.Queue[bytes] = queue.Queue()
         self._err: IO[bytes] | None = None
         self._t0 = 0.0
+        self._kv: Store | None = None  # the round's store, while `run` takes part
 
     def start(self) -> None:
         """Starts the check's process (it imports torch while the node checks itself)."""
@@ -124,6 +128,10 @@ class LinkCheck:
         kv.add(link_coming(round_), 1)
 
     def _left(self) -> float:
+        """Seconds left of the bound; none once the job ended: a spare checking for a
+        round that will never come leaves with the job instead of waiting it out."""
+        if self._kv is not None and self._kv.get(keys.JOB_ENDED) is not None:
+            return 0.0
         return self._t0 + self._bound - time.monotonic()
 
     def run(
@@ -140,6 +148,7 @@ class LinkCheck:
         if self._proc is None:
             self.start()
         self._t0 = time.monotonic()  # the bound counts from here (started ahead: idle)
+        self._kv = kv
         try:
             members = self._members(kv, round_, node, reported)
             if isinstance(members, str):
@@ -188,10 +197,12 @@ class LinkCheck:
 
     def _line(self) -> bytes | None:
         """The process's next line; None when it ended or its bound passed first."""
-        try:
-            return self._lines.get(timeout=max(0.0, self._left())) or None
-        except queue.Empty:
-            return None
+        while (left := self._left()) > 0:
+            try:
+                return self._lines.get(timeout=min(left, _LINE_POLL)) or None
+            except queue.Empty:
+                continue
+        return None
 
     def _check(
         self, kv: Store, round_: int, node: str, members: tuple[str, ...], addr: str
