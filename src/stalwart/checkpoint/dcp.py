@@ -278,7 +278,8 @@ class AsyncDcpSaver:
         self._last: Future[Any] | None = None
         # A saver the program never closes is closed before the interpreter finalizes
         # (atexit runs while it is whole), never by its teardown: see release_group.
-        atexit.register(self.close)
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
         writer = DcpWriter(
@@ -322,7 +323,7 @@ class AsyncDcpSaver:
     def close(self) -> None:
         """Wait for the last save, stop the staging thread and the writer subprocess, and
         destroy the process group this saver made (idempotent; also run at exit)."""
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         try:
             if self._last is not None:
                 self._last.exception()
@@ -335,6 +336,12 @@ class AsyncDcpSaver:
             if self._own_group and group is not None:
                 self._own_group = False
                 release_group(group)
+
+    def _close_at_exit(self) -> None:
+        # A child forked from this process inherits the handler, not the saver's threads,
+        # group or writer: closing them there would stop the parent's writer.
+        if os.getpid() == self._pid:
+            self.close()
 
 
 class ShardedSaves:
