@@ -184,6 +184,9 @@ def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) ->
     # Every pair of nodes was timed, by one end or the other.
     evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
     assert sum(e["links"] for e in evs) == 3
-    # The collective check ran among the three, to the end, on gloo.
+    # The collective check ran among the three, to the end, on gloo, each node's in a
+    # process forked from its warm template (no interpreter start or torch import of its
+    # own); the job's worker (no stalwart import, no __main__ guard) was forked after it.
     assert [(e["collective_backend"], e["collective_void"]) for e in evs] == [("gloo", "")] * 3
     assert all(e["collective_stages"] >= 1 for e in evs)
+    assert [e["collective_start"] for e in evs] == ["template"] * 3, evs

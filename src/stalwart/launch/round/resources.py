@@ -101,7 +101,7 @@ class RoundResources:
                 bytes_per_rank=cfg.ckpt_ram,
                 segment_bytes=self.snapshots.segment_bytes,
             )
-        self.health = gate_for(cfg, self._emit, self._run_dir)
+        self.health = gate_for(cfg, self._emit, self._run_dir, self.warm)
         if self.rdzv is None:
             self.rdzv = rendezvous_for(cfg, self._secret, self.health)
             # Once the store is reached (an unreachable one stays a one-line error); etcd

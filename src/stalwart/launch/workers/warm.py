@@ -378,13 +378,7 @@ class WarmPool:
             "launcher_pid": os.getpid(),
             "threads": _default_threads(),
         }
-        with self._lock:
-            try:
-                assert self._sock is not None
-                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
-                reply = self._sock.recv(1 << 16)
-            except OSError as err:
-                reply = json.dumps({"ok": False, "error": f"template unreachable: {err}"}).encode()
+        reply = self._ask(req, fds)
         if pipe is not None:
             os.close(pipe[1])
             ok = bool(reply) and bool(json.loads(reply).get("ok"))
@@ -401,6 +395,34 @@ class WarmPool:
         if not ans.get("ok"):
             logger.warning("warm spawn refused (%s); starting this worker cold", ans.get("error"))
             self.emit(Event.WARM_SPAWN_REFUSED, reason=ans.get("error"))
+            return None
+        return int(ans["pid"])
+
+    def _ask(self, req: dict[str, Any], fds: list[int]) -> bytes:
+        """Sends one request with its descriptors; the template's reply (b"": it is gone)."""
+        with self._lock:
+            try:
+                assert self._sock is not None
+                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
+                return self._sock.recv(1 << 16)
+            except OSError as err:
+                return json.dumps({"ok": False, "error": f"template unreachable: {err}"}).encode()
+
+    def fork_link_check(self, fds: list[int]) -> int | None:
+        """Forks the node's collective link check (``stalwart.health.linkrun``) with
+        *fds* as its stdin, stdout and stderr; its pid (our child once the template's
+        intermediate has exited), or None when it must start cold.  Waits while the
+        template is still importing."""
+        if not self.ensure():
+            return None
+        reply = self._ask({"check": True, "launcher_pid": os.getpid()}, fds)
+        ans: dict[str, Any] = (
+            json.loads(reply) if reply else {"ok": False, "error": "the template vanished"}
+        )
+        if not ans.get("ok"):
+            logger.warning(
+                "the link check starts cold: the template refused (%s)", ans.get("error")
+            )
             return None
         return int(ans["pid"])
 

@@ -6,7 +6,10 @@ reports ``{"ready": true, "rss": ...}`` and serves spawn requests on a ``SOCK_SE
 socket: one JSON message with the worker's argv, environment and working directory, and
 its stdin/stdout/stderr as file descriptors (``SCM_RIGHTS``), plus optionally a fourth:
 the write end of a pipe on which the worker reports the modules the program imported
-(learned preload, see ``learned_modules``).  Nothing is unpickled.
+(learned preload, see ``learned_modules``).  Nothing is unpickled.  A ``{"check": true}``
+request with three descriptors forks the node's collective link check instead
+(``stalwart.health.linkrun``, torch already imported): the check before a round then
+costs no interpreter start and no torch import of its own.
 
 With ``--learned`` the first message on the socket is a JSON list of modules a worker of
 this job imported; the template imports them too (at low priority: it is prepared in the
@@ -323,10 +326,40 @@ class NextTemplate:
     launcher: int
 
 
-def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
+@dataclass
+class LinkCheckChild:
+    """This process was forked to be the node's collective link check."""
+
+
+def _become_link_check(fds: list[int], sock: socket.socket, launcher: int) -> LinkCheckChild:
+    """In the forked check: the launcher's pipes as its standard streams, a session of
+    its own (killed as a whole at its bound), default signal handlers and the launcher's
+    death as its own. None of a worker's state: no program environment, no checkpoint
+    writer seed, no module reporter."""
+    sock.close()
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in _RESET:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _adopted_by(launcher)
+    from stalwart.launch.workers.bootstrap import set_title
+
+    # What ``ps`` shows for the check started cold.
+    set_title([sys.executable, "-m", "stalwart.health.linkrun"])
+    return LinkCheckChild()
+
+
+def serve(sock: socket.socket) -> list[str] | NextTemplate | LinkCheckChild | None:
     """Answers requests until the launcher closes the socket.  Returns the argv of the
     target in a forked worker (which then runs it), a ``NextTemplate`` in a forked
-    template, None in this template at EOF."""
+    template, a ``LinkCheckChild`` in a forked link check, None in this template at
+    EOF."""
     while True:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
@@ -342,8 +375,9 @@ def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
                 os.close(fd)
             continue
         learn = req.get("learn")
+        check = bool(req.get("check"))
         blocker = fork_blocker()
-        expected = (1,) if learn is not None else (3, 4)
+        expected = (1,) if learn is not None else (3,) if check else (3, 4)
         if blocker is not None or len(fds) not in expected:
             _send(sock, {"ok": False, "error": blocker or f"expected {expected} descriptors"})
             for fd in fds:
@@ -355,6 +389,8 @@ def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
                 sock.close()
                 learned = [str(m) for m in learn]
                 return NextTemplate(socket.socket(fileno=fds[0]), learned, req["launcher_pid"])
+            if check:
+                return _become_link_check(fds, sock, int(req["launcher_pid"]))
             return _become_worker(req, fds, sock)
         for fd in fds:
             os.close(fd)
@@ -455,6 +491,14 @@ def main() -> None:
         result = serve(result.sock)
     if result is None:
         return
+    if isinstance(result, LinkCheckChild):
+        from stalwart.health import linkrun
+
+        code = linkrun.main([])
+        sys.stdout.flush()
+        # Not the interpreter's teardown: the template's atexit hooks and frozen
+        # objects are none of the check's business.
+        os._exit(code)
     from stalwart.launch.workers.bootstrap import observe, run_target
 
     observe()
