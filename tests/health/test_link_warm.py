@@ -21,6 +21,7 @@ import psutil
 import pytest
 from torch._C._distributed_c10d import TCPStore
 
+from stalwart.base.events import Event
 from stalwart.health.judge import Limits
 from stalwart.health.linkcheck import LinkCheck, check_key
 from stalwart.health.linkrun import Orders, sealed
@@ -36,17 +37,20 @@ MARK = f"template-{secrets.token_hex(4)}"
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+EVENTS: list[object] = []
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WarmPool]:
     """A warm template whose environment carries MARK (this process's does not), with
-    this process as the subreaper its forks are re-parented to, as the launcher is."""
+    this process as the subreaper its forks are re-parented to, as the launcher is.
+    Handed over still importing (the first test forks from it then)."""
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     env = {**os.environ, "STALWART_TEST_MARK": MARK, "OMP_NUM_THREADS": "1"}
-    wp = WarmPool([], env, lambda *a, **k: None)
+    wp = WarmPool([], env, lambda kind, **_: EVENTS.append(kind))
     wp.start()
     try:
-        assert wp.ensure(), wp.disabled_reason
         yield wp
     finally:
         wp.close()
@@ -71,6 +75,7 @@ class Watched:
                 "ppid": p.ppid(),
                 "children": p.children(),
                 "cmd": p.cmdline(),
+                "template_ready": Event.TEMPLATE_READY in EVENTS,
             }
         )
         return pid
@@ -80,8 +85,10 @@ def test_the_check_is_forked_from_the_template_and_carries_no_worker_state(
     pool: WarmPool,
 ) -> None:
     """Two members time their link to the end; both processes were forked from the
-    template (its environment, re-parented to us), none made a checkpoint writer seed as
-    a worker does, and the old way (a new interpreter per check) was not taken."""
+    template (its environment, re-parented to us) while it was still importing (as soon
+    as torch.distributed was in, before it said it was ready), none made a checkpoint
+    writer seed as a worker does, and the old way (a new interpreter per check) was not
+    taken."""
     forker = Watched(pool)
     kv = MemoryKV(MemoryStore())
     checks = {
@@ -111,6 +118,10 @@ def test_the_check_is_forked_from_the_template_and_carries_no_worker_state(
         assert seen["children"] == []  # no checkpoint writer seed: not a worker
         # What ps shows, as for a check started cold (its title, over the template's).
         assert " ".join(seen["cmd"]).split()[1:] == ["-m", "stalwart.health.linkrun"]
+    # The first fork came while the template was importing: as soon as torch.distributed
+    # was in, before it said it was ready (the second waited for the first's answer).
+    assert [seen["template_ready"] for seen in forker.seen][:1] == [False], forker.seen
+    assert pool.ensure() and Event.TEMPLATE_READY in EVENTS  # and it got ready after
     # The template serves on: a third check forks as the first two did, and its stop
     # kills and reaps it (the first two ended on their own).
     again = LinkCheck(KEY, "job", expected=2, limits=Limits(), bound=5.0, forker=forker)

@@ -45,18 +45,22 @@ import importlib
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from stalwart.checkpoint import seed
 from stalwart.launch.workers import prewarm
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel")
+# All the link check needs: a check asked for while the template still imports is forked
+# as soon as this is in, not after the rest (dynamo alone took as long again, measured).
+LINK_CHECK_NEEDS = "torch.distributed"
 # stalwart's own checkpointing, for the writer seed each worker forks (seed.py) and for
 # the program that imports it: a few tenths of a second per restart otherwise (0.44 s
 # from a seed to a ready writer on a loaded machine, measured). Not required: a failure
@@ -355,6 +359,45 @@ def _become_link_check(fds: list[int], sock: socket.socket, launcher: int) -> Li
     return LinkCheckChild()
 
 
+def early_link_check(sock: socket.socket) -> LinkCheckChild | None:
+    """Between two imports: forks the link check if the launcher asked for one already
+    (only a check is asked for before the template says it is ready); a
+    ``LinkCheckChild`` in the forked check, None here (importing goes on)."""
+    if fork_blocker() is not None or not select.select([sock], [], [], 0)[0]:
+        return None  # a blocked fork: the request waits, and is refused, in serve()
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
+    except OSError:
+        return None
+    try:
+        req = json.loads(msg) if msg else {}
+    except ValueError:
+        req = {}
+    if not req.get("check") or len(fds) != 3:
+        if msg:
+            _send(sock, {"ok": False, "error": "not a link check request"})
+        for fd in fds:
+            os.close(fd)
+        return None
+    pid = _fork_detached()
+    if pid == 0:
+        return _become_link_check(fds, sock, int(req["launcher_pid"]))
+    for fd in fds:
+        os.close(fd)
+    _send(sock, {"ok": True, "pid": pid} if pid else {"ok": False, "error": "fork failed"})
+    return None
+
+
+def _run_link_check() -> NoReturn:
+    from stalwart.health import linkrun
+
+    code = linkrun.main([])
+    sys.stdout.flush()
+    # Not the interpreter's teardown: the template's atexit hooks and frozen objects are
+    # none of the check's business.
+    os._exit(code)
+
+
 def serve(sock: socket.socket) -> list[str] | NextTemplate | LinkCheckChild | None:
     """Answers requests until the launcher closes the socket.  Returns the argv of the
     target in a forked worker (which then runs it), a ``NextTemplate`` in a forked
@@ -473,6 +516,8 @@ def main() -> None:
         except BaseException as exc:  # any import failure means: start workers cold
             _send(sock, {"ready": False, "error": f"--preload {name}: {type(exc).__name__}: {exc}"})
             return
+        if name == LINK_CHECK_NEEDS and isinstance(early_link_check(sock), LinkCheckChild):
+            _run_link_check()
     for name in WRITER_PRELOAD:
         try:
             importlib.import_module(name)
@@ -492,13 +537,7 @@ def main() -> None:
     if result is None:
         return
     if isinstance(result, LinkCheckChild):
-        from stalwart.health import linkrun
-
-        code = linkrun.main([])
-        sys.stdout.flush()
-        # Not the interpreter's teardown: the template's atexit hooks and frozen
-        # objects are none of the check's business.
-        os._exit(code)
+        _run_link_check()
     from stalwart.launch.workers.bootstrap import observe, run_target
 
     observe()
