@@ -77,9 +77,12 @@ class Store(Protocol):
 
 def seal_now(came: int, coming: int, expected: int, quiet_for: float, waited: float) -> bool:
     """Whether the check's members are complete: every node the job can have *came*,
-    or every node *coming* (it started checking) came and nobody new appeared for
-    `GATHER` seconds, or this node waited `GATHER_CAP`."""
-    return came >= expected or (came >= coming and quiet_for >= GATHER) or waited >= GATHER_CAP
+    or every node *coming* (it started checking) came, at least two, and nobody new
+    appeared for `GATHER` seconds, or this node waited `GATHER_CAP`. Not one alone: a
+    spare that checks again while the others still stop their workers (a restart to
+    admit it) would seal a check of one, and those others could only echo-time it."""
+    quiet = came >= max(coming, 2) and quiet_for >= GATHER
+    return came >= expected or quiet or waited >= GATHER_CAP
 
 
 def check_key(key: bytes) -> bytes:

@@ -510,13 +510,15 @@ def main() -> None:
     restore = _lower_priority() if ns.learned else (lambda: None)
     t0 = time.monotonic()
     modules = list(DEFAULT_PRELOAD) + [m for m in ns.preload.split(",") if m]
+    checks_now = False  # the link check's needs are in: a check asked for is forked
     for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as exc:  # any import failure means: start workers cold
             _send(sock, {"ready": False, "error": f"--preload {name}: {type(exc).__name__}: {exc}"})
             return
-        if name == LINK_CHECK_NEEDS and isinstance(early_link_check(sock), LinkCheckChild):
+        checks_now = checks_now or name == LINK_CHECK_NEEDS
+        if checks_now and isinstance(early_link_check(sock), LinkCheckChild):
             _run_link_check()
     for name in WRITER_PRELOAD:
         try:
