@@ -117,8 +117,11 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
 
     def start(h: Host, *extra: str, cgroup: Path | None = None) -> subprocess.Popen[str]:
         # A restart left, so the nodes kept out wait as spares (and read the verdict)
-        # instead of finding the budget spent and ending the wait for everyone.
-        return launch(h, tmp_path, "2:5", endpoint, "health", *extra, cgroup=cgroup, restarts=1)
+        # instead of finding the budget spent and ending the wait for everyone. Without
+        # the warm template: the link check's process starts cold, as before it had one.
+        return launch(
+            h, tmp_path, "2:5", endpoint, "health", "--no-warm", *extra, cgroup=cgroup, restarts=1
+        )
 
     procs = [start(good0), start(good1), start(throttled, cgroup=cpu_limited), start(delayed)]
     procs.append(
@@ -141,6 +144,9 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
     assert "fastest link takes" in seen[ids[delayed.name]], seen
     assert "ECC errors on GPU 5" in seen[ids[failing.name]], seen
     assert "compute" not in seen[ids[delayed.name]] + seen[ids[failing.name]]
+    # Every node's link check ran in a process of its own, a new interpreter (--no-warm).
+    evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
+    assert {e.get("collective_start") for e in evs if e["attempt"] == 0} == {"cold"}, evs
 
 
 def test_a_narrow_link_is_found_by_the_collective_check_and_its_node_kept_out(
