@@ -98,9 +98,14 @@ def test_the_check_is_forked_from_the_template_and_carries_no_worker_state(
     found: dict[str, CollectiveLinks | None] = {}
 
     def member(n: str) -> None:
-        checks[n].start()
         found[n] = checks[n].run(kv, 0, n, "127.0.0.1", lambda ns: list(ns))
 
+    for c in checks.values():
+        c.start()
+    # Both forked before either gets its orders: one template serves both "nodes" here,
+    # and the second fork waits for the first's answer, then for the template's readiness
+    # (on a loaded host longer than a member waits for the others to be ready).
+    wait_for(lambda: len(forker.seen) == 2, 90, "both forks")
     threads = [threading.Thread(target=member, args=(n,)) for n in checks]
     for t in threads:
         t.start()
