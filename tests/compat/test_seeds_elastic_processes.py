@@ -242,3 +242,25 @@ def test_function_worker_redirect_refuses_a_planted_fifo_and_link(tmp_path: Path
             assert out.startswith(f"refused: redirect destination of fd 1 '{dest}'"), out
             assert out.count("\n") == 1 and "returned" not in err, (out, err)
     assert secret.read_text() == "kept\n"
+
+
+@pytest.mark.timeout(60)
+def test_fork_function_workers_return_and_have_exited_when_wait_returns(tmp_path: Path) -> None:
+    """torch's start_method="fork": the workers' return values arrive and, when wait()
+    returns, every worker process has exited (torch's api_test checks the latter through
+    its internals). The entrypoint is a builtin: nothing of stalwart is imported for it."""
+    from stalwart.compat.torch_elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    pc = start_processes(
+        name="fork",
+        entrypoint=os.getpid,
+        args={0: (), 1: ()},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+        start_method="fork",
+    )
+    pids = pc.pids()
+    result = pc.wait(timeout=30, period=0.05)
+    assert result is not None, "the fork workers never ended"
+    assert not result.failures and result.return_values == pids
+    assert not any(alive(pid) for pid in pids.values())
