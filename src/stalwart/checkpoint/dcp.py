@@ -17,6 +17,7 @@ by DCP itself.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -215,6 +216,25 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+def release_group(group: Any) -> None:
+    """Destroy ``group`` and let go of it, so its gloo threads are joined now.
+
+    ``dist.destroy_process_group`` only unregisters a group; the C++ object, with its
+    worker and transport threads, lives as long as a Python reference does. Kept until
+    the interpreter finalizes, it is torn down there, and a worker thread that then
+    needs the GIL (a Python future callback, a tensor whose Python object it drops)
+    kills the process: "terminate called without an active exception", exit -6. The
+    caller drops its own reference; this is the last one.
+    """
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            # Already destroyed by the program (destroy_process_group() of every group
+            # leaves is_initialized() False; one of its own, only this group).
+            logger.debug("the saver's process group was already destroyed")
+
+
 class AsyncDcpSaver:
     """Asynchronous DCP saves of one job into ``root``, staging into reused buffers.
 
@@ -244,16 +264,22 @@ class AsyncDcpSaver:
         self.root = Path(root)
         self._segment = (segment or local_segment()) if ram else None
         self.keep_last = keep_last
+        self._own_group = False
         if process_group is None and dist.is_available() and dist.is_initialized():
             # The upload's collectives run on a thread while the loop runs its own:
             # sharing one group would interleave them (collective: every rank builds
             # its saver at the same point).
             process_group = dist.new_group(backend="gloo")
+            self._own_group = True
         self.process_group = process_group
         self.stager = ReusingStager(background=background)
         # Started now, so its interpreter is up by the first save's write.
         self.shard_process = ShardProcess(config=writer_config) if subprocess else None
         self._last: Future[Any] | None = None
+        # A saver the program never closes is closed before the interpreter finalizes
+        # (atexit runs while it is whole), never by its teardown: see release_group.
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
         writer = DcpWriter(
@@ -295,13 +321,27 @@ class AsyncDcpSaver:
             self._last.result()
 
     def close(self) -> None:
+        """Wait for the last save, stop the staging thread and the writer subprocess, and
+        destroy the process group this saver made (idempotent; also run at exit)."""
+        atexit.unregister(self._close_at_exit)
         try:
             if self._last is not None:
                 self._last.exception()
         finally:
             self.stager.close()
             if self.shard_process is not None:
-                self.shard_process.close()
+                # Never used and still importing torch: nothing to wait for.
+                self.shard_process.close(abandon_unused_start=True)
+            group, self.process_group = self.process_group, None
+            if self._own_group and group is not None:
+                self._own_group = False
+                release_group(group)
+
+    def _close_at_exit(self) -> None:
+        # A child forked from this process inherits the handler, not the saver's threads,
+        # group or writer: closing them there would stop the parent's writer.
+        if os.getpid() == self._pid:
+            self.close()
 
 
 class ShardedSaves:
