@@ -212,7 +212,7 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     import torch
 
     from stalwart.checkpoint import dcp as sdcp
-    from stalwart.checkpoint.dcp_ram import load_from_ram, snapshot_step
+    from stalwart.checkpoint.dcp_ram import load_from_ram
 
     path = _segment(tmp_path)
     mine, other = tmp_path / "ckpt", tmp_path / "other"
@@ -220,8 +220,7 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     seg = RamSegment.open(path)
     try:
         for root, step in ((mine, 1), (other, 2)):
-            md = sdcp.save(state, root, step, ram=False)
-            snapshot_step(seg, root, step, md, 0, 1)
+            sdcp.save(state, root, step, ram=seg)
     finally:
         seg.close()
     monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))

@@ -29,6 +29,8 @@ from stalwart.base.events import Event
 from stalwart.checkpoint import dcp as sdcp
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.dcp_ram import snapshot_step
+from stalwart.checkpoint.dcp_records import DcpCommit, RankShards
+from stalwart.checkpoint.dcp_storage import read_record
 from stalwart.checkpoint.ram import RamSegment
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
@@ -330,7 +332,10 @@ def test_a_forged_shard_set_replica_is_refused_and_the_job_loads_from_disk(
     ) -> tuple[rp.SegmentFile, int, rl.CommitRecord]:
         seg = RamSegment.open(b.folder / rl.segment_name(0))
         try:
-            snapshot_step(seg, root, step, metadata, 0, 1)  # type: ignore[arg-type]
+            folder = root / f"step_{step:09d}"
+            shards = read_record(folder / "__0_.stalwart.json", RankShards).files
+            save = read_record(folder / "stalwart.commit.json", DcpCommit).save
+            snapshot_step(seg, root, step, shards, metadata, 0, 1, save)  # type: ignore[arg-type]
         finally:
             seg.close()
         return segment_record(b)
