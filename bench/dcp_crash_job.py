@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from fsdp_common import App, complete_steps, shard
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 mode, out, ckpt, mib, arg = (
     sys.argv[1],
@@ -53,28 +53,11 @@ def log(**rec: object) -> None:
             f.write(json.dumps({**rec, "attempt": attempt, "t": time.time()}) + "\n")
 
 
-class App:
-    """Model and optimizer as one ``Stateful`` (the torchtitan pattern)."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict[str, object]:
-        m, o = get_state_dict(self.model, self.optim)
-        return {"model": m, "optim": o}
-
-    def load_state_dict(self, sd: dict[str, object]) -> None:
-        set_state_dict(
-            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-        )
-
-
 torch.manual_seed(attempt)
 layers = max(1, round(mib * 2**20 / (SIDE * SIDE * 4)))
-model = torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
-for layer in model:
-    fully_shard(layer)
-fully_shard(model)
+model = shard(
+    torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
+)
 optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -99,21 +82,12 @@ def drop_cache() -> None:
     dist.barrier()
 
 
-def newest_plain() -> int | None:
-    steps = [
-        int(p.name[5:])
-        for p in ckpt.glob("step_*")
-        if p.name[5:].isdigit() and (p / ".metadata").exists()
-    ]
-    return max(steps, default=None)
-
-
 if mode in ("plain", "stalwart"):
     state = {"app": App(model, optim)}
     step = 0
     if attempt:
         if mode == "plain":
-            found = newest_plain()
+            found = next(iter(complete_steps(ckpt)), None)
             if found is not None:
                 dcp.load(state, checkpoint_id=ckpt / f"step_{found}")
                 step = found
