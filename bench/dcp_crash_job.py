@@ -16,7 +16,8 @@ per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the w
 MODE ``restore`` (under ``stalwart run --ckpt-ram``): the first attempt saves step 1
 three ways (plain ``dcp.save``; stalwart's ``save`` without and with the RAM copy), and
 rank 1 SIGKILLs itself; the restarted ranks then load it ARG times each way, dropping
-the page cache before each: ``dcp.load``, ``load_newest`` from disk and from RAM. Rank 0
+the page cache before each: ``dcp.load``, ``load_newest`` from disk and from RAM, and
+plain ``dcp.load`` with stalwart's ``DcpReader`` (from RAM). Rank 0
 appends ``{"kind": "load", ...}`` lines; every load is checked against the sums saved.
 """
 
@@ -115,6 +116,7 @@ if mode in ("plain", "stalwart"):
                 os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "restore":
     from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.dcp_storage import DcpReader
 
     m, o = get_state_dict(model, optim)
     state = {"model": m, "optim": o}
@@ -141,12 +143,17 @@ elif mode == "restore":
         dist.barrier()  # rank 0 waits here until the launcher stops it
     want = json.loads(sums.read_text())
     for rep in range(arg):
-        for method in ("dcp.load", "load_newest disk", "load_newest ram"):
+        for method in ("dcp.load", "load_newest disk", "load_newest ram", "DcpReader ram"):
             drop_cache()
             t0 = time.perf_counter()
             if method == "dcp.load":
                 dcp.load(state, checkpoint_id=ckpt / "plain")
                 got: int | None = 1
+            elif method == "DcpReader ram":
+                # What a program that calls DCP itself writes: plain dcp.load, stalwart's
+                # reader, which takes the shards from RAM when every rank holds its share.
+                dcp.load(state, storage_reader=DcpReader(ckpt / "ram" / "step_000000001"))
+                got = 1
             else:
                 root = ckpt / ("disk" if method.endswith("disk") else "ram")
                 got = sdcp.load_newest(state, root)
