@@ -35,11 +35,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from stalwart import runlog
-
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
-from .dcp_ram import load_from_ram, local_segment, try_snapshot
+from .dcp_ram import load_from_ram, local_segment
 from .dcp_records import COMMIT_NAME, METADATA_NAME, DcpCommit, next_candidate, share_of
 from .dcp_shards import ShardProcess
 from .dcp_stager import ReusingStager
@@ -169,13 +167,14 @@ def load_newest(
             )
             ok = 0
         if _agree_min(ok, process_group):
+            # RAM was tried above, for every step it could serve; the reader reports
+            # the restore.
             dcp_load(
                 state_dict,
-                storage_reader=DcpReader(folder, verify=False),
+                storage_reader=DcpReader(folder, verify=False, ram=False),
                 planner=planner,
                 process_group=process_group,
             )
-            runlog.emit(runlog.CHECKPOINT_RESTORED, step=step, source="disk", path=str(folder))
             return step
         below = step
 
@@ -188,21 +187,21 @@ def save(
     keep_last: int | None = 3,
     process_group: Any = None,
     planner: Any = None,
-    ram: bool = True,
+    ram: RamSegment | bool = True,
 ) -> Metadata:
     """``dcp.save`` as step ``step`` of ``root`` with stalwart's commit (collective).
 
-    Under ``stalwart run --ckpt-ram`` (and ``ram``) each rank then keeps its shards of the
-    committed step in the launcher's memory too, for ``load_newest`` after a restart.
+    Under ``stalwart run --ckpt-ram`` (and ``ram``) each rank also keeps its shards of the
+    step in the launcher's memory, for ``load_newest`` after a restart (``ram``: see
+    :class:`~stalwart.checkpoint.dcp_storage.DcpWriter`).
     """
-    writer = DcpWriter(root, step, keep_last=keep_last)
+    writer = DcpWriter(root, step, keep_last=keep_last, ram=ram)
     try:
         metadata: Metadata = dcp_save(
             state_dict, storage_writer=writer, planner=planner, process_group=process_group
         )
     except CheckpointException as exc:
         raise unwrap(exc) from exc
-    try_snapshot(local_segment() if ram else None, root, step, metadata, process_group)
     return metadata
 
 
@@ -283,7 +282,11 @@ class AsyncDcpSaver:
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
         writer = DcpWriter(
-            self.root, step, keep_last=self.keep_last, subprocess=self.shard_process or False
+            self.root,
+            step,
+            keep_last=self.keep_last,
+            subprocess=self.shard_process or False,
+            ram=self._segment or False,
         )
         if self._last is not None:
             self._last.exception()
@@ -306,9 +309,7 @@ class AsyncDcpSaver:
             if exc is not None:
                 upload.set_exception(unwrap(exc))
                 return
-            # On DCP's upload thread, after the commit: the RAM copy reads the files
-            # back from the page cache, the training thread is not involved.
-            try_snapshot(self._segment, self.root, step, fut.result(), self.process_group)
+            # The writer kept the RAM copy on DCP's upload thread, off the training one.
             upload.set_result(fut.result())
 
         written.add_done_callback(committed)
