@@ -19,7 +19,8 @@ Two more sections run the job the way a user would (bench/dcp_crash_job.py, the 
 model and optimizer), under a launcher:
   - restore (``stalwart run --ckpt-ram``): a rank SIGKILLs itself after a save; the
     restarted ranks load the step ``--repeats`` times each way, the page cache dropped
-    before each: dcp.load, load_newest from disk, load_newest from RAM;
+    before each: dcp.load, load_newest from disk, load_newest from RAM, and plain
+    dcp.load(storage_reader=DcpReader(...)) (from RAM);
   - crash (``--repeats`` runs each): crash -> first resumed step of the job saving with
     plain dcp.save under torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without
     which its restarts fail on gloo) vs stalwart's dcp.save under
@@ -366,7 +367,7 @@ def restore_section(ns: argparse.Namespace, work: Path) -> int:
     base = med([r["took"] for r in loads if r["method"] == "dcp.load"])
     print("| restore | s (min / median / max) | ÷ dcp.load | every load equal to the save |")
     print("|---|---|---|---|")
-    for method in ("dcp.load", "load_newest disk", "load_newest ram"):
+    for method in ("dcp.load", "load_newest disk", "load_newest ram", "DcpReader ram"):
         rows = [r for r in loads if r["method"] == method]
         xs = [r["took"] for r in rows]
         print(

@@ -35,10 +35,11 @@ CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=30,join
 
 
 def once(
-    hosts: list[Host], work: Path, health: bool
+    hosts: list[Host], work: Path, health: bool, breakdown: dict[str, list[float]]
 ) -> tuple[float | None, list[float], list[float]]:
     """(seconds until every worker is up, each node's check seconds, each node's
-    collective link check seconds in its process)."""
+    collective link check seconds in its process); each node's `PARTS` go to
+    *breakdown*."""
     n = len(hosts)
     endpoint = f"{hosts[0].addr}:{free_port()}"
     stamps = work / "stamps"
@@ -80,6 +81,14 @@ def once(
                 checks.append(float(e["seconds"]) + float(e.get("links_s", 0.0)))
                 if "collective_s" in e:
                     collective.append(float(e["collective_s"]))
+                    e["stages_s"] = float(e["collective_s"]) - float(e.get("collective_ready_s", 0))
+                if "collective_total_s" in e:
+                    e["echo_s"] = float(e.get("links_s", 0)) - float(e["collective_total_s"])
+                for part in PARTS:
+                    if part in e:
+                        breakdown.setdefault(part, []).append(float(e[part]))
+                if "collective_start" in e:
+                    breakdown.setdefault("warm", []).append(e["collective_start"] == "template")
                 if e.get("collective_void"):
                     print(f"  collective check void: {e['collective_void']}", flush=True)
             if e["event"] == "node_excluded":
@@ -88,6 +97,20 @@ def once(
         print(f"  a run failed; logs: {work}", flush=True)
         return None, checks, collective
     return max(got) - t0, checks, collective
+
+
+#: Where a node's check time goes (``health_checked``): its own checks (compute bursts,
+#: memory, disk, interface), the wait for the check's members to be sealed, for its
+#: process to exist (forked from the template), for every member's process to be ready
+#: (the roster; a cold process's torch import shows here), and the stages themselves.
+PARTS = {
+    "seconds": "own checks",
+    "echo_s": "echo timing",
+    "collective_gather_s": "members sealed",
+    "collective_fork_wait_s": "wait for the fork",
+    "collective_ready_s": "members ready",
+    "stages_s": "stages",
+}
 
 
 def main() -> int:
@@ -103,6 +126,7 @@ def main() -> int:
         return 0
     print(machine())
     rows = []
+    breakdown_rows: list[list[str]] = []
     for n in [int(x) for x in ns.nodes.split(",")]:
         net = Network(f"{os.getpid() % 10000}")
         base = Path(tempfile.mkdtemp(prefix="bench_health_"))
@@ -111,13 +135,14 @@ def main() -> int:
         per_node: list[float] = []
         in_proc: list[float] = []
         slowest: list[float] = []
+        parts: dict[str, list[float]] = {}
         loads = []
         try:
             hosts = [net.add_host() for _ in range(n)]
             for r in range(ns.repeats):
                 loads.append(os.getloadavg()[0])
-                up, _, _ = once(hosts, base / f"plain{r}", health=False)
-                up_h, checks, coll = once(hosts, base / f"health{r}", health=True)
+                up, _, _ = once(hosts, base / f"plain{r}", health=False, breakdown={})
+                up_h, checks, coll = once(hosts, base / f"health{r}", health=True, breakdown=parts)
                 in_proc += coll
                 if up is not None:
                     plain.append(up)
@@ -132,6 +157,12 @@ def main() -> int:
         finally:
             net.close()
             shutil.rmtree(base, ignore_errors=True)
+        warm = parts.pop("warm", [])
+        print(f"  N={n} where a node's check time goes (median): " + ", ".join(
+            f"{PARTS[k]} {fmt(med(v))}" for k, v in parts.items()
+        ) + f"; forked from the template: {sum(warm)}/{len(warm)}", flush=True)  # fmt: skip
+        breakdown_rows.append([str(n), *(fmt(med(parts.get(k, []))) for k in PARTS),
+                               f"{sum(warm)}/{len(warm)}"])  # fmt: skip
         rows.append([
             str(n), spread(per_node), spread(slowest), spread(in_proc), fmt(med(plain)),
             fmt(med(checked)),
@@ -143,6 +174,11 @@ def main() -> int:
          "collective check in its process", "all workers up, no checks",
          "with --node-health", "ratio", "load (1 min)"],
         rows, ns.markdown,
+    )  # fmt: skip
+    show(
+        "where a node's check goes (medians over nodes and repeats)",
+        ["nodes", *PARTS.values(), "check forked from the template"],
+        breakdown_rows, ns.markdown,
     )  # fmt: skip
     return 0
 

@@ -368,7 +368,8 @@ def bench_crash(mib: int, repeats: int, work: Path) -> tuple[list[list[str]], li
 #: The in-process path's stages: (name, from stamp, to stamp); stamps in ``_inprocess_once``.
 _IP_STAGES = (
     ("restart began (both ranks re-entered)", "fault", "began"),
-    ("restore(into=...) from RAM", "began", "restored"),
+    ("process group set up again (init_process_group)", "began", "grouped"),
+    ("restore(into=...) from RAM", "grouped", "restored"),
     ("first step", "restored", "step"),
 )
 
@@ -389,6 +390,7 @@ def _inprocess_once(mib: int, work: Path) -> tuple[dict[str, float] | None, str]
         stamps = {
             "fault": float(runs[1][0]["fault"]),
             "began": max(float(r["began"]) for r in second),
+            "grouped": max(float(r["grouped"]) for r in second),
             "restored": max(float(r["restored"]) for r in second),
             "step": max(float(r["first_step"]) for r in second),
         }

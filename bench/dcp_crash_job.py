@@ -16,7 +16,8 @@ per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the w
 MODE ``restore`` (under ``stalwart run --ckpt-ram``): the first attempt saves step 1
 three ways (plain ``dcp.save``; stalwart's ``save`` without and with the RAM copy), and
 rank 1 SIGKILLs itself; the restarted ranks then load it ARG times each way, dropping
-the page cache before each: ``dcp.load``, ``load_newest`` from disk and from RAM. Rank 0
+the page cache before each: ``dcp.load``, ``load_newest`` from disk and from RAM, and
+plain ``dcp.load`` with stalwart's ``DcpReader`` (from RAM). Rank 0
 appends ``{"kind": "load", ...}`` lines; every load is checked against the sums saved.
 """
 
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from fsdp_common import App, complete_steps, shard
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 mode, out, ckpt, mib, arg = (
     sys.argv[1],
@@ -53,28 +54,11 @@ def log(**rec: object) -> None:
             f.write(json.dumps({**rec, "attempt": attempt, "t": time.time()}) + "\n")
 
 
-class App:
-    """Model and optimizer as one ``Stateful`` (the torchtitan pattern)."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict[str, object]:
-        m, o = get_state_dict(self.model, self.optim)
-        return {"model": m, "optim": o}
-
-    def load_state_dict(self, sd: dict[str, object]) -> None:
-        set_state_dict(
-            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-        )
-
-
 torch.manual_seed(attempt)
 layers = max(1, round(mib * 2**20 / (SIDE * SIDE * 4)))
-model = torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
-for layer in model:
-    fully_shard(layer)
-fully_shard(model)
+model = shard(
+    torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
+)
 optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -99,21 +83,12 @@ def drop_cache() -> None:
     dist.barrier()
 
 
-def newest_plain() -> int | None:
-    steps = [
-        int(p.name[5:])
-        for p in ckpt.glob("step_*")
-        if p.name[5:].isdigit() and (p / ".metadata").exists()
-    ]
-    return max(steps, default=None)
-
-
 if mode in ("plain", "stalwart"):
     state = {"app": App(model, optim)}
     step = 0
     if attempt:
         if mode == "plain":
-            found = newest_plain()
+            found = next(iter(complete_steps(ckpt)), None)
             if found is not None:
                 dcp.load(state, checkpoint_id=ckpt / f"step_{found}")
                 step = found
@@ -141,6 +116,7 @@ if mode in ("plain", "stalwart"):
                 os.kill(os.getpid(), signal.SIGKILL)
 elif mode == "restore":
     from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.dcp_storage import DcpReader
 
     m, o = get_state_dict(model, optim)
     state = {"model": m, "optim": o}
@@ -167,12 +143,17 @@ elif mode == "restore":
         dist.barrier()  # rank 0 waits here until the launcher stops it
     want = json.loads(sums.read_text())
     for rep in range(arg):
-        for method in ("dcp.load", "load_newest disk", "load_newest ram"):
+        for method in ("dcp.load", "load_newest disk", "load_newest ram", "DcpReader ram"):
             drop_cache()
             t0 = time.perf_counter()
             if method == "dcp.load":
                 dcp.load(state, checkpoint_id=ckpt / "plain")
                 got: int | None = 1
+            elif method == "DcpReader ram":
+                # What a program that calls DCP itself writes: plain dcp.load, stalwart's
+                # reader, which takes the shards from RAM when every rank holds its share.
+                dcp.load(state, storage_reader=DcpReader(ckpt / "ram" / "step_000000001"))
+                got = 1
             else:
                 root = ckpt / ("disk" if method.endswith("disk") else "ram")
                 got = sdcp.load_newest(state, root)

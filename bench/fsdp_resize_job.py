@@ -36,14 +36,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsdp_common import App, complete_steps, shard
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
 
 GLOBAL_BATCH = 8
 out, ckpt, max_steps = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
@@ -74,31 +72,16 @@ class Batches:
         self.next_index = int(sd["next_index"])
 
 
-class App:
-    """Model and optimizer as one ``Stateful`` (the torchtitan pattern)."""
-
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-        self.model, self.optim = model, optim
-
-    def state_dict(self) -> dict[str, object]:
-        m, o = get_state_dict(self.model, self.optim)
-        return {"model": m, "optim": o}
-
-    def load_state_dict(self, sd: dict[str, object]) -> None:
-        set_state_dict(
-            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
-        )
-
-
 def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)
+    model = shard(
+        torch.nn.Sequential(
+            torch.nn.Linear(24, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 32),
+            torch.nn.Linear(32, 8),
+        )
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -123,20 +106,10 @@ def log(name: str, **row: object) -> None:
         f.write(json.dumps({**row, "t": time.time()}) + "\n")
 
 
-def complete_steps() -> list[int]:
-    """Steps whose global ``.metadata`` is on disk, newest first: DCP writes it last,
-    after every rank's shards, so a step without it is incomplete."""
-    found = []
-    for p in ckpt.glob("step_*"):
-        if (p / ".metadata").exists() and p.name[5:].isdigit():
-            found.append(int(p.name[5:]))
-    return sorted(found, reverse=True)
-
-
 model, optim = build()
 data = Batches()
 loaded = None
-for step in complete_steps():
+for step in complete_steps(ckpt):
     try:
         dcp.load({"app": App(model, optim), "data": data}, checkpoint_id=ckpt / f"step_{step}")
         loaded = step

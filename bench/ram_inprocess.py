@@ -11,8 +11,8 @@ goes on. ``--inside`` creates the ``AsyncCheckpointer`` inside the wrapped funct
 on every iteration instead of once outside it.
 
 Writes ``OUT_DIR/run_<rank>.json``: per iteration the step it resumed from, where the
-state came from, and wall-clock stamps (fault raised, iteration began, restore done,
-first step done), for the benchmark and the test.
+state came from, and wall-clock stamps (fault raised, iteration began, process group
+set up, restore done, first step done), for the benchmark and the test.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
     def train(call: Call) -> None:
         began = time.time()
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        grouped = time.time()
         rank = dist.get_rank()
         ck = (
             shared["ck"]
@@ -64,6 +65,7 @@ def main() -> None:
                 "start": start,
                 "source": None if found is None else found.source,
                 "began": began,
+                "grouped": grouped,
                 "restored": restored,
                 "value": float(state["w"][0]),
                 "ptr": state["w"].data_ptr(),  # the same tensor on every iteration: in place

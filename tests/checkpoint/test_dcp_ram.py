@@ -33,8 +33,10 @@ from stalwart.checkpoint.ram import RamSegment
 pytestmark = pytest.mark.timeout(60)
 
 
-def _offer(rank: int, disk: int, *held: tuple[int, int, int]) -> RamOffer:
-    """``held``: (step, saving world size, saving rank) of each shard set."""
+def _offer(
+    rank: int, disk: int, *held: tuple[int, int, int] | tuple[int, int, int, str]
+) -> RamOffer:
+    """``held``: (step, saving world size, saving rank[, save token]) of each shard set."""
     return RamOffer(OFFER_FORMAT, rank, disk, [HeldSet(*h) for h in held])
 
 
@@ -63,6 +65,13 @@ def _offer(rank: int, disk: int, *held: tuple[int, int, int]) -> RamOffer:
         ([_offer(0, 6, (5, 2, 0)), _offer(1, 6, (5, 2, 1))], None),
         # Only one rank sees the newer step on disk: the newest every rank sees is 4.
         ([_offer(0, 4, (5, 2, 0)), _offer(1, 6, (5, 2, 1))], RamPlan(5, 2, (0, 1))),
+        # Sets of one save go together; another save of the step (or one the coordinator
+        # never committed) is not mixed in.
+        ([_offer(0, 5, (5, 2, 0, "a")), _offer(1, 5, (5, 2, 1, "b"))], None),
+        (
+            [_offer(0, 5, (5, 2, 0, "a")), _offer(1, 5, (5, 2, 1, "b"), (5, 2, 1, "a"))],
+            RamPlan(5, 2, (0, 1), "a"),
+        ),
         # Sets of the same step from different world sizes never mix.
         ([_offer(0, 3, (3, 2, 0)), _offer(1, 3, (3, 4, 1))], None),
         ([_offer(0, -1), _offer(1, -1)], None),
@@ -101,6 +110,7 @@ def _raw(**kw: object) -> bytes:
         (_raw(held=[{"step": -1, "world_size": 2, "rank": 0}]), "expected step"),
         (_raw(held=[{"step": 5, "world_size": 1 << 40, "rank": 0}]), "expected step"),
         (_raw(held=[{"step": 5, "world_size": 2, "rank": 1}] * 2), "twice"),
+        (_raw(held=[{"step": 5, "world_size": 2, "rank": 1, "save": "f" * 65}]), "save token"),
         (
             _raw(held=[{"step": s, "world_size": 1, "rank": 0} for s in range(MAX_HELD + 1)]),
             "at most",
@@ -145,6 +155,7 @@ def _index(**kw: object) -> ShardSet:
         (_index(files=[ShardFile("../__1_0.distcp", 0, 10)]), "not a shard file"),
         (_index(files=[ShardFile("__0_0.distcp", 0, 10)]), "not a shard file"),
         (_index(files=[ShardFile("__1_0.distcp", 0, 10)] * 2), "twice"),
+        (_index(save="f" * 65), "save token"),
     ],
 )
 def test_index_problem(index: ShardSet, problem: str) -> None:
@@ -212,7 +223,7 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     import torch
 
     from stalwart.checkpoint import dcp as sdcp
-    from stalwart.checkpoint.dcp_ram import load_from_ram, snapshot_step
+    from stalwart.checkpoint.dcp_ram import load_from_ram
 
     path = _segment(tmp_path)
     mine, other = tmp_path / "ckpt", tmp_path / "other"
@@ -220,8 +231,7 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     seg = RamSegment.open(path)
     try:
         for root, step in ((mine, 1), (other, 2)):
-            md = sdcp.save(state, root, step, ram=False)
-            snapshot_step(seg, root, step, md, 0, 1)
+            sdcp.save(state, root, step, ram=seg)
     finally:
         seg.close()
     monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))

@@ -29,7 +29,7 @@ from stalwart.checkpoint.dcp_shards import (
 from stalwart.checkpoint.dcp_storage import DcpWriteError
 from stalwart.checkpoint.errors import WriterDiedError
 from stalwart.checkpoint.manifest import FileEntry
-from tests.helpers import ROOT, clean_env, wait_for
+from tests.helpers import ROOT, clean_env, free_port, wait_for
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -101,6 +101,36 @@ with open(sys.argv[2], "a") as f:
 saver = sdcp.AsyncDcpSaver(sys.argv[1], keep_last=2)
 saver.save({"w": torch.arange(1000.0)}, 4)[1].result(timeout=100)
 saver.close()
+"""
+
+
+# A gloo group still alive when the interpreter finalizes is torn down there, and a gloo
+# thread that then needs the GIL aborts the process ("terminate called without an active
+# exception", exit -6). No __main__ guard; prints how many threads a saver's
+# construction started and how many of them are still alive.
+_AT_EXIT = """
+import atexit, os, sys
+import torch, torch.distributed as dist
+from stalwart.checkpoint import dcp as sdcp
+
+def tasks():
+    return set(os.listdir("/proc/self/task"))
+
+with open(sys.argv[2], "a") as f:
+    f.write("ran\\n")
+dist.init_process_group("gloo")
+before = tasks()
+closed = sdcp.AsyncDcpSaver(sys.argv[1] + "/closed", subprocess=False)
+made = tasks() - before  # the threads of the group the saver made (its stager starts lazily)
+closed.save({"w": torch.arange(10.0)}, 1)[1].result(timeout=200)
+closed.close()
+print("after close", len(made), len(made & tasks()), flush=True)
+before = tasks()
+# Registered before the next saver's own handler, so atexit runs it after that one.
+atexit.register(lambda: print("at exit", len(made), len(made & tasks()), flush=True))
+left = sdcp.AsyncDcpSaver(sys.argv[1] + "/left", subprocess=False)
+made = tasks() - before
+left.save({"w": torch.arange(20.0)}, 2)  # still in flight when the script ends; never closed
 """
 
 
@@ -256,3 +286,32 @@ def test_the_writer_reports_offsets_and_checksums_of_what_it_wrote(tmp_path: Pat
         w.entry.size,
         w.entry.checksum,
     )
+
+
+@pytest.mark.timeout(300)
+def test_a_saver_leaves_no_process_group_alive_into_interpreter_teardown(tmp_path: Path) -> None:
+    script, marker = tmp_path / "train.py", tmp_path / "ran"
+    script.write_text(_AT_EXIT)
+    env = clean_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(marker)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # close() destroyed the saver's own group and let go of it: its threads are joined
+    # now, not in the interpreter's teardown; a saver never closed is closed at exit,
+    # after its save in flight committed.
+    (after_close, at_exit) = (line.split() for line in done.stdout.splitlines()[:2])
+    # The group's threads: at least gloo's worker threads, none left.
+    assert after_close[:2] == ["after", "close"] and int(after_close[2]) >= 2, done.stdout
+    assert after_close[3] == "0", done.stdout
+    assert at_exit[:2] == ["at", "exit"] and int(at_exit[2]) >= 2 and at_exit[3] == "0", done.stdout
+    assert marker.read_text() == "ran\n"
+    assert (tmp_path / "left" / "step_000000002" / "stalwart.commit.json").is_file()
+    target = {"w": torch.zeros(20)}
+    dcp.load(target, checkpoint_id=tmp_path / "left" / "step_000000002")
+    assert torch.equal(target["w"], torch.arange(20.0))

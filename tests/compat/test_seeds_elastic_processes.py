@@ -182,3 +182,85 @@ def test_forkserver_workers_and_an_exit_without_error_file(tmp_path: Path) -> No
     assert failure.message.startswith("To enable traceback see:")
     assert not list((tmp_path / "exit").rglob("error.json"))
     assert "error_file: <N/A>" in str(ChildFailedError("exit", result.failures))
+
+
+# torch's function-worker body called as torch's api_test does, with one stream's
+# redirect destination replaced by what a stranger could plant there; no __main__ guard.
+WRAP_PLANTED = """
+import os, sys
+from stalwart.compat.torch_elastic.multiprocessing.api import _wrap
+
+class Done:
+    def wait(self):
+        pass
+
+class Box:
+    def put(self, value):
+        print("returned", value, file=sys.__stderr__, flush=True)
+
+try:
+    _wrap(0, print, {0: ("to-the-file",)}, {0: {}}, {0: sys.argv[1]}, {0: ""}, {0: Box()},
+          Done())
+except ValueError as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_function_worker_redirect_refuses_a_planted_fifo_and_link(tmp_path: Path) -> None:
+    script = tmp_path / "wrap.py"
+    script.write_text(WRAP_PLANTED)
+    fifo = tmp_path / "fifo.log"
+    os.mkfifo(fifo)
+    secret = tmp_path / "secret"
+    secret.write_text("kept\n")
+    link = tmp_path / "link.log"
+    link.symlink_to(secret)
+    regular = tmp_path / "stdout.log"
+    for dest in (fifo, link, regular):
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(dest)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=clean_env(),
+        )
+        try:
+            out, err = proc.communicate(timeout=40)
+        except subprocess.TimeoutExpired:
+            # The open waits for a reader: give it one so the child can end, then fail.
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"the worker blocked opening {dest.name}")
+        assert proc.returncode == 0, err[-2000:]
+        if dest is regular:
+            assert regular.read_text() == "to-the-file\n"
+            assert "returned None" in err
+        else:
+            assert out.startswith(f"refused: redirect destination of fd 1 '{dest}'"), out
+            assert out.count("\n") == 1 and "returned" not in err, (out, err)
+    assert secret.read_text() == "kept\n"
+
+
+@pytest.mark.timeout(60)
+def test_fork_function_workers_return_and_have_exited_when_wait_returns(tmp_path: Path) -> None:
+    """torch's start_method="fork": the workers' return values arrive and, when wait()
+    returns, every worker process has exited (torch's api_test checks the latter through
+    its internals). The entrypoint is a builtin: nothing of stalwart is imported for it."""
+    from stalwart.compat.torch_elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    pc = start_processes(
+        name="fork",
+        entrypoint=os.getpid,
+        args={0: (), 1: ()},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)),
+        start_method="fork",
+    )
+    pids = pc.pids()
+    result = pc.wait(timeout=30, period=0.05)
+    assert result is not None, "the fork workers never ended"
+    assert not result.failures and result.return_values == pids
+    assert not any(alive(pid) for pid in pids.values())

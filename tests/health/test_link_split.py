@@ -140,6 +140,10 @@ def test_healthy_noisy_clusters_blame_nobody_in_many_draws() -> None:
         (3, 5, 8, 0.1, GATHER_CAP, True),  # ... but no longer than the cap
         (9, 9, 8, 0.0, 0.0, True),  # a stranger raised the count: no longer wait
         (3, 10**9, 8, 5.0, 5.0, False),  # a stranger raised "coming": the cap bounds it
+        # A spare checking again alone while the others still stop their workers: no
+        # check of one (the others would come after it was sealed); the cap bounds it.
+        (1, 1, 4, 5.0, 5.0, False),
+        (1, 1, 4, 0.1, GATHER_CAP, True),
     ],
 )
 def test_when_the_members_are_sealed(

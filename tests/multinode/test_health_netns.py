@@ -120,15 +120,17 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
         # instead of finding the budget spent and ending the wait for everyone.
         # A 20 s report wait bounds the collective link check at 10 s (this test's
         # verdicts come from the echo times): the spares' check before round 1, whose
-        # peers leave with the job, waits that out instead of 30 s.
+        # peers leave with the job, waits that out instead of 30 s. Without the warm
+        # template: the link check's process starts cold (the path --no-warm keeps).
         bounded = ("--node-health-wait", "20", "--node-health-timeout", "10")
         return launch(
-            h, tmp_path, "2:5", endpoint, "health", *bounded, *extra, cgroup=cgroup, restarts=1
-        )
+            h, tmp_path, "2:5", endpoint, "health", "--no-warm", *bounded, *extra,
+            cgroup=cgroup, restarts=1,
+        )  # fmt: skip
 
-    # The throttled node runs cold: a warm template would import torch inside its 10 %
-    # of a CPU next to the launcher's own import, and only this node's checks matter.
-    procs = [start(good0), start(good1), start(throttled, "--no-warm", cgroup=cpu_limited)]
+    # All cold (above); for the throttled node it matters: a warm template would import
+    # torch inside its 10 % of a CPU next to the launcher's own import.
+    procs = [start(good0), start(good1), start(throttled, cgroup=cpu_limited)]
     procs.append(start(delayed))
     procs.append(
         start(failing, "--node-health-check", 'echo \'{"reason": "ECC errors on GPU 5"}\'; exit 1')
@@ -150,6 +152,9 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
     assert "fastest link takes" in seen[ids[delayed.name]], seen
     assert "ECC errors on GPU 5" in seen[ids[failing.name]], seen
     assert "compute" not in seen[ids[delayed.name]] + seen[ids[failing.name]]
+    # Every node's link check ran in a process of its own, a new interpreter (--no-warm).
+    evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
+    assert {e.get("collective_start") for e in evs if e["attempt"] == 0} == {"cold"}, evs
 
 
 def test_a_narrow_link_is_found_by_the_collective_check_and_its_node_kept_out(
@@ -163,7 +168,7 @@ def test_a_narrow_link_is_found_by_the_collective_check_and_its_node_kept_out(
     shape = ["tbf", "rate", "16mbit", "burst", "3000", "latency", "2s"]
     subprocess.run(["tc", "qdisc", "add", "dev", narrow.veth, "root", *shape], check=True)
     endpoint = f"{hosts[0].addr}:{free_port()}"
-    procs = [launch(h, tmp_path, "3:4", endpoint, "narrow", restarts=1) for h in hosts]
+    procs = [launch(h, tmp_path, "3:4", endpoint, "narrow") for h in hosts]
     logs = finish(procs, hosts, tmp_path)
     assert all(p.returncode == 0 for p in procs[:3]), logs[hosts[0].name][-3000:]
     assert (tmp_path / "world").read_text() == "3 3"
@@ -193,6 +198,9 @@ def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) ->
     # Every pair of nodes was timed, by one end or the other.
     evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
     assert sum(e["links"] for e in evs) == 3
-    # The collective check ran among the three, to the end, on gloo.
+    # The collective check ran among the three, to the end, on gloo, each node's in a
+    # process forked from its warm template (no interpreter start or torch import of its
+    # own); the job's worker (no stalwart import, no __main__ guard) was forked after it.
     assert [(e["collective_backend"], e["collective_void"]) for e in evs] == [("gloo", "")] * 3
     assert all(e["collective_stages"] >= 1 for e in evs)
+    assert [e["collective_start"] for e in evs] == ["template"] * 3, evs

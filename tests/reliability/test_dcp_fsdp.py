@@ -319,3 +319,47 @@ def test_resized_world_restores_from_the_shard_sets_its_node_holds_in_ram(
     )
     assert restored == [(2, "ram"), (3, "ram"), (3, "ram")], restored
     assert _starts(out) == 5
+
+
+PLAIN_JOB = Path(__file__).with_name("dcp_plain_ram_job.py")
+
+
+def _restored(out: Path) -> list[tuple[int, int, int, str]]:
+    return sorted(
+        (e["attempt"], e["rank"], e["step"], e["source"])
+        for e in map(
+            json.loads, next((out / "logs").rglob("events.jsonl")).read_text().splitlines()
+        )
+        if e["event"] == "checkpoint_restored"
+    )
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["writer", "plain"])
+def test_a_program_calling_dcp_itself_under_ckpt_ram(job: tuple[Path, Path], mode: str) -> None:
+    out, root = job
+    res = stalwart(
+        "--nproc-per-node", "2", "--max-restarts", "1", "--ckpt-ram", "8MiB",
+        "--log-dir", out / "logs", PLAIN_JOB, mode, out, root, 4,
+        timeout=540,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (out / "crashed").exists()
+    # Both ranks resumed from step 3 with the gathered state equal to the saved one
+    # (checked in the job) and the data position (2 batches a step).
+    resumes = sorted((out / "resumes").read_text().splitlines())
+    assert resumes == ["0 3 6", "0 None 0", "1 3 6", "1 None 0"], resumes
+    if mode == "writer":
+        # Plain dcp.save(storage_writer=DcpWriter(...)) kept every rank's shards in the
+        # launcher's memory; after the crash plain dcp.load(storage_reader=DcpReader(...))
+        # read them from there (the files on disk were torn: a disk read fails its
+        # checksums), every rank together.
+        assert _restored(out) == [(1, 0, 3, "ram"), (1, 1, 3, "ram")]
+        assert (root / "step_000000004" / "stalwart.commit.json").exists()
+    else:
+        # A program that never imports stalwart: plain DCP folders, nothing of ours in
+        # them, and no restore of ours reported.
+        assert _restored(out) == []
+        assert not list(root.rglob("*stalwart*"))
+    # No __main__ guard: the script ran once per rank and attempt.
+    assert _starts(out) == 4

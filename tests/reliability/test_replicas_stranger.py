@@ -23,12 +23,15 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from stalwart import runlog
 from stalwart.base.events import Event
 from stalwart.checkpoint import dcp as sdcp
 from stalwart.checkpoint import ramlayout as rl
 from stalwart.checkpoint.dcp_ram import snapshot_step
+from stalwart.checkpoint.dcp_records import DcpCommit, RankShards
+from stalwart.checkpoint.dcp_storage import DcpReader, read_record
 from stalwart.checkpoint.ram import RamSegment
 from stalwart.cli import build_config
 from stalwart.config import ConfigError
@@ -330,7 +333,10 @@ def test_a_forged_shard_set_replica_is_refused_and_the_job_loads_from_disk(
     ) -> tuple[rp.SegmentFile, int, rl.CommitRecord]:
         seg = RamSegment.open(b.folder / rl.segment_name(0))
         try:
-            snapshot_step(seg, root, step, metadata, 0, 1)  # type: ignore[arg-type]
+            folder = root / f"step_{step:09d}"
+            shards = read_record(folder / "__0_.stalwart.json", RankShards).files
+            save = read_record(folder / "stalwart.commit.json", DcpCommit).save
+            snapshot_step(seg, root, step, shards, metadata, 0, 1, save)  # type: ignore[arg-type]
         finally:
             seg.close()
         return segment_record(b)
@@ -341,13 +347,26 @@ def test_a_forged_shard_set_replica_is_refused_and_the_job_loads_from_disk(
     monkeypatch.setenv(rl.RAM_DIR_ENV, str(a.folder))
 
     def restore() -> tuple[int | None, str]:
-        fresh = {"w": torch.zeros(4096), "b": torch.zeros(16)}
-        step = sdcp.load_newest(fresh, ours)
-        assert all(torch.equal(fresh[k], saved[k]) for k in saved), fresh
-        sources = [
-            e["source"] for e in read_events(events) if e["event"] == Event.CHECKPOINT_RESTORED
-        ]
-        return step, sources[-1]
+        """What stalwart's loader restores, from where; plain ``dcp.load`` through
+        ``DcpReader`` must take the same source."""
+        sources: list[str] = []
+        for plain in (False, True):
+            fresh = {"w": torch.zeros(4096), "b": torch.zeros(16)}
+            if plain:
+                dcp.load(fresh, storage_reader=DcpReader(ours / "step_000000001"))
+            else:
+                step = sdcp.load_newest(fresh, ours)
+            assert all(torch.equal(fresh[k], saved[k]) for k in saved), fresh
+            sources.append(
+                [
+                    e["source"]
+                    for e in read_events(events)
+                    if e["event"] == Event.CHECKPOINT_RESTORED
+                ][-1]
+            )
+            events.write_text("")
+        assert sources[0] == sources[1], sources
+        return step, sources[0]
 
     try:
         seg, slot, rec = stage(ours, 1, meta)

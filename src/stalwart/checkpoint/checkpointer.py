@@ -159,6 +159,9 @@ class AsyncCheckpointer:
         self._sharded: Any = None
         if self._ram is None or not self._ram.records():
             self._start_writer()
+        else:
+            # The snapshot the restore will read is hashed meanwhile, off this thread.
+            self._ram.start_checking(self.rank, self.world_size)
         # else: a restarted worker with snapshots in RAM restores first; the writer
         # child (a fresh interpreter importing torch, seconds of CPU) starts at the
         # first call that needs it (a save that goes to disk, wait_ready,

@@ -17,6 +17,7 @@ by DCP itself.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -34,11 +35,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from stalwart import runlog
-
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
-from .dcp_ram import load_from_ram, local_segment, try_snapshot
+from .dcp_ram import load_from_ram, local_segment
 from .dcp_records import COMMIT_NAME, METADATA_NAME, DcpCommit, next_candidate, share_of
 from .dcp_shards import ShardProcess
 from .dcp_stager import ReusingStager
@@ -168,13 +167,14 @@ def load_newest(
             )
             ok = 0
         if _agree_min(ok, process_group):
+            # RAM was tried above, for every step it could serve; the reader reports
+            # the restore.
             dcp_load(
                 state_dict,
-                storage_reader=DcpReader(folder, verify=False),
+                storage_reader=DcpReader(folder, verify=False, ram=False),
                 planner=planner,
                 process_group=process_group,
             )
-            runlog.emit(runlog.CHECKPOINT_RESTORED, step=step, source="disk", path=str(folder))
             return step
         below = step
 
@@ -187,21 +187,21 @@ def save(
     keep_last: int | None = 3,
     process_group: Any = None,
     planner: Any = None,
-    ram: bool = True,
+    ram: RamSegment | bool = True,
 ) -> Metadata:
     """``dcp.save`` as step ``step`` of ``root`` with stalwart's commit (collective).
 
-    Under ``stalwart run --ckpt-ram`` (and ``ram``) each rank then keeps its shards of the
-    committed step in the launcher's memory too, for ``load_newest`` after a restart.
+    Under ``stalwart run --ckpt-ram`` (and ``ram``) each rank also keeps its shards of the
+    step in the launcher's memory, for ``load_newest`` after a restart (``ram``: see
+    :class:`~stalwart.checkpoint.dcp_storage.DcpWriter`).
     """
-    writer = DcpWriter(root, step, keep_last=keep_last)
+    writer = DcpWriter(root, step, keep_last=keep_last, ram=ram)
     try:
         metadata: Metadata = dcp_save(
             state_dict, storage_writer=writer, planner=planner, process_group=process_group
         )
     except CheckpointException as exc:
         raise unwrap(exc) from exc
-    try_snapshot(local_segment() if ram else None, root, step, metadata, process_group)
     return metadata
 
 
@@ -213,6 +213,25 @@ def unwrap(exc: BaseException) -> BaseException:
             if isinstance(failed, CheckpointError):
                 return failed
     return exc
+
+
+def release_group(group: Any) -> None:
+    """Destroy ``group`` and let go of it, so its gloo threads are joined now.
+
+    ``dist.destroy_process_group`` only unregisters a group; the C++ object, with its
+    worker and transport threads, lives as long as a Python reference does. Kept until
+    the interpreter finalizes, it is torn down there, and a worker thread that then
+    needs the GIL (a Python future callback, a tensor whose Python object it drops)
+    kills the process: "terminate called without an active exception", exit -6. The
+    caller drops its own reference; this is the last one.
+    """
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except ValueError:
+            # Already destroyed by the program (destroy_process_group() of every group
+            # leaves is_initialized() False; one of its own, only this group).
+            logger.debug("the saver's process group was already destroyed")
 
 
 class AsyncDcpSaver:
@@ -244,20 +263,30 @@ class AsyncDcpSaver:
         self.root = Path(root)
         self._segment = (segment or local_segment()) if ram else None
         self.keep_last = keep_last
+        self._own_group = False
         if process_group is None and dist.is_available() and dist.is_initialized():
             # The upload's collectives run on a thread while the loop runs its own:
             # sharing one group would interleave them (collective: every rank builds
             # its saver at the same point).
             process_group = dist.new_group(backend="gloo")
+            self._own_group = True
         self.process_group = process_group
         self.stager = ReusingStager(background=background)
         # Started now, so its interpreter is up by the first save's write.
         self.shard_process = ShardProcess(config=writer_config) if subprocess else None
         self._last: Future[Any] | None = None
+        # A saver the program never closes is closed before the interpreter finalizes
+        # (atexit runs while it is whole), never by its teardown: see release_group.
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)
 
     def save(self, state_dict: dict[str, Any], step: int) -> tuple[Future[None], Future[Any]]:
         writer = DcpWriter(
-            self.root, step, keep_last=self.keep_last, subprocess=self.shard_process or False
+            self.root,
+            step,
+            keep_last=self.keep_last,
+            subprocess=self.shard_process or False,
+            ram=self._segment or False,
         )
         if self._last is not None:
             self._last.exception()
@@ -280,9 +309,7 @@ class AsyncDcpSaver:
             if exc is not None:
                 upload.set_exception(unwrap(exc))
                 return
-            # On DCP's upload thread, after the commit: the RAM copy reads the files
-            # back from the page cache, the training thread is not involved.
-            try_snapshot(self._segment, self.root, step, fut.result(), self.process_group)
+            # The writer kept the RAM copy on DCP's upload thread, off the training one.
             upload.set_result(fut.result())
 
         written.add_done_callback(committed)
@@ -295,13 +322,27 @@ class AsyncDcpSaver:
             self._last.result()
 
     def close(self) -> None:
+        """Wait for the last save, stop the staging thread and the writer subprocess, and
+        destroy the process group this saver made (idempotent; also run at exit)."""
+        atexit.unregister(self._close_at_exit)
         try:
             if self._last is not None:
                 self._last.exception()
         finally:
             self.stager.close()
             if self.shard_process is not None:
-                self.shard_process.close()
+                # Never used and still importing torch: nothing to wait for.
+                self.shard_process.close(abandon_unused_start=True)
+            group, self.process_group = self.process_group, None
+            if self._own_group and group is not None:
+                self._own_group = False
+                release_group(group)
+
+    def _close_at_exit(self) -> None:
+        # A child forked from this process inherits the handler, not the saver's threads,
+        # group or writer: closing them there would stop the parent's writer.
+        if os.getpid() == self._pid:
+            self.close()
 
 
 class ShardedSaves:

@@ -1,11 +1,15 @@
 """Sharded (DCP) steps in the launcher's memory: one rank's shard files and the step's
 global metadata per snapshot slot, restored through a DCP storage reader.
 
-Under ``stalwart run --ckpt-ram`` each rank copies, after a DCP save through stalwart
-committed, the shard files it wrote (``__<rank>_<i>.distcp``, read back from the page
-cache) and DCP's global metadata into the older slot of its segment (``ram``), with a
-:class:`ShardSet` index as the slot's head. The launcher's replicas move such a slot like
-any other (its record's ``kind`` says what it holds).
+Under ``stalwart run --ckpt-ram`` every rank of a save through
+:class:`~stalwart.checkpoint.dcp_storage.DcpWriter` copies the shard files it wrote
+(``__<rank>_<i>.distcp``, read back from the page cache) into the older slot of its
+segment (``ram``), with a :class:`ShardSet` index as the slot's head: the other ranks as
+soon as their files are durable, the coordinator after the commit, with DCP's global
+metadata. Its set is what vouches for the step: every set of one save carries the save's
+token, and a step counts in RAM only when the coordinator's set of that token is there.
+The launcher's replicas move such a slot like any other (its record's ``kind`` says what
+it holds).
 
 At load every rank offers what its node's segments hold for the job's root (its own
 slots, its node's other ranks' slots, replicas of peers): step, saving world size and
@@ -48,9 +52,10 @@ from stalwart import runlog
 from . import layout
 from . import ramlayout as rl
 from .dcp_metadata import loads_metadata
-from .dcp_records import RankShards, is_plain_name, rank_record_name
-from .dcp_storage import read_record, stamp_load_id
+from .dcp_records import MAX_SAVE_TOKEN, is_plain_name
+from .dcp_storage import stamp_load_id
 from .errors import CheckpointCorruptError, CheckpointError
+from .manifest import FileEntry
 from .ram import RamSegment, SnapshotTooLargeError, open_local, ram_folder
 
 logger = logging.getLogger(__name__)
@@ -71,8 +76,9 @@ class ShardFile(msgspec.Struct, frozen=True):
 
 class ShardSet(msgspec.Struct, frozen=True):
     """What a ``dcp-shards`` slot holds: rank ``rank``'s files of DCP step ``step`` of
-    ``root``, saved by ``world_size`` ranks, and the step's global metadata (DCP's
-    pickle, read only through the restricted unpickler)."""
+    ``root``, saved by ``world_size`` ranks in the save ``save``, and (saving rank 0, the
+    coordinator, only) the step's global metadata (DCP's pickle, read only through the
+    restricted unpickler)."""
 
     format: int
     root: str
@@ -82,6 +88,7 @@ class ShardSet(msgspec.Struct, frozen=True):
     files: list[ShardFile]
     metadata_offset: int
     metadata_length: int
+    save: str = ""
 
 
 def shard_owner(name: str) -> int | None:
@@ -102,6 +109,8 @@ def index_problem(index: ShardSet, record: rl.CommitRecord, root: str) -> str:
         return "shard set index and slot record disagree on step, rank or world size"
     if index.root != root:
         return f"shard set of {index.root!r}, not of {root!r}"
+    if len(index.save) > MAX_SAVE_TOKEN:
+        return f"save token of {len(index.save)} characters, expected at most {MAX_SAVE_TOKEN}"
     extents = [(f.offset, f.length) for f in index.files]
     extents.append((index.metadata_offset, index.metadata_length))
     for offset, length in extents:
@@ -149,26 +158,27 @@ def snapshot_step(
     segment: RamSegment,
     root: str | os.PathLike[str],
     step: int,
-    metadata: Metadata,
+    shards: Mapping[str, FileEntry],
+    metadata: Metadata | None,
     rank: int,
     world_size: int,
+    save: str,
 ) -> rl.CommitRecord:
-    """Copy this rank's files of committed step ``step`` and its metadata into RAM.
+    """Copy this rank's ``shards`` of step ``step`` (durable, so in the page cache) and,
+    for the coordinator, the step's ``metadata`` into RAM.
 
-    The files are the ones this rank's record lists (fsync'd, so in the page cache);
-    the slot is committed only once every byte is in.
+    The slot is committed only once every byte is in.
     """
     folder = layout.step_dir(Path(root), step)
-    prefix = f"__{rank}_"
-    shards = read_record(folder / rank_record_name(prefix), RankShards)
-    names = sorted(shards.files)
-    meta = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    meta = b"" if metadata is None else pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
     files: list[ShardFile] = []
     at = 0
-    for name in names:
-        files.append(ShardFile(name, at, shards.files[name].size))
-        at += shards.files[name].size
-    index = ShardSet(SHARD_SET_FORMAT, root_key(root), step, rank, world_size, files, at, len(meta))
+    for name in sorted(shards):
+        files.append(ShardFile(name, at, shards[name].size))
+        at += shards[name].size
+    index = ShardSet(
+        SHARD_SET_FORMAT, root_key(root), step, rank, world_size, files, at, len(meta), save
+    )
     head = msgspec.json.encode(index)
     staged, view = segment.stage_raw(head, at + len(meta), step, rank, world_size, rl.KIND_DCP)
     with view:
@@ -187,19 +197,19 @@ def snapshot_step(
 
 
 def try_snapshot(
-    segment: RamSegment | None,
+    segment: RamSegment,
     root: str | os.PathLike[str],
     step: int,
-    metadata: Metadata,
-    process_group: Any,
+    shards: Mapping[str, FileEntry],
+    metadata: Metadata | None,
+    rank: int,
+    world_size: int,
+    save: str,
 ) -> None:
-    """:func:`snapshot_step` when there is a segment; a failure only costs the RAM copy
-    (the step is durable on disk), so it is logged, not raised."""
-    if segment is None:
-        return
-    rank, world = rank_world(process_group)
+    """:func:`snapshot_step`; a failure only costs the RAM copy (the files are durable
+    on disk), so it is logged, not raised."""
     try:
-        snapshot_step(segment, root, step, metadata, rank, world)
+        snapshot_step(segment, root, step, shards, metadata, rank, world_size, save)
     except (OSError, CheckpointError, SnapshotTooLargeError) as exc:
         logger.warning("rank %d: step %d not kept in RAM: %s", rank, step, exc)
 
@@ -229,9 +239,12 @@ class HeldShards:
         self.segment.close()
 
 
-def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
+def find_all_shards(
+    folder: Path, root: str, *, step: int | None = None, ranks: set[int] | None = None
+) -> list[HeldShards]:
     """Every shard set of ``root`` in ``folder``'s segments that verifies, newest step
-    first, one per (step, saving world size, saving rank); :meth:`HeldShards.close`
+    first, one per (step, saving world size, saving rank, save); only of ``step`` and of
+    saving ``ranks`` when given (the others are not hashed). :meth:`HeldShards.close`
     each."""
     candidates: list[tuple[Path, int, rl.CommitRecord]] = []
     try:
@@ -243,20 +256,21 @@ def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
             if seg is None:
                 continue
             for slot, rec in seg.records():
-                if rec.kind == rl.KIND_DCP:
+                if (
+                    rec.kind == rl.KIND_DCP
+                    and (step is None or rec.step == step)
+                    and (ranks is None or rec.rank in ranks)
+                ):
                     candidates.append((path, slot, rec))
     candidates.sort(key=lambda c: (c[2].step, c[2].world_size, -c[2].rank, c[2].seq), reverse=True)
-    found: dict[tuple[int, int, int], HeldShards] = {}
+    found: dict[tuple[int, int, int, str], HeldShards] = {}
     for path, slot, rec in candidates:
-        key = (rec.step, rec.world_size, rec.rank)
-        if key in found:
-            continue
         seg = _open(path)
         if seg is None:
             continue
         try:
             index = msgspec.json.decode(seg.head(slot, rec, MAX_INDEX_BYTES), type=ShardSet)
-            if index.root != root:
+            if index.root != root or (rec.step, rec.world_size, rec.rank, index.save) in found:
                 # Another checkpoint folder's shards (a job may save several): not
                 # this load's, and nothing wrong with them.
                 seg.close()
@@ -269,7 +283,9 @@ def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
             seg.close()
             logger.warning("skipping step %d of rank %d in RAM: %s", rec.step, rec.rank, exc)
             continue
-        found[key] = HeldShards(path, slot, rec, index, seg)
+        found[(rec.step, rec.world_size, rec.rank, index.save)] = HeldShards(
+            path, slot, rec, index, seg
+        )
     return list(found.values())
 
 
@@ -282,11 +298,13 @@ def _open(path: Path) -> RamSegment | None:
 
 
 class HeldSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One shard set a rank can serve: saving rank ``rank`` of ``world_size``, ``step``."""
+    """One shard set a rank can serve: saving rank ``rank`` of ``world_size``, ``step``,
+    of the save ``save``."""
 
     step: int
     world_size: int
     rank: int
+    save: str = ""
 
 
 class RamOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -322,6 +340,9 @@ def read_offer(raw: bytes, sender: int, world_size: int) -> RamOffer:
         problem = "a shard set is listed twice"
     else:
         for h in offer.held:
+            if len(h.save) > MAX_SAVE_TOKEN:
+                problem = f"a save token of {len(h.save)} characters"
+                break
             if h.step < 0 or not 0 <= h.rank < h.world_size <= MAX_WORLD:
                 problem = (
                     f"shard set step {h.step} rank {h.rank} of {h.world_size}: expected "
@@ -335,12 +356,13 @@ def read_offer(raw: bytes, sender: int, world_size: int) -> RamOffer:
 
 @dataclass(frozen=True)
 class RamPlan:
-    """Load ``step`` (saved by ``saved_world`` ranks) from RAM; saving rank ``s``'s files
-    are served by loading rank ``servers[s]``."""
+    """Load ``step`` (saved by ``saved_world`` ranks in the save ``save``) from RAM;
+    saving rank ``s``'s files are served by loading rank ``servers[s]``."""
 
     step: int
     saved_world: int
     servers: tuple[int, ...]
+    save: str = ""
 
 
 def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
@@ -356,17 +378,20 @@ def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
         return None, f"the RAM offer of rank {refused[0]} was refused"
     valid = [o for o in offers if o is not None]
     disk = min(o.newest_on_disk for o in valid)
-    holders: dict[tuple[int, int], dict[int, list[int]]] = {}
+    holders: dict[tuple[int, int, str], dict[int, list[int]]] = {}
     for r, o in enumerate(valid):
         for h in o.held:
-            holders.setdefault((h.step, h.world_size), {}).setdefault(h.rank, []).append(r)
+            key = (h.step, h.world_size, h.save)
+            holders.setdefault(key, {}).setdefault(h.rank, []).append(r)
     if not holders:
         return None, "no rank holds a shard set in RAM"
     why = f"no step in RAM is whole and as new as the newest on disk ({disk})"
-    for step, saved_world in sorted(holders, reverse=True):
+    for step, saved_world, save in sorted(holders, reverse=True):
         if step < disk:
             break
-        by_rank = holders[(step, saved_world)]
+        # Sets of one save only (its token): another save of the step, or one whose
+        # commit never came, is not mixed in.
+        by_rank = holders[(step, saved_world, save)]
         if len(by_rank) != saved_world:
             continue
         load = [0] * len(valid)
@@ -378,13 +403,16 @@ def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
             server = saved if saved in held_by else min(held_by, key=lambda r: (load[r], r))
             load[server] += 1
             servers.append(server)
-        return RamPlan(step, saved_world, tuple(servers)), ""
+        return RamPlan(step, saved_world, tuple(servers), save), ""
     return None, why
 
 
 def offer_of(rank: int, held: list[HeldShards], newest_on_disk: int) -> RamOffer:
     """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first)."""
-    sets = [HeldSet(h.index.step, h.index.world_size, h.index.rank) for h in held[:MAX_HELD]]
+    sets = [
+        HeldSet(h.index.step, h.index.world_size, h.index.rank, h.index.save)
+        for h in held[:MAX_HELD]
+    ]
     return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets)
 
 
@@ -509,7 +537,8 @@ def _load_held(
     serving = [
         h
         for h in held
-        if (h.index.step, h.index.world_size) == (plan.step, plan.saved_world)
+        if (h.index.step, h.index.world_size, h.index.save)
+        == (plan.step, plan.saved_world, plan.save)
         and plan.servers[h.index.rank] == rank
     ]
     files: dict[str, memoryview] = {}
@@ -517,8 +546,11 @@ def _load_held(
     problem = ""
     try:
         for h in serving:
-            got, meta = shard_views(h)
+            got, held_meta = shard_views(h)
             files.update(got)
+            if h.index.rank == 0:
+                # The coordinator's set holds the step's metadata; the others' none.
+                meta = held_meta
     except (OSError, CheckpointError, ValueError) as exc:
         problem = str(exc)
         logger.warning("rank %d: step %d in RAM unreadable: %s", rank, plan.step, exc)
@@ -577,7 +609,7 @@ def shard_views(held: HeldShards) -> tuple[dict[str, memoryview], bytes]:
     return files, meta
 
 
-class _NoFiles(FileSystem):
+class NoFiles(FileSystem):
     """DCP's reader opens each file before slicing it; here nothing is on disk."""
 
     @contextlib.contextmanager
@@ -622,6 +654,19 @@ class _ViewReader(io.RawIOBase):
         super().close()
 
 
+def view_slice(files: Mapping[str, memoryview], sinfo: _StorageInfo) -> IO[bytes]:
+    """The extent ``sinfo`` of a file held in RAM, as a read-only file over the slot."""
+    own = files.get(sinfo.relative_path)
+    if own is None:
+        raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM")
+    if sinfo.offset < 0 or sinfo.length < 0 or sinfo.offset + sinfo.length > len(own):
+        raise CheckpointCorruptError(
+            f"{sinfo.relative_path}: extent {sinfo.offset}+{sinfo.length} "
+            f"outside its {len(own)} bytes"
+        )
+    return cast(IO[bytes], _ViewReader(own[sinfo.offset : sinfo.offset + sinfo.length]))
+
+
 class RamShardReader(FileSystemReader):
     """A DCP storage reader over the shard files this rank serves under ``plan``, read
     in place from the mappings they were verified through (``serving``' segments).
@@ -639,7 +684,7 @@ class RamShardReader(FileSystemReader):
         process_group: Any,
     ) -> None:
         super().__init__(f"ram-step-{plan.step}")
-        self.fs = _NoFiles()
+        self.fs = NoFiles()
         self.plan = plan
         self.serving = serving
         #: Set (from the broadcast copy every rank shares) before DCP reads it.
@@ -675,14 +720,8 @@ class RamShardReader(FileSystemReader):
         return done
 
     def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
-        own = self._files.get(sinfo.relative_path)
-        if own is not None:
-            if sinfo.offset < 0 or sinfo.length < 0 or sinfo.offset + sinfo.length > len(own):
-                raise CheckpointCorruptError(
-                    f"{sinfo.relative_path}: extent {sinfo.offset}+{sinfo.length} "
-                    f"outside its {len(own)} bytes"
-                )
-            return cast(IO[bytes], _ViewReader(own[sinfo.offset : sinfo.offset + sinfo.length]))
+        if sinfo.relative_path in self._files:
+            return view_slice(self._files, sinfo)
         got = self._fetched.get((sinfo.relative_path, sinfo.offset, sinfo.length))
         if got is None:
             raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM by any rank")

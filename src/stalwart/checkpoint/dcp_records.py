@@ -51,6 +51,13 @@ class DcpCommit(msgspec.Struct, frozen=True):
     world_size: int
     files: dict[str, FileEntry]
     created_unix: float
+    #: The save's token, shared by every rank's RAM copy of its shards (``--ckpt-ram``):
+    #: a reader takes the shards from RAM only when their token is this one.
+    save: str = ""
+
+
+#: A save token is a few hex digits; a longer one in a record read back is refused.
+MAX_SAVE_TOKEN = 64
 
 
 def rank_record_name(prefix: str) -> str:

@@ -158,8 +158,10 @@ class ShardProcess:
             self.writes += 1
         return write_results(layout, written), {w.name: w.entry for w in written}
 
-    def close(self) -> None:
-        self._proc.close()
+    def close(self, *, abandon_unused_start: bool = False) -> None:
+        """Stop the subprocess; ``abandon_unused_start``: one that never wrote and is still
+        starting is killed rather than waited for."""
+        self._proc.close(abandon_unused_start=abandon_unused_start)
 
 
 _shared_lock = threading.Lock()

@@ -11,14 +11,20 @@ and the metadata are durable. It then moves ``latest`` and applies keep-last.
 restricted unpickler and whose shards are checked against the commit record
 before DCP reads them. Both write and read plain DCP folders: ``dcp.load``
 reads what :class:`DcpWriter` wrote, and :class:`DcpReader` reads plain saves.
+
+Under ``stalwart run --ckpt-ram`` the writer also keeps every rank's shards in the
+launcher's memory (see :mod:`~stalwart.checkpoint.dcp_ram`), and the reader takes them
+from there when every rank holds its share of that very save.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -32,11 +38,15 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemReader,
     FileSystemWriter,
     SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from stalwart import runlog
 
 from . import layout, manifest
 from .dcp_metadata import read_metadata
@@ -57,7 +67,9 @@ from .fsio import fsync_dir, remove_tree, replace_symlink, write_file_durably
 from .manifest import DEFAULT_ALGORITHM, FileEntry, file_checksum, new_hasher
 
 if TYPE_CHECKING:
+    from .dcp_ramsource import RamSource
     from .dcp_shards import ShardProcess
+    from .ram import RamSegment
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -73,6 +85,16 @@ class DcpWriteError(CheckpointError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+@dataclasses.dataclass
+class SavePrefix(_StoragePrefix):
+    """What DCP's coordinator hands each rank for one save: its file prefix, the save's
+    token and the saving world size (for the RAM copies of its shards)."""
+
+    save: str = ""
+    world_size: int = 0
+    rank: int = 0
 
 
 class _HashingFileSystem(FileSystem):
@@ -183,6 +205,10 @@ class DcpWriter(FileSystemWriter):
     handed over in shared memory (True: this process's shared one, see
     :mod:`~stalwart.checkpoint.dcp_shards`); False: DCP writes them on its own thread.
     DCP storage extensions or safetensors output are written by DCP either way.
+    ``ram``: under ``stalwart run --ckpt-ram`` (True) each rank also keeps its shards of
+    the save in the launcher's memory, where :class:`DcpReader` and stalwart's loader
+    find them after a restart; a :class:`~stalwart.checkpoint.ram.RamSegment`: that one;
+    False: disk only.
     """
 
     def __init__(
@@ -194,6 +220,7 @@ class DcpWriter(FileSystemWriter):
         algorithm: str = DEFAULT_ALGORITHM,
         thread_count: int = 1,
         subprocess: ShardProcess | bool = False,
+        ram: RamSegment | bool = True,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last}: expected >= 1 or None (keep everything)")
@@ -209,6 +236,16 @@ class DcpWriter(FileSystemWriter):
 
             subprocess = shared_process()
         self.shard_process: ShardProcess | None = subprocess or None
+        self.ram_segment: RamSegment | None = None
+        if ram is True:
+            from .dcp_ram import local_segment  # it imports this module
+
+            self.ram_segment = local_segment()
+        elif ram is not False:
+            self.ram_segment = ram
+        self.is_coordinator = False
+        self._save = ""
+        self._mine: tuple[SavePrefix, dict[str, FileEntry]] | None = None
 
     @property
     def folder(self) -> Path:
@@ -239,6 +276,11 @@ class DcpWriter(FileSystemWriter):
         except Exception as exc:
             raise _failed(self.step, self.folder, exc) from exc
 
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.is_coordinator = is_coordinator
+        self._mine = None
+
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         with warnings.catch_warnings():
             # Re-saving a step is expected here: the coordinator clears the folder.
@@ -249,7 +291,15 @@ class DcpWriter(FileSystemWriter):
         # Runs on the coordinator before any rank writes: what an earlier save of this
         # step left must not vouch for the shards about to be overwritten.
         self._guard(self._clear_folder)
-        return super().prepare_global_plan(plans)
+        planned = super().prepare_global_plan(plans)
+        self._save = secrets.token_hex(8)
+        return [
+            dataclasses.replace(
+                p,
+                storage_data=SavePrefix(p.storage_data.prefix, self._save, len(planned), i),
+            )
+            for i, p in enumerate(planned)
+        ]
 
     def _clear_folder(self) -> None:
         # `latest` only moves forward at commit, so it may name this very step from an
@@ -303,6 +353,13 @@ class DcpWriter(FileSystemWriter):
             entries = self.fs.take({wr.storage_data.relative_path for wr in results})
         record = RankShards(FORMAT_VERSION, self.step or 0, prefix, entries)
         write_record(self.folder, rank_record_name(prefix), msgspec.json.encode(record))
+        if isinstance(plan.storage_data, SavePrefix) and self.use_collectives:
+            self._mine = (plan.storage_data, entries)
+            if not self.is_coordinator:
+                # No call reaches this rank after the commit: its copy goes in now, and
+                # counts only once the coordinator's copy of this save (after the
+                # commit) is there too.
+                self._keep_in_ram(None)
         done: Future[list[WriteResult]] = Future()  # DCP's futures are torch's
         done.set_result(results)
         return done
@@ -325,6 +382,24 @@ class DcpWriter(FileSystemWriter):
             remove_tree(self.folder)
             raise
         self._after_commit()
+        self._keep_in_ram(metadata)
+
+    def _keep_in_ram(self, metadata: Metadata | None) -> None:
+        if self.ram_segment is None or self._mine is None or self.step is None:
+            return
+        from .dcp_ram import try_snapshot
+
+        prefix, entries = self._mine
+        try_snapshot(
+            self.ram_segment,
+            self.root,
+            self.step,
+            entries,
+            metadata,
+            prefix.rank,
+            prefix.world_size,
+            prefix.save,
+        )
 
     def _finish_and_commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         super().finish(metadata, results)
@@ -342,7 +417,9 @@ class DcpWriter(FileSystemWriter):
                     "that its record does not list"
                 )
             files.update(shards.files)
-        commit = DcpCommit(FORMAT_VERSION, self.step or 0, len(results), files, time.time())
+        commit = DcpCommit(
+            FORMAT_VERSION, self.step or 0, len(results), files, time.time(), self._save
+        )
         write_record(self.folder, COMMIT_NAME, msgspec.json.encode(commit))
 
     def _after_commit(self) -> None:
@@ -377,11 +454,20 @@ class DcpReader(FileSystemReader):
     for a step stalwart committed, checks the shards it reads before reading them.
 
     ``verify=False`` skips the checksums (the loader verified the whole step already).
+    ``ram`` (under ``stalwart run --ckpt-ram``): when every rank finds verified RAM copies
+    of the shards it reads, of the save this folder's commit record names, all read them
+    from RAM instead of the files; else all read the files.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, verify: bool = True, ram: bool = True
+    ) -> None:
         super().__init__(path)
         self.verify = verify
+        self.ram = ram
+        self._rank = 0
+        self._source: RamSource | None = None
+        self._ram_files: Mapping[str, memoryview] | None = None
 
     @property
     def folder(self) -> Path:
@@ -390,7 +476,67 @@ class DcpReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return stamp_load_id(read_metadata(self.folder / METADATA_NAME), self.load_id)
 
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._rank = int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        plan = super().prepare_local_plan(plan)
+        self._drop_source()
+        if not self.ram:
+            return plan
+        from .dcp_ramsource import RamVote, offer
+
+        needed = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+        self._source = offer(self.folder, needed, self._rank)
+        return dataclasses.replace(plan, storage_data=RamVote(self._source is not None))
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        plans = super().prepare_global_plan(plans)
+        from .dcp_ramsource import RamVote, agreed
+
+        use = agreed(p.storage_data for p in plans)
+        return [dataclasses.replace(p, storage_data=RamVote(use)) for p in plans]
+
+    def _drop_source(self) -> None:
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        source, self._source = self._source, None
+        try:
+            if source is not None and getattr(plan.storage_data, "ok", False):
+                return self._read_ram(source, plan, planner)
+            return self._read_disk(plan, planner)
+        finally:
+            if source is not None:
+                source.close()
+
+    def _read_ram(self, source: RamSource, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        from .dcp_ram import NoFiles
+
+        files, self.fs = self.fs, NoFiles()
+        self._ram_files = source.files
+        try:
+            done = super().read_data(plan, planner)
+        finally:
+            self.fs, self._ram_files = files, None
+        source.check_unchanged()
+        logger.info("rank %d resumes from step %d (ram, %s)", self._rank, source.step, source.where)
+        runlog.emit(runlog.CHECKPOINT_RESTORED, step=source.step, source="ram", path=source.where)
+        return done
+
+    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
+        if self._ram_files is None:
+            return super()._slice_file(file, sinfo)
+        from .dcp_ram import view_slice
+
+        return view_slice(self._ram_files, sinfo)
+
+    def _read_disk(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self.verify and is_committed(self.folder):
             commit = read_record(self.folder / COMMIT_NAME, DcpCommit)
             touched = {self.storage_data[item.storage_index].relative_path for item in plan.items}
@@ -400,7 +546,11 @@ class DcpReader(FileSystemReader):
                     f"{self.folder}: metadata names {sorted(missing)[:3]} that the commit lacks"
                 )
             verify_entries(self.folder, {n: commit.files[n] for n in touched})
-        return super().read_data(plan, planner)
+        done = super().read_data(plan, planner)
+        step = layout.parse_step(self.folder.name)
+        if step is not None:
+            runlog.emit(runlog.CHECKPOINT_RESTORED, step=step, source="disk", path=str(self.folder))
+        return done
 
 
 def stamp_load_id(md: Metadata, load_id: str) -> Metadata:

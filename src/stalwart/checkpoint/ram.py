@@ -52,6 +52,9 @@ _libc.madvise.restype = ctypes.c_int
 
 
 _ADVISE_CHUNK = 8 << 20
+# Hashing a slot in the background stops between chunks of this size when the segment is
+# closed (a few milliseconds each).
+_HASH_CHUNK = 32 << 20
 
 
 def _advise(addr: int, length: int, advice: int, stop: threading.Event | None = None) -> None:
@@ -117,7 +120,11 @@ class RamSegment:
             self._bytes: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8)
         self._length = length
         self._populating: threading.Thread | None = None
-        self._stop_populating = threading.Event()
+        self._closing = threading.Event()
+        # Slots whose tensor bytes this mapping hashed, by the record they were hashed
+        # for: it committed them, or verified them (see verify).
+        self._checked: dict[int, rl.CommitRecord] = {}
+        self._prechecking: threading.Thread | None = None
         if writable and not self.records():
             # A fresh segment: nothing to restore, so fault its pages in for the
             # saves now. One holding snapshots is a restarted worker's, which reads
@@ -141,9 +148,7 @@ class RamSegment:
     def _populate(self) -> None:
         assert self._bytes is not None
         try:
-            _advise(
-                self._bytes.data_ptr(), self._length, _MADV_POPULATE_WRITE, self._stop_populating
-            )
+            _advise(self._bytes.data_ptr(), self._length, _MADV_POPULATE_WRITE, self._closing)
         except OSError as exc:
             logger.debug("could not pre-fault the snapshot segment: %s", exc)
 
@@ -170,6 +175,7 @@ class RamSegment:
         return rl.committed_slots(self._map, self.slot_bytes)
 
     def _invalidate(self, slot: int) -> None:
+        self._checked.pop(slot, None)
         at = rl.header_offset(slot, self.slot_bytes)
         self._map[at : at + rl.PREFIX_BYTES] = rl.EMPTY_PREFIX
 
@@ -280,6 +286,7 @@ class RamSegment:
         at = rl.header_offset(staged.slot, self.slot_bytes)
         self._map[at + rl.PREFIX_BYTES : at + rl.PREFIX_BYTES + len(body)] = body
         self._map[at : at + rl.PREFIX_BYTES] = prefix  # the commit
+        self._checked[staged.slot] = record
         for other, step in staged.older:
             if step > staged.step:
                 # The job went back to an older step: a newer snapshot left from before
@@ -322,23 +329,87 @@ class RamSegment:
         return memoryview(self._map)[start : start + record.tensor_bytes].toreadonly()
 
     def verify(self, slot: int, record: rl.CommitRecord) -> None:
-        """Check a committed slot's checksums; raises CheckpointCorruptError when torn."""
+        """Check a committed slot's checksums; raises CheckpointCorruptError when torn.
+
+        The tensor bytes are not hashed again when this mapping already hashed them for
+        this very record: it committed the slot (an in-process restart reads back what
+        its own process wrote), or verified it before (:meth:`start_checking`). That is
+        as safe as hashing them again: the file is this user's alone (checked in
+        :meth:`open`), and every writer (a worker's save, the launcher filling in a
+        snapshot fetched from a peer) clears the slot's commit header before it touches
+        the data and writes a new record, with a new sequence number and time, after
+        it; an unchanged record therefore means unchanged bytes. Only a process of this
+        user writing past that protocol could change them unseen, and such a process
+        can write into this process's memory as well.
+        """
         self._check_bounds(slot, record)
         self._skeleton(slot, record)
-        start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
-        assert self._bytes is not None
-        try:
-            # Fill the page tables of this slot in one call: faulting page by page
-            # while hashing and copying measured several times slower. Pages already
-            # mapped (the writable mapping's background pre-faulting got there first)
-            # cost a page-table walk.
-            _advise(self._bytes.data_ptr() + start, record.tensor_bytes, _MADV_POPULATE_READ)
-        except OSError as exc:
-            logger.debug("could not pre-fault the snapshot: %s", exc)
-        with memoryview(self._map) as mv:
-            tensor_hash = xxhash.xxh3_64_intdigest(mv[start : start + record.tensor_bytes])
-        if tensor_hash != record.tensor_hash:
+        if self._prechecking is not None:
+            # Hashing it already, or another slot: either way over in a moment.
+            self._prechecking.join()
+        if self._checked.get(slot) == record and self.record(slot) == record:
+            return
+        if not self._hash_matches(slot, record, None):
             raise CheckpointCorruptError(f"{self.path} slot {slot}: tensor checksum differs")
+        self._checked[slot] = record
+
+    def _hash_matches(
+        self, slot: int, record: rl.CommitRecord, stop: threading.Event | None
+    ) -> bool | None:
+        """Whether the slot's tensor bytes hash to the record's; None when stopped."""
+        start = rl.data_offset(slot, self.slot_bytes) + record.tensor_offset
+        end = start + record.tensor_bytes
+        view = self._bytes
+        assert view is not None
+        hasher = xxhash.xxh3_64()
+        with memoryview(self._map) as mv:
+            for at in range(start, end, _HASH_CHUNK):
+                if stop is not None and stop.is_set():
+                    return None
+                n = min(_HASH_CHUNK, end - at)
+                try:
+                    # Fill the page tables of the chunk in one call: faulting page by page
+                    # while hashing measured several times slower. Pages already mapped
+                    # (this mapping wrote them, or pre-faulted them) cost a page-table walk.
+                    _advise(view.data_ptr() + at, n, _MADV_POPULATE_READ)
+                except OSError as exc:
+                    logger.debug("could not pre-fault the snapshot: %s", exc)
+                hasher.update(mv[at : at + n])
+        return hasher.intdigest() == record.tensor_hash
+
+    def start_checking(self, rank: int, world_size: int) -> None:
+        """Verify ``rank``'s newest snapshot here on a thread, once.
+
+        A restarted worker restores it soon, usually after setting up its process
+        group, which mostly waits for its peers: hashing it meanwhile (it releases the
+        GIL) takes it off the restore. A failure is left for the restore to find and
+        report; :meth:`close` stops the thread between chunks.
+        """
+        if self._prechecking is not None:
+            return
+        newest = next(
+            (
+                (slot, rec)
+                for slot, rec in self.records()
+                if rec.kind == rl.KIND_STATE and rec.rank == rank and rec.world_size == world_size
+            ),
+            None,
+        )
+        if newest is None:
+            return
+        self._prechecking = threading.Thread(
+            target=self._precheck, args=newest, name="stalwart-ram-verify", daemon=True
+        )
+        self._prechecking.start()
+
+    def _precheck(self, slot: int, record: rl.CommitRecord) -> None:
+        try:
+            self._check_bounds(slot, record)
+            self._skeleton(slot, record)
+            if self._hash_matches(slot, record, self._closing):
+                self._checked[slot] = record
+        except (OSError, ValueError, CheckpointError) as exc:
+            logger.debug("snapshot in slot %d does not verify: %s", slot, exc)
 
     def read(
         self,
@@ -429,8 +500,10 @@ class RamSegment:
         # A page not faulted in yet costs nobody anything once we unmap: close in about
         # one chunk's time, not the whole segment's (seconds for a restored worker that
         # ends soon after its restore).
-        self._stop_populating.set()
+        self._closing.set()
         self.wait_populated()
+        if self._prechecking is not None:
+            self._prechecking.join()
         self._bytes = None
         try:
             self._map.close()

@@ -36,7 +36,7 @@ from stalwart.health import local, probe
 from stalwart.health.decision import Admission, Candidate, Pending, Refuse, admission
 from stalwart.health.guard import QuarantineGuard
 from stalwart.health.judge import Limits, against_peers, slow_links
-from stalwart.health.linkcheck import LinkCheck
+from stalwart.health.linkcheck import Forker, LinkCheck
 from stalwart.health.records import (
     ID_LIMIT,
     MAX_LINKS,
@@ -147,9 +147,16 @@ class HealthGate:
     """This node's side of the admission gate, over the rendezvous' store."""
 
     def __init__(
-        self, settings: HealthSettings, key: bytes, run_id: str, emit: Emit | None = None
+        self,
+        settings: HealthSettings,
+        key: bytes,
+        run_id: str,
+        emit: Emit | None = None,
+        forker: Forker | None = None,
     ) -> None:
         self._s = settings
+        # Forks the link check with torch imported (the warm template); None: cold.
+        self._forker = forker
         self._key = key
         self._run_id = run_id
         self._emit = emit
@@ -186,17 +193,7 @@ class HealthGate:
         out = self.check_alone(round_)
         if out is None:
             return None
-        if self._emit is not None:
-            self._emit(
-                Event.NODE_EXCLUDED,
-                attempt=round_,
-                node=out.node,
-                host=out.host,
-                reason="; ".join(out.reasons),
-                reasons=list(out.reasons),
-                by=By.HEALTH_CHECK.value,
-                this_node=True,
-            )
+        self._excluded(round_, out, this_node=True)
         line = f"this node failed its health check before attempt {round_}: " + "; ".join(
             out.reasons
         )
@@ -275,10 +272,15 @@ class HealthGate:
             if collective is not None:
                 more = {
                     "collective_s": collective.seconds,
+                    "collective_ready_s": collective.ready_s,
                     "collective_stages": collective.stages,
                     "collective_void": collective.void,
                     "collective_backend": collective.backend,
                 }
+            if links_check is not None:
+                # Where the link check's time went: its members' gathering, the wait for
+                # its process to exist, and how it was started ("template" or "cold").
+                more.update({f"collective_{k}": v for k, v in links_check.timing.items()})
             self._checked(
                 round_,
                 own,
@@ -308,6 +310,7 @@ class HealthGate:
             limits=self._s.limits,
             # Below the round's wait for a report, with room for the other checks.
             bound=min(LINK_BOUND, self._s.wait / 2),
+            forker=self._forker,
         )
         check.start()
         return check
@@ -413,20 +416,24 @@ class HealthGate:
                     round_,
                     "; ".join(e.reasons),
                 )
-                if self._emit is not None:
-                    self._emit(
-                        Event.NODE_EXCLUDED,
-                        attempt=round_,
-                        node=e.node,
-                        host=e.host,
-                        reason="; ".join(e.reasons),  # as the other node_excluded events
-                        reasons=list(e.reasons),
-                        by=e.by.value,
-                        this_node=e.node == node,
-                    )
+                self._excluded(round_, e, this_node=e.node == node)
             for link in verdict.slow_links:
                 logger.warning("slow link in round %d: %s", round_, link)
         return next(("; ".join(e.reasons) for e in verdict.excluded if e.node == node), None)
+
+    def _excluded(self, round_: int, e: Exclusion, *, this_node: bool) -> None:
+        """The ``node_excluded`` event of a node kept out of *round_* by this gate."""
+        if self._emit is not None:
+            self._emit(
+                Event.NODE_EXCLUDED,
+                attempt=round_,
+                node=e.node,
+                host=e.host,
+                reason="; ".join(e.reasons),  # as the other node_excluded events
+                reasons=list(e.reasons),
+                by=e.by.value,
+                this_node=this_node,
+            )
 
     def close(self) -> None:
         if self._ready is not None:
@@ -437,9 +444,12 @@ class HealthGate:
             self._probe = None
 
 
-def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> HealthGate | None:
+def gate_for(
+    cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None, forker: Forker | None = None
+) -> HealthGate | None:
     """The gate *cfg* asks for: health checks, or a quarantine to keep nodes out by (it
-    is ``consult``ed once the store is reached); None: neither."""
+    is ``consult``ed once the store is reached); None: neither. *forker*: the warm
+    template, which forks the link check with torch imported."""
     secret = job_secret(cfg.job_secret_file, os.environ)
     quarantine = cfg.quarantine_after is not None and cfg.max_nodes > 1 and secret is not None
     if not cfg.health_checks and not quarantine:
@@ -458,6 +468,6 @@ def gate_for(cfg: LaunchConfig, emit: Emit | None, run_dir: Path | None) -> Heal
     )
     # Validated with the config: several nodes share a secret; one keeps its own.
     key = health_key(secret or secrets.token_bytes(32), cfg.run_id)
-    gate = HealthGate(settings, key, cfg.run_id, emit)
+    gate = HealthGate(settings, key, cfg.run_id, emit, forker)
     gate.prepare()
     return gate

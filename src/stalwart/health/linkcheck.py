@@ -8,14 +8,20 @@ the signed member list; a node that comes after it is not a member and is judged
 its echo times only. The first member's check process serves the store the check's
 process groups meet on and leaves its address, signed, for the others.
 
-The check itself runs in a process of its own (``linkrun``), started when the node
-starts checking so that importing torch overlaps its other checks, and killed with its
-whole session at `LinkCheck`'s bound: a hung collective costs the bound, never the
-launcher, and never touches the workers' process group.
+The check itself runs in a process of its own (``linkrun``, `CheckProcess`), killed with
+its whole session at `LinkCheck`'s bound: a hung collective costs the bound, never the
+launcher, and never touches the workers' process group. Where the node has a warm
+template (torch imported, ``launch/workers/zygote.py``) the process is forked from it: no
+interpreter start and no torch import of its own, which on a loaded host were most of the
+check's time (measured in docs/benchmarks.md). Without one (``--no-warm``, or a template
+that cannot fork) it is a new interpreter, started when the node starts checking so that
+importing torch overlaps its other checks. Its orders, with the key its timings are signed
+with, go through a pipe either way, never the store.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -28,7 +34,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Protocol
+from typing import Protocol
 
 import msgspec
 
@@ -74,9 +80,12 @@ class Store(Protocol):
 
 def seal_now(came: int, coming: int, expected: int, quiet_for: float, waited: float) -> bool:
     """Whether the check's members are complete: every node the job can have *came*,
-    or every node *coming* (it started checking) came and nobody new appeared for
-    `GATHER` seconds, or this node waited `GATHER_CAP`."""
-    return came >= expected or (came >= coming and quiet_for >= GATHER) or waited >= GATHER_CAP
+    or every node *coming* (it started checking) came, at least two, and nobody new
+    appeared for `GATHER` seconds, or this node waited `GATHER_CAP`. Not one alone: a
+    spare that checks again while the others still stop their workers (a restart to
+    admit it) would seal a check of one, and those others could only echo-time it."""
+    quiet = came >= max(coming, 2) and quiet_for >= GATHER
+    return came >= expected or quiet or waited >= GATHER_CAP
 
 
 def check_key(key: bytes) -> bytes:
@@ -85,43 +94,191 @@ def check_key(key: bytes) -> bytes:
     return hmac.new(key, b"stalwart-links/1", hashlib.sha256).digest()
 
 
+class Forker(Protocol):
+    """What forks the check from a process that has torch imported (the warm template)."""
+
+    def fork_link_check(self, fds: list[int]) -> int | None:
+        """The pid of a check forked with *fds* as its stdin, stdout and stderr (a child
+        of ours); None: start it cold."""
+        ...
+
+
+class CheckProcess:
+    """The check's process and its pipes: forked from *forker* when given (waiting, in a
+    thread of its own, while the template still imports), else a new interpreter. The
+    pipes come first, so the orders can be written and the lines read the same way
+    whichever it is, and before it exists."""
+
+    def __init__(self, forker: Forker | None) -> None:
+        self._forker = forker
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._stopped = False
+        # Keeps the thread that started a cold fallback alive until stop(): the cold
+        # process's parent-death signal fires when the thread that forked it ends.
+        self._released = threading.Event()
+        self._stdin = -1
+        self._stdout = -1
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115  # closed in stop()
+        self.lines: queue.Queue[bytes] = queue.Queue()
+        self.how = ""  # "template" or "cold" once started
+        self.started_at: float | None = None  # monotonic time it was forked or spawned
+
+    def start(self) -> None:
+        child_in, self._stdin = os.pipe2(os.O_CLOEXEC)
+        self._stdout, child_out = os.pipe2(os.O_CLOEXEC)
+        # The orders are written at once, whether the process reads them yet or not.
+        os.set_blocking(self._stdin, False)
+        # The process's copies, closed here once it has them: a copy of the error file's
+        # descriptor, so that stop() may close the file while a fork is still pending.
+        ends = [child_in, child_out, os.dup(self.err.fileno())]
+        threading.Thread(target=self._pump, name="stalwart-linkcheck", daemon=True).start()
+        if self._forker is None:
+            try:
+                self._cold(ends)
+            finally:
+                for fd in ends:
+                    os.close(fd)
+        else:
+            threading.Thread(
+                target=self._warm, args=(self._forker, ends), name="stalwart-linkfork", daemon=True
+            ).start()
+
+    def _warm(self, forker: Forker, ends: list[int]) -> None:
+        pid = None
+        try:
+            pid = forker.fork_link_check(ends)
+        except (OSError, ValueError) as err:
+            logger.warning("the link check starts cold: %s", err)
+        try:
+            if pid is None:
+                self._cold(ends)
+            else:
+                with self._lock:
+                    self._pid, self.how, self.started_at = pid, "template", time.monotonic()
+                    if self._stopped:
+                        self._kill()
+        finally:
+            for fd in ends:
+                os.close(fd)
+        if pid is None:
+            self._released.wait()
+
+    def _cold(self, ends: list[int]) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._popen = subprocess.Popen(
+                [sys.executable, "-m", "stalwart.health.linkrun", str(os.getpid())],
+                stdin=ends[0],
+                stdout=ends[1],
+                stderr=ends[2],
+                start_new_session=True,  # killed as a whole at the bound
+            )
+            self.how, self.started_at = "cold", time.monotonic()
+
+    def _pump(self) -> None:
+        with os.fdopen(self._stdout, "rb") as out:
+            for line in iter(lambda: out.readline(_LINE_LIMIT), b""):
+                self.lines.put(line)
+        self.lines.put(b"")  # it ended: no need to wait out the bound
+
+    def alive(self) -> bool:
+        """False once the process is known to have ended (not started yet: alive)."""
+        with self._lock:
+            if self._popen is not None:
+                return self._popen.poll() is None
+            if self._pid is not None:
+                try:
+                    ended = os.waitpid(self._pid, os.WNOHANG)[0] != 0
+                except ChildProcessError:
+                    ended = True  # reaped elsewhere
+                if ended:
+                    self._pid = None
+                return not ended
+            return not self._stopped and self.how != "template"
+
+    def order(self, data: bytes) -> None:
+        """Writes *data* to its stdin; OSError when it cannot take them (it ended)."""
+        if len(data) > fcntl.fcntl(self._stdin, fcntl.F_GETPIPE_SZ):
+            raise OSError(f"orders of {len(data)} bytes do not fit the pipe")
+        os.write(self._stdin, data)
+
+    def _kill(self) -> None:
+        """Holds the lock."""
+        if self._popen is not None:
+            if self._popen.poll() is None:
+                try:
+                    os.killpg(self._popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._popen.wait()
+        elif self._pid is not None:
+            # Its own session once it runs; the pid alone before that.
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(self._pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                os.waitpid(self._pid, 0)  # ours: re-parented to this subreaper
+            except ChildProcessError:
+                pass  # reaped elsewhere (a teardown's stray scan)
+            self._pid = None
+
+    def stop(self) -> None:
+        """Kills the process and whatever it started (idempotent; also when it has not
+        been forked yet: it is killed as soon as it is)."""
+        with self._lock:
+            self._stopped = True
+            self._kill()
+            self._popen = None
+        self._released.set()
+        if self._stdin >= 0:
+            os.close(self._stdin)
+            self._stdin = -1
+        self.err.close()
+
+    def last_error(self) -> str:
+        """The last line it wrote to stderr ("" if none)."""
+        if self.err.closed:
+            return ""
+        self.err.seek(0)
+        tail = self.err.read()[-2000:].decode(errors="replace").strip().splitlines()
+        return tail[-1][:200] if tail else ""
+
+
 class LinkCheck:
     """This node's collective link check for one round."""
 
     def __init__(
-        self, key: bytes, run_id: str, *, expected: int, limits: Limits, bound: float
+        self,
+        key: bytes,
+        run_id: str,
+        *,
+        expected: int,
+        limits: Limits,
+        bound: float,
+        forker: Forker | None = None,
     ) -> None:
         self._key = key
         self._run_id = run_id
         self._expected = expected
         self._limits = limits
         self._bound = bound
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lines: queue.Queue[bytes] = queue.Queue()
-        self._err: IO[bytes] | None = None
+        self._forker = forker
+        self._proc: CheckProcess | None = None
         self._t0 = 0.0
         self._kv: Store | None = None  # the round's store, while `run` takes part
+        self.timing: dict[str, float | str] = {}  # where the time went, for the event
 
     def start(self) -> None:
-        """Starts the check's process (it imports torch while the node checks itself)."""
+        """Starts the check's process: forked from the warm template, or a new one that
+        imports torch while the node checks itself."""
         self._t0 = time.monotonic()
-        self._err = tempfile.TemporaryFile()  # noqa: SIM115  # closed in stop()
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "stalwart.health.linkrun", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            start_new_session=True,  # killed as a whole at the bound
-        )
-        out = self._proc.stdout
-        assert out is not None
-
-        def pump() -> None:
-            for line in iter(lambda: out.readline(_LINE_LIMIT), b""):
-                self._lines.put(line)
-            self._lines.put(b"")  # it ended: no need to wait out the bound
-
-        threading.Thread(target=pump, name="stalwart-linkcheck", daemon=True).start()
+        self._proc = CheckProcess(self._forker)
+        self._proc.start()
 
     def coming(self, kv: Store, round_: int) -> None:
         """Tells the round this node is checking, and will come to the link check."""
@@ -151,6 +308,7 @@ class LinkCheck:
         self._kv = kv
         try:
             members = self._members(kv, round_, node, reported)
+            self.timing["gather_s"] = round(time.monotonic() - self._t0, 4)
             if isinstance(members, str):
                 return self._void((node,), members)
             if node not in members:
@@ -160,6 +318,13 @@ class LinkCheck:
                 return None  # nobody to time a link to
             return self._check(kv, round_, node, members, addr)
         finally:
+            proc = self._proc
+            if proc is not None:
+                self.timing["start"] = proc.how or "not started"
+                if proc.started_at is not None:
+                    # How long this run waited for the process to exist (0: it was ready).
+                    self.timing["fork_wait_s"] = round(max(0.0, proc.started_at - self._t0), 4)
+            self.timing["total_s"] = round(time.monotonic() - self._t0, 4)
             self.stop()
 
     def _members(
@@ -197,9 +362,10 @@ class LinkCheck:
 
     def _line(self) -> bytes | None:
         """The process's next line; None when it ended or its bound passed first."""
+        assert self._proc is not None
         while (left := self._left()) > 0:
             try:
-                return self._lines.get(timeout=min(left, _LINE_POLL)) or None
+                return self._proc.lines.get(timeout=min(left, _LINE_POLL)) or None
             except queue.Empty:
                 continue
         return None
@@ -208,7 +374,7 @@ class LinkCheck:
         self, kv: Store, round_: int, node: str, members: tuple[str, ...], addr: str
     ) -> CollectiveLinks:
         proc = self._proc
-        assert proc is not None and proc.stdin is not None
+        assert proc is not None
         rank = members.index(node)
         store = ""
         if rank > 0:
@@ -226,8 +392,7 @@ class LinkCheck:
             limits=self._limits,
         )
         try:
-            proc.stdin.write(msgspec.json.encode(orders) + b"\n")
-            proc.stdin.flush()
+            proc.order(msgspec.json.encode(orders) + b"\n")
         except OSError as err:  # it died while importing torch
             return self._void(members, f"its process ended early: {err}")
         if rank == 0:
@@ -249,7 +414,7 @@ class LinkCheck:
     def _store_of(self, kv: Store, round_: int) -> str | None:
         """The check's store, as its first member signed it ("!why": not to be had)."""
         while (raw := kv.get(link_store_key(round_))) is None:
-            if self._left() <= 0 or self._proc is None or self._proc.poll() is not None:
+            if self._left() <= 0 or self._proc is None or not self._proc.alive():
                 return None
             time.sleep(_POLL)
         try:
@@ -258,11 +423,8 @@ class LinkCheck:
             return f"!its store's address: {err}"
 
     def _void(self, members: tuple[str, ...], why: str) -> CollectiveLinks:
-        err = ""
-        if self._err is not None:
-            self._err.seek(0)
-            tail = self._err.read()[-2000:].decode(errors="replace").strip().splitlines()
-            err = f" ({tail[-1][:200]})" if tail else ""
+        last = self._proc.last_error() if self._proc is not None else ""
+        err = f" ({last})" if last else ""
         logger.warning("the collective link check found nothing: %s%s", why, err)
         return CollectiveLinks(members=members, void=why[:400])
 
@@ -270,15 +432,4 @@ class LinkCheck:
         """Kills the check's process and everything it started (idempotent)."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    pipe.close()
-        if self._err is not None:
-            self._err.close()
-            self._err = None
+            proc.stop()

@@ -264,10 +264,11 @@ def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
     s = 0
     try:
         members = _roster(orders, store)
+        ready = time.monotonic() - t0
     except Forged as err:
-        members, void = (), f"a forged roster in the link check's store: {err}"
+        members, void, ready = (), f"a forged roster in the link check's store: {err}", 0.0
     except (RuntimeError, OSError) as err:
-        members, void = (), f"lost the link check's store: {err}"
+        members, void, ready = (), f"lost the link check's store: {err}", 0.0
     step: TimeGroups | Found = Found() if void else next_step(members, trials, orders.limits)
     while isinstance(step, TimeGroups):
         if s >= MAX_STAGES:
@@ -303,6 +304,7 @@ def run(orders: Orders, announce: Callable[[str], None]) -> CollectiveLinks:
         links=tuple(LinkBlame(x.a, x.b, x.reason) for x in found.links),
         stages=s,
         seconds=round(time.monotonic() - t0, 4),
+        ready_s=round(ready, 4),
         void=void,
         backend=groups.backend,
     )

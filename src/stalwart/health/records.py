@@ -106,6 +106,9 @@ class CollectiveLinks(msgspec.Struct, frozen=True, kw_only=True):
     links: Annotated[tuple[LinkBlame, ...], msgspec.Meta(max_length=MAX_LINKS)] = ()
     stages: Annotated[int, msgspec.Meta(ge=0)] = 0
     seconds: _Seconds = 0.0
+    # Of *seconds*, the wait until its members were ready (the roster): the slowest
+    # member's start-up, not the links.
+    ready_s: _Seconds = 0.0
     # Why it concluded nothing ("": it ran to the end): a forged record, a timeout.
     void: _Problem = ""
     backend: Annotated[str, msgspec.Meta(max_length=16)] = ""  # "gloo" or "nccl"

@@ -1,7 +1,7 @@
 """What a job needs on this node besides its workers: made at the start, closed at the end.
 
-The guardian, the job cgroup and the warm template (`prestart`, before anything imports
-torch), then the hang monitor, the progress board, RAM snapshots and their replicas,
+The guardian, the job cgroup, the warm template and the health gate (`prestart`, before
+anything imports torch), then the hang monitor, the progress board, RAM snapshots and their replicas,
 and the rendezvous (`set_up`).  `RoundResources` owns them all and closes them in one
 ordered `close()`.
 """
@@ -63,6 +63,7 @@ class RoundResources:
         self.worker_key_env: dict[str, str] = {}  # where workers find their records' key
         self.quarantine: QuarantineGuard | None = None  # None: off (guard_for says when)
         self.health: HealthGate | None = None  # checks before each round (--node-health)
+        self._gated = False  # the gate made (in prestart)
         self.guardian: Guardian | None = None
         self.cgroup: JobCgroup | None = None
         self.warm: WarmPool | None = None
@@ -101,7 +102,6 @@ class RoundResources:
                 bytes_per_rank=cfg.ckpt_ram,
                 segment_bytes=self.snapshots.segment_bytes,
             )
-        self.health = gate_for(cfg, self._emit, self._run_dir)
         if self.rdzv is None:
             self.rdzv = rendezvous_for(cfg, self._secret, self.health)
             # Once the store is reached (an unreachable one stays a one-line error); etcd
@@ -187,8 +187,9 @@ class RoundResources:
         return self._secret
 
     def prestart(self) -> None:
-        """Starts the guardian and the warm template; cheap, and torch-free, so a caller
-        can do it before anything imports torch in the launcher (``run`` does it too)."""
+        """Starts the guardian, the warm template and the health gate; cheap, and
+        torch-free, so a caller can do it before anything imports torch in the launcher
+        (``run`` does it too)."""
         # Before the template forks anything: workers it makes are re-parented to us.
         procs.set_child_subreaper()
         if self.guardian is None:
@@ -202,6 +203,12 @@ class RoundResources:
             if self.cgroup is not None and template is not None:
                 # Workers it forks are born in the job's cgroup.
                 self.cgroup.join(template)
+        if not self._gated:
+            self._gated = True
+            # Now, before this process imports torch: the gate asks the template for the
+            # first round's link check at once, which it forks as soon as its own
+            # torch.distributed is in (asked later, it would come after dynamo and the rest).
+            self.health = gate_for(self.cfg, self._emit, self._run_dir, self.warm)
 
     def _start_warm(self) -> WarmPool | None:
         """The warm template starts now, so its imports overlap the rendezvous."""

@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 # How long to wait for a SIGKILLed worker to be reaped before declaring it unkillable
 # (a process in uninterruptible sleep dies only when its I/O returns).
 KILL_WAIT = 5.0
+# The parent's word to a function worker that its return value was read.
+_VALUE_READ = b"read"
 
 
 @dataclass
@@ -127,10 +129,11 @@ def _function_child(
     sys.stderr.flush()
     conn.send(ret)
     # With torch.multiprocessing imported, a tensor travels as a shared-memory handle that
-    # the parent can open only while this process lives: stay until it has read the value
-    # (it then closes its end; EOF also when it died).
+    # the parent can open only while this process lives: stay until it says it has read
+    # the value (EOF when it died). Its word, not EOF alone: a forked child holds a copy
+    # of the parent's end, which would keep the channel open for good.
     try:
-        conn.recv()
+        conn.recv_bytes(len(_VALUE_READ))
     except (EOFError, OSError):
         pass
     conn.close()
@@ -360,6 +363,7 @@ class ProcessContext(StrayScan):
                         w.value = w.conn.recv()
                         w.returned = True
                         # Read: the child, waiting for this, may now exit.
+                        w.conn.send_bytes(_VALUE_READ)
                         w.conn.close()
                 except (EOFError, OSError):
                     pass

@@ -29,6 +29,7 @@ from typing import Any
 from stalwart.base import envvars
 from stalwart.config.output import Std, parse_std
 from stalwart.launch.files.logs import LogSpec, WorkerLogs, std_map
+from stalwart.launch.files.redirects import open_regular
 from stalwart.launch.files.runfiles import APPEND_FLAGS
 from stalwart.launch.workers.processes import ProcessContext, RunResult, WorkerSpecEntry
 from stalwart.launch.workers.torch_errors import BadErrorFile, ProcessFailure
@@ -84,13 +85,16 @@ def to_map(val_or_map: Std | dict[int, Std], local_world_size: int) -> dict[int,
 
 @contextlib.contextmanager
 def _redirected(fdno: int, path: str) -> Iterator[None]:
-    """The fd *fdno* (and so C code's output too) appends to *path* within the block."""
+    """The fd *fdno* (and so C code's output too) appends to *path* within the block.
+    *path* is opened as every redirect destination is (``open_regular``): a FIFO, link or
+    folder planted there is a ``ValueError`` before anything is switched, so the worker
+    neither blocks waiting for a reader nor writes through a link."""
     if not path:
         yield
         return
+    fd = open_regular(path, APPEND_FLAGS | os.O_NONBLOCK, f"redirect destination of fd {fdno}")
     (sys.stdout if fdno == 1 else sys.stderr).flush()
     saved = os.dup(fdno)
-    fd = os.open(path, APPEND_FLAGS, 0o644)
     try:
         os.dup2(fd, fdno)
         yield

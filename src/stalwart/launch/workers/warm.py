@@ -173,18 +173,28 @@ class WarmPool:
     def _await_ready(self) -> bool:
         if self._ready:
             return True
+        msg = self._next_message()
+        return msg is not None and self._on_ready(msg)
+
+    def _next_message(self) -> bytes | None:
+        """The template's next message (b"": it exited); None: it gave none in time, and
+        is given up on."""
         assert self._sock is not None and self._proc is not None
         self._sock.settimeout(self.ready_timeout)
         try:
-            msg = self._sock.recv(1 << 16)
+            return self._sock.recv(1 << 16)
         except TimeoutError:
-            return self._give_up(
-                f"the template did not finish importing in {self.ready_timeout:g}s"
-            )
+            self._give_up(f"the template did not finish importing in {self.ready_timeout:g}s")
         except OSError as err:
-            return self._give_up(f"the template is unreachable ({err})")
+            self._give_up(f"the template is unreachable ({err})")
         finally:
-            self._sock.settimeout(None)
+            if self._sock is not None:
+                self._sock.settimeout(None)
+        return None
+
+    def _on_ready(self, msg: bytes) -> bool:
+        """Takes the template's word that it finished importing (or why it cannot serve)."""
+        assert self._proc is not None
         if not msg:
             return self._give_up(f"the template exited (code {self._proc.wait()})")
         info = json.loads(msg)
@@ -378,13 +388,7 @@ class WarmPool:
             "launcher_pid": os.getpid(),
             "threads": _default_threads(),
         }
-        with self._lock:
-            try:
-                assert self._sock is not None
-                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
-                reply = self._sock.recv(1 << 16)
-            except OSError as err:
-                reply = json.dumps({"ok": False, "error": f"template unreachable: {err}"}).encode()
+        reply = self._ask(req, fds)
         if pipe is not None:
             os.close(pipe[1])
             ok = bool(reply) and bool(json.loads(reply).get("ok"))
@@ -403,6 +407,62 @@ class WarmPool:
             self.emit(Event.WARM_SPAWN_REFUSED, reason=ans.get("error"))
             return None
         return int(ans["pid"])
+
+    def _ask(self, req: dict[str, Any], fds: list[int]) -> bytes:
+        """Sends one request with its descriptors; the template's reply (b"": it is gone)."""
+        with self._lock:
+            try:
+                assert self._sock is not None
+                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
+                return self._sock.recv(1 << 16)
+            except OSError as err:
+                return json.dumps({"ok": False, "error": f"template unreachable: {err}"}).encode()
+
+    def fork_link_check(self, fds: list[int]) -> int | None:
+        """Forks the node's collective link check (``stalwart.health.linkrun``) with
+        *fds* as its stdin, stdout and stderr; its pid (our child once the template's
+        intermediate has exited), or None when it must start cold.  Waits while the
+        template is still importing."""
+        req = {"check": True, "launcher_pid": os.getpid()}
+        reply = self._ask_while_importing(req, fds)
+        if reply is None:
+            if not self.ensure():
+                return None
+            reply = self._ask(req, fds)
+        ans: dict[str, Any] = (
+            json.loads(reply) if reply else {"ok": False, "error": "the template vanished"}
+        )
+        if not ans.get("ok"):
+            logger.warning(
+                "the link check starts cold: the template refused (%s)", ans.get("error")
+            )
+            return None
+        return int(ans["pid"])
+
+    def _ask_while_importing(self, req: dict[str, Any], fds: list[int]) -> bytes | None:
+        """Asks a template that is still importing: it forks the check once torch's
+        distributed package is in (``zygote.early_link_check``), or once it is ready
+        when the request came too late for that; its word of readiness, should it come
+        first, is taken on the way. None: the template is ready (or there is none), ask
+        as usual."""
+        with self._lock:
+            if self._ready or self._closing or self.disabled_reason is not None:
+                return None
+            if self._sock is None or not self._alive():
+                return None
+            try:
+                socket.send_fds(self._sock, [json.dumps(req).encode()], fds)
+            except OSError:
+                return None
+            while True:
+                msg = self._next_message()
+                if msg is None:
+                    return b""
+                if not msg or "ready" in json.loads(msg):
+                    if not self._on_ready(msg):
+                        return b""
+                    continue
+                return msg
 
     def template_pid(self) -> int | None:
         return self._proc.pid if self._alive() and self._proc is not None else None

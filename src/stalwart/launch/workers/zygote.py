@@ -6,7 +6,10 @@ reports ``{"ready": true, "rss": ...}`` and serves spawn requests on a ``SOCK_SE
 socket: one JSON message with the worker's argv, environment and working directory, and
 its stdin/stdout/stderr as file descriptors (``SCM_RIGHTS``), plus optionally a fourth:
 the write end of a pipe on which the worker reports the modules the program imported
-(learned preload, see ``learned_modules``).  Nothing is unpickled.
+(learned preload, see ``learned_modules``).  Nothing is unpickled.  A ``{"check": true}``
+request with three descriptors forks the node's collective link check instead
+(``stalwart.health.linkrun``, torch already imported): the check before a round then
+costs no interpreter start and no torch import of its own.
 
 With ``--learned`` the first message on the socket is a JSON list of modules a worker of
 this job imported; the template imports them too (at low priority: it is prepared in the
@@ -42,18 +45,22 @@ import importlib
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from stalwart.checkpoint import seed
 from stalwart.launch.workers import prewarm
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel")
+# All the link check needs: a check asked for while the template still imports is forked
+# as soon as this is in, not after the rest (dynamo alone took as long again, measured).
+LINK_CHECK_NEEDS = "torch.distributed"
 # stalwart's own checkpointing, for the writer seed each worker forks (seed.py) and for
 # the program that imports it: a few tenths of a second per restart otherwise (0.44 s
 # from a seed to a ready writer on a loaded machine, measured). Not required: a failure
@@ -323,10 +330,79 @@ class NextTemplate:
     launcher: int
 
 
-def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
+@dataclass
+class LinkCheckChild:
+    """This process was forked to be the node's collective link check."""
+
+
+def _become_link_check(fds: list[int], sock: socket.socket, launcher: int) -> LinkCheckChild:
+    """In the forked check: the launcher's pipes as its standard streams, a session of
+    its own (killed as a whole at its bound), default signal handlers and the launcher's
+    death as its own. None of a worker's state: no program environment, no checkpoint
+    writer seed, no module reporter."""
+    sock.close()
+    os.setsid()
+    for target, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    for sig in _RESET:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _adopted_by(launcher)
+    from stalwart.launch.workers.bootstrap import set_title
+
+    # What ``ps`` shows for the check started cold.
+    set_title([sys.executable, "-m", "stalwart.health.linkrun"])
+    return LinkCheckChild()
+
+
+def early_link_check(sock: socket.socket) -> LinkCheckChild | None:
+    """Between two imports: forks the link check if the launcher asked for one already
+    (only a check is asked for before the template says it is ready); a
+    ``LinkCheckChild`` in the forked check, None here (importing goes on)."""
+    if fork_blocker() is not None or not select.select([sock], [], [], 0)[0]:
+        return None  # a blocked fork: the request waits, and is refused, in serve()
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
+    except OSError:
+        return None
+    try:
+        req = json.loads(msg) if msg else {}
+    except ValueError:
+        req = {}
+    if not req.get("check") or len(fds) != 3:
+        if msg:
+            _send(sock, {"ok": False, "error": "not a link check request"})
+        for fd in fds:
+            os.close(fd)
+        return None
+    pid = _fork_detached()
+    if pid == 0:
+        return _become_link_check(fds, sock, int(req["launcher_pid"]))
+    for fd in fds:
+        os.close(fd)
+    _send(sock, {"ok": True, "pid": pid} if pid else {"ok": False, "error": "fork failed"})
+    return None
+
+
+def _run_link_check() -> NoReturn:
+    from stalwart.health import linkrun
+
+    code = linkrun.main([])
+    sys.stdout.flush()
+    # Not the interpreter's teardown: the template's atexit hooks and frozen objects are
+    # none of the check's business.
+    os._exit(code)
+
+
+def serve(sock: socket.socket) -> list[str] | NextTemplate | LinkCheckChild | None:
     """Answers requests until the launcher closes the socket.  Returns the argv of the
     target in a forked worker (which then runs it), a ``NextTemplate`` in a forked
-    template, None in this template at EOF."""
+    template, a ``LinkCheckChild`` in a forked link check, None in this template at
+    EOF."""
     while True:
         try:
             msg, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 4)
@@ -342,8 +418,9 @@ def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
                 os.close(fd)
             continue
         learn = req.get("learn")
+        check = bool(req.get("check"))
         blocker = fork_blocker()
-        expected = (1,) if learn is not None else (3, 4)
+        expected = (1,) if learn is not None else (3,) if check else (3, 4)
         if blocker is not None or len(fds) not in expected:
             _send(sock, {"ok": False, "error": blocker or f"expected {expected} descriptors"})
             for fd in fds:
@@ -355,6 +432,8 @@ def serve(sock: socket.socket) -> list[str] | NextTemplate | None:
                 sock.close()
                 learned = [str(m) for m in learn]
                 return NextTemplate(socket.socket(fileno=fds[0]), learned, req["launcher_pid"])
+            if check:
+                return _become_link_check(fds, sock, int(req["launcher_pid"]))
             return _become_worker(req, fds, sock)
         for fd in fds:
             os.close(fd)
@@ -431,12 +510,16 @@ def main() -> None:
     restore = _lower_priority() if ns.learned else (lambda: None)
     t0 = time.monotonic()
     modules = list(DEFAULT_PRELOAD) + [m for m in ns.preload.split(",") if m]
+    checks_now = False  # the link check's needs are in: a check asked for is forked
     for name in modules:
         try:
             importlib.import_module(name)
         except BaseException as exc:  # any import failure means: start workers cold
             _send(sock, {"ready": False, "error": f"--preload {name}: {type(exc).__name__}: {exc}"})
             return
+        checks_now = checks_now or name == LINK_CHECK_NEEDS
+        if checks_now and isinstance(early_link_check(sock), LinkCheckChild):
+            _run_link_check()
     for name in WRITER_PRELOAD:
         try:
             importlib.import_module(name)
@@ -455,6 +538,8 @@ def main() -> None:
         result = serve(result.sock)
     if result is None:
         return
+    if isinstance(result, LinkCheckChild):
+        _run_link_check()
     from stalwart.launch.workers.bootstrap import observe, run_target
 
     observe()
