@@ -119,8 +119,8 @@ def test_slow_delayed_and_failing_nodes_are_kept_out(
         # A restart left, so the nodes kept out wait as spares (and read the verdict)
         # instead of finding the budget spent and ending the wait for everyone.
         # A 20 s report wait bounds the collective link check at 10 s (this test's
-        # verdicts come from the echo times): the spares' check before round 1, whose
-        # peers leave with the job, waits that out instead of 30 s. Without the warm
+        # verdicts come from the echo times); the spares' check before round 1 ends
+        # when the job does (its end record), not at that bound. Without the warm
         # template: the link check's process starts cold (the path --no-warm keeps).
         bounded = ("--node-health-wait", "20", "--node-health-timeout", "10")
         return launch(
