@@ -23,6 +23,12 @@ Rules (docs/monitor.md, "Progress without code"):
   Lightning / HF callbacks, ``RankMonitorClient.report_iteration``) the hook stops
   reporting steps; once it attaches a ``RankMonitorClient`` the slot is the client's.
 * A program with no optimizer attaches nothing: it is never judged by its rhythm.
+* The step torch's checkpoint API takes to create a fresh optimizer's state (zero
+  gradients at learning rate 0, ``torch.distributed.checkpoint.state_dict.
+  _init_optim_state``, run by ``get_state_dict`` / ``set_state_dict`` while a checkpoint is
+  restored or, for a stateless optimizer, saved) trains nothing and is not a step: a
+  restore before the first step is not judged by the step rhythm, and the count starts
+  from the restored optimizer's own.
 * ``STALWART_AUTO_PROGRESS=0`` (``stalwart run --no-auto-progress``) installs nothing.
 
 Cost per step: a Python call, one clock read and a few stores into shared memory.
@@ -50,6 +56,11 @@ log = logging.getLogger(__name__)
 
 #: The torch module whose loading makes the hook installable.
 _HOOKED_MODULE = "torch.optim.optimizer"
+#: torch's function that creates an optimizer's state with a step that trains nothing.
+_STATE_INIT = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
+#: Frames above the optimizer's step wrapper searched for it (an LR scheduler's step
+#: counter, an optimizer wrapper's own ``step`` may sit in between).
+_STATE_INIT_DEPTH = 4
 
 _monotonic = time.monotonic
 _pack_i64 = layout.I64.pack_into
@@ -223,7 +234,41 @@ def _attach(pacer: _Pacer) -> None:
     pacer.off_hb = base + layout.OFF_LAST_HB
 
 
+_state_init_code: types.CodeType | None = None
+
+
+def _creating_state() -> bool:
+    """Whether this step is torch's checkpoint API creating the optimizer's state (see
+    the module's rules), from the frames above the hook (slow: `_on_step` asks only for
+    a step at learning rate 0 or of an unusual shape)."""
+    global _state_init_code
+    code = _state_init_code
+    if code is None:
+        module = sys.modules.get(_STATE_INIT[0])
+        if module is None:
+            return False
+        code = getattr(getattr(module, _STATE_INIT[1], None), "__code__", None)
+        if not isinstance(code, types.CodeType):
+            return False
+        _state_init_code = code
+    # 0: this hook, 1: torch's step wrapper that runs the hooks, 2: its caller.
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_STATE_INIT_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _on_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    try:
+        lr = optimizer.param_groups[0]["lr"]
+    except Exception:  # an optimizer of unusual shape: the frames decide
+        lr = None
+    if (lr.__class__ is not float or lr == 0.0) and _creating_state():
+        return
     pacer = _pacer or _new_pacer()
     ref = pacer.optimizer
     if ref is None or ref() is not optimizer:

@@ -16,7 +16,7 @@ from stalwart.config.hang import monitor_config
 from stalwart.monitor import envvars, evidence, layout
 from stalwart.monitor.auto import Rhythm
 from stalwart.monitor.config import RHYTHM_WARMUP_STEPS
-from stalwart.monitor.evidence import ProcSample, Role
+from stalwart.monitor.evidence import ProcSample, Role, StackLook
 from stalwart.monitor.judge import Stalled, blame
 from stalwart.monitor.suspicions import Bystander, Late, judged_with
 
@@ -323,6 +323,41 @@ def test_count_resumes_from_the_optimizers_own_step(slots) -> None:  # type: ign
     assert board.read()[0].first_step == 8
 
 
+def test_checkpoint_creating_the_optimizer_state_is_not_a_step(slots) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mm, board = slots
+    m = _model()
+    saved = torch.optim.Adam(m.parameters())
+    autostep.uninstall()  # the steps of an earlier attempt, not seen by this one
+    for _ in range(7):
+        saved.step()
+    saved_m, saved_o = get_state_dict(m, saved)
+    autostep.install()
+    # A restarted rank restores: torch creates the fresh optimizer's state with a step
+    # of zero gradients at lr 0, first for the state dict to load into, then on loading.
+    m.zero_grad(set_to_none=True)
+    opt = torch.optim.Adam(m.parameters())
+    get_state_dict(m, opt)
+    set_state_dict(m, opt, model_state_dict=saved_m, optim_state_dict=saved_o)
+    assert layout.read_slot(mm, 0).pid == 0  # the restore is no step: nothing attached
+    assert 0 not in board.read()  # nor a step for goodput
+    m(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    assert layout.read_slot(mm, 0).iteration == 8  # counted on from the restored step
+    assert board.read()[0].first_step == 8
+    # A stateless optimizer gets that step at every save: never counted either.
+    # (It takes over from Adam at its second step: steps 9 and 10.)
+    m2 = _model()
+    sgd = torch.optim.SGD(m2.parameters(), lr=0.1)
+    for _ in range(3):
+        sgd.step()
+        sgd.zero_grad()
+        get_state_dict(m2, sgd)
+    assert layout.read_slot(mm, 0).iteration == 10
+
+
 def test_program_signals_take_precedence(slots) -> None:  # type: ignore[no-untyped-def]
     import torch
 
@@ -560,6 +595,70 @@ def test_a_rank_that_resumes_between_the_looks_is_not_hung(tmp_path: Path) -> No
     assert s.confirm({0: Late(100, 9.4, 10.0, True)}, watched, 10.0) == {}
     assert s.next_look() == pytest.approx(10.3)
     assert s.confirm({}, watched, 10.1) == {} and s.next_look() is None
+
+
+_QUIET = ProcSample(10.0, "S", 1.0)  # the ask's sample of a rank asleep in a wait
+_WORKING = ProcSample(10.0, "R", 1.0)  # ... of a rank at work (its CPU goes on below)
+
+
+@pytest.mark.parametrize(
+    ("stopped", "can_ask", "at_ask", "now", "dumped", "look"),
+    [
+        # Stopped: its state is the evidence; no stacks file: nothing to ask for.
+        (True, True, _WORKING, ProcSample(10.4, "T", 2.0), False, StackLook.READ),
+        (False, False, None, ProcSample(10.4, "S", 1.0), False, StackLook.READ),
+        # Quiet since the ask: that dump shows where it is stuck.
+        (False, True, _QUIET, ProcSample(10.4, "S", 1.0), True, StackLook.READ),
+        # Asked while it worked (CPU ran since), quiet only now: ask again.
+        (False, True, _WORKING, ProcSample(10.4, "S", 1.3), True, StackLook.ASK),
+        (False, True, None, ProcSample(10.4, "S", 1.0), False, StackLook.ASK),  # never asked
+        # Asked again with the sample that found it hung: wait for that dump, bounded.
+        (False, True, ProcSample(10.4, "S", 1.3), ProcSample(10.45, "S", 1.3), False,
+         StackLook.WAIT),
+        (False, True, ProcSample(10.4, "S", 1.3), ProcSample(10.45, "S", 1.3), True,
+         StackLook.READ),
+        (False, True, ProcSample(10.4, "S", 1.3), ProcSample(11.5, "S", 1.3), False,
+         StackLook.READ),
+        (False, True, _QUIET, ProcSample(10.0, "S", 1.0), False, StackLook.WAIT),  # same look
+    ],
+)  # fmt: skip
+def test_stack_look_table(
+    stopped: bool,
+    can_ask: bool,
+    at_ask: ProcSample | None,
+    now: ProcSample,
+    dumped: bool,
+    look: StackLook,
+) -> None:
+    assert evidence.stack_look(stopped, can_ask, at_ask, now, dumped) is look
+    if look is StackLook.WAIT:  # no patience (the episode's own ask): what is there
+        assert evidence.stack_look(stopped, can_ask, at_ask, now, dumped, 0.0) is StackLook.READ
+
+
+def test_a_rank_busy_at_the_ask_that_waits_later_is_judged_on_a_fresh_dump(
+    tmp_path: Path,
+) -> None:
+    # A restarted job restores: both ranks are busy when the episode asks for stacks;
+    # rank 0 finishes first and waits in a collective on rank 1, which still reads.
+    restoring = _dump(("/job/train.py", "load_state_dict"))
+    busy = [("R", 1.0 + 0.3 * i) for i in range(100)]
+    s, watched, asked, files = _suspicions(
+        {100: [("R", 1.0), ("R", 1.5), ("R", 2.0), ("S", 2.0)], 101: busy}, tmp_path
+    )
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.0) == {}
+    for f in files.values():
+        f.write_text(f.read_text() + restoring)
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.3) == {}  # both running code
+    # Rank 0 is quiet now, but its dump was written while it worked: asked again.
+    assert s.confirm(_past({0: 100, 1: 101}), watched, 10.7) == {}
+    assert asked == [100, 101, 100]
+    assert s.next_look() == pytest.approx(10.7 + evidence.DUMP_POLL)
+    files[100].write_text(
+        files[100].read_text() + _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_gather"))
+    )
+    # Judged on the fresh dump: it waits on its peers, so it is held while rank 1 works.
+    for k in range(1, 30):
+        assert s.confirm(_past({0: 100, 1: 101}), watched, 10.7 + 0.05 * k) == {}
 
 
 def test_each_episode_asks_for_fresh_stacks(tmp_path: Path) -> None:

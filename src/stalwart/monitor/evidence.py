@@ -27,6 +27,11 @@ inside a collective or a wait on its peers (a ``torch.distributed`` call, DDP's 
 in ``backward``, a device synchronise) is WAITING, a rank anywhere else (its own code,
 a sleep, a data loader, I/O) is ELSEWHERE, and a stopped rank is ELSEWHERE whatever its
 stack. `judge.blame` puts the ranks that are not waiting first.
+
+A stack is only evidence for the quiet it was written in (`stack_look`): a rank asked at
+the episode's start while it was busy (restoring a checkpoint, replaying its data) and
+found quiet only later, waiting in a collective on a peer still busy, has a dump that
+shows where it worked, not where it waits. It is asked again, and judged on that dump.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ INNERMOST = 4
 MAX_THREADS = 1024
 #: Longest stack text `role` reads (a rank's dump can be anything it wrote).
 MAX_STACK_CHARS = 256 * 1024
+#: How long a rank asked again for its stacks may take to write them before it is judged
+#: on what its file holds (a rank in a wait is woken by the signal at once; this bounds a
+#: rank that is never scheduled on a loaded node).
+DUMP_PATIENCE = 1.0
+#: How often the scanner looks for a dump asked again.
+DUMP_POLL = 0.05
 
 # (file path fragment, function or None for any): frames that wait on the other ranks.
 _WAITS: tuple[tuple[str, str | None], ...] = (
@@ -107,6 +118,41 @@ def is_hung(first: ProcSample, second: ProcSample) -> bool:
     if second.wakeups - first.wakeups >= LIVE_WAKEUPS:
         return False
     return (second.cpu - first.cpu) < IDLE_SHARE * wall
+
+
+class StackLook(enum.Enum):
+    """What to do with a rank the samples found hung, before its stack is read."""
+
+    READ = "read"  # the dump on file was written during the quiet: judge on it
+    ASK = "ask"  # it predates the quiet the samples show: ask for a fresh one first
+    WAIT = "wait"  # a fresh one was asked for and has not arrived yet
+
+
+def stack_look(
+    stopped: bool,
+    can_ask: bool,
+    at_ask: ProcSample | None,
+    now_sample: ProcSample,
+    dumped: bool,
+    patience: float = DUMP_PATIENCE,
+) -> StackLook:
+    """Whether the dump of a rank the samples found hung shows where it is stuck (pure).
+
+    `at_ask`: the rank's sample taken when the dump on file was asked for (None: never
+    asked); `now_sample`: the sample that found it hung; `dumped`: the file grew since
+    that ask; `can_ask`: the rank has a stacks file to ask for. The dump is evidence
+    when the rank ran no code from that ask to now (`is_hung` over the two samples);
+    one that ran code since was asked while it worked and is asked again. A stopped
+    rank's state is the evidence, whatever its stack."""
+    if stopped or not can_ask:
+        return StackLook.READ
+    if at_ask is None:
+        return StackLook.ASK
+    if at_ask.at < now_sample.at and not is_hung(at_ask, now_sample):
+        return StackLook.ASK
+    if not dumped and now_sample.at - at_ask.at < patience:
+        return StackLook.WAIT
+    return StackLook.READ
 
 
 def decision_at(first_at: float, due: float, wait: float = CONFIRM_WAIT) -> float:

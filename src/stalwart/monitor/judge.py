@@ -243,6 +243,32 @@ def last_active(snap: SlotSnapshot, floor: float, now: float) -> float | None:
     return max(known) if known else None
 
 
+def _live_clocks(
+    snap: SlotSnapshot, names: list[str], config: MonitorConfig, now: float, floor: float
+) -> list[_Clock]:
+    """`_clocks` of a slot attached by a writer; none for any other slot."""
+    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
+        return []
+    return _clocks(snap, names, config, now, floor)
+
+
+def _judged(
+    snap: SlotSnapshot,
+    names: list[str],
+    config: MonitorConfig,
+    now: float,
+    floor: float,
+    early: bool,
+) -> Verdict | None:
+    """The verdict of the first clock past its deadline, in `_clocks`' order; with
+    `early`, else that of the clock nearest its deadline (None: no clock runs)."""
+    clocks = _live_clocks(snap, names, config, now, floor)
+    clock = next((c for c in clocks if now - c.start > c.limit), None)
+    if clock is None and early and clocks:
+        clock = min(clocks, key=lambda c: c.start + c.limit)
+    return None if clock is None else _verdict(snap, names, clock, now, floor)
+
+
 def judge(
     snap: SlotSnapshot,
     names: list[str],
@@ -250,14 +276,8 @@ def judge(
     now: float,
     floor: float = 0.0,
 ) -> Verdict | None:
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
-    for clock in _clocks(snap, names, config, now, floor):
-        if now - clock.start > clock.limit:
-            break
-    else:
-        return None
-    return _verdict(snap, names, clock, now, floor)
+    """The deadline the slot has missed at `now` (None: none)."""
+    return _judged(snap, names, config, now, floor, early=False)
 
 
 def judged_early(
@@ -271,15 +291,7 @@ def judged_early(
     passed (a victim waiting on it): that of the clock nearest its deadline, as it reads
     at `now`, so the report shows its real age, not the limit. `judge`'s verdict when a
     deadline has already passed; None when no deadline runs."""
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
-    past = judge(snap, names, config, now, floor)
-    if past is not None:
-        return past
-    clocks = _clocks(snap, names, config, now, floor)
-    if not clocks:
-        return None
-    return _verdict(snap, names, min(clocks, key=lambda c: c.start + c.limit), now, floor)
+    return _judged(snap, names, config, now, floor, early=True)
 
 
 def _verdict(
@@ -308,9 +320,7 @@ def next_deadline(
     """The earliest monotonic time at which `judge` would find this slot hung if it
     stays as it is (None: no deadline runs), so that the scanner can look then rather
     than up to a check interval later. Reads the same clocks as `judge`."""
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
-    due = [clock.start + clock.limit for clock in _clocks(snap, names, config, now, floor)]
+    due = [clock.start + clock.limit for clock in _live_clocks(snap, names, config, now, floor)]
     return min(due) if due else None
 
 
@@ -346,9 +356,7 @@ def lookout(
     falls on the deadline and a hung rank is decided there instead of a window after it;
     never before the rank was silent for `LOOK_SHARE` of that deadline. Reads the same
     clocks as `judge` and `next_deadline`."""
-    if snap.state != SlotState.ATTACHED or snap.pid <= 0:
-        return None
-    clocks = _clocks(snap, names, config, now, floor)
+    clocks = _live_clocks(snap, names, config, now, floor)
     if not clocks:
         return None
     clock = min(clocks, key=lambda c: c.start + c.limit)

@@ -12,7 +12,9 @@ When the first rank of an episode turns late, every rank that is not stopped is 
 for its stacks (the stacks blame is decided on, taken at detection); a stopped rank is
 left stopped, its state being the evidence. Once no rank is late any more, the next
 episode asks afresh: a dump taken during a slow phase that ended is never read for a
-later hang.
+later hang. Within an episode, a rank found hung whose dump was asked for before the quiet
+the samples show (it was busy then, restoring a checkpoint say, and waits now) is asked
+again and judged on the new dump (`evidence.stack_look`).
 
 Ranks found waiting on their peers are never handed over while another rank of the node
 is not found hung (`_release`): killing a waiter whose peer is busy would be a false
@@ -32,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from stalwart.monitor import evidence
-from stalwart.monitor.evidence import ProcSample, Reading, Role
+from stalwart.monitor.evidence import ProcSample, Reading, Role, StackLook
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ class _Suspect:
     since: float  # the rank's last progress when it was first looked at
     due: float
     first: ProcSample
+    #: When to look again for a dump asked of it after it was found hung (None: none).
+    recheck: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +116,17 @@ class Suspicions:
         self._wait = wait
         self._suspects: dict[int, _Suspect] = {}
         self._offsets: dict[int, int] = {}  # local rank -> size of its stacks file when asked
+        #: local rank -> its sample when its stacks were last asked for
+        self._asked: dict[int, ProcSample] = {}
+        self._reasked: set[int] = set()  # asked again once found hung: wait for that dump
         self._asked_at: float | None = None  # when this episode asked for stacks
         self._held: dict[int, Reading] = {}  # found hung, waiting for their peers' verdicts
 
     def reset(self) -> None:
         self._suspects = {}
         self._offsets = {}
+        self._asked = {}
+        self._reasked = set()
         self._asked_at = None
         self._held = {}
 
@@ -136,6 +145,8 @@ class Suspicions:
         if not late and not self._held:
             self._asked_at = None  # the episode is over: a later one asks afresh
             self._offsets = {}
+            self._asked = {}
+            self._reasked = set()
         if late and self._asked_at is None:
             self._ask_everyone(ranks, now)
         hung: dict[int, Reading] = {}
@@ -155,10 +166,19 @@ class Suspicions:
                 continue
             if evidence.is_hung(suspect.first, second):
                 stopped = second.state in ("T", "t") or suspect.first.state in ("T", "t")
-                hung[lr] = evidence.role(self._stacks_of(lr, ranks.get(lr)), stopped)
+                watched = ranks.get(lr)
+                look = self._stack_look(lr, watched, stopped, second)
+                if look is StackLook.ASK and watched is not None:
+                    self._ask_one(lr, watched, second)
+                    self._reasked.add(lr)
+                if look is not StackLook.READ:
+                    suspect.recheck = now + evidence.DUMP_POLL
+                    continue
+                hung[lr] = evidence.role(self._stacks_of(lr, watched), stopped)
                 del self._suspects[lr]
             else:
                 suspect.first = second  # running code: look again a window later
+                suspect.recheck = None
         if hung:
             others = {
                 lr: self._bystander(lr, w, lr in late)
@@ -174,14 +194,34 @@ class Suspicions:
         """Monotonic time of the earliest second look due (None: no rank is suspected),
         for the scanner to wake then instead of up to a check interval later."""
         times = [
-            evidence.decision_at(s.first.at, s.due, self._wait) for s in self._suspects.values()
+            s.recheck
+            if s.recheck is not None
+            else evidence.decision_at(s.first.at, s.due, self._wait)
+            for s in self._suspects.values()
         ]
         return min(times) if times else None
+
+    def _stack_look(
+        self, lr: int, watched: Watched | None, stopped: bool, now: ProcSample
+    ) -> StackLook:
+        stacks = watched.stacks if watched is not None else None
+        dumped = False
+        if stacks is not None:
+            try:
+                dumped = stacks.stat().st_size > self._offsets.get(lr, 0)
+            except OSError:
+                dumped = False
+        # The episode's own ask came a window or more before: its dump is what there is.
+        patience = evidence.DUMP_PATIENCE if lr in self._reasked else 0.0
+        return evidence.stack_look(
+            stopped, stacks is not None, self._asked.get(lr), now, dumped, patience
+        )
 
     def _bystander(self, lr: int, watched: Watched, late: bool) -> Bystander:
         suspect = self._suspects.get(lr)
         stopped = suspect is not None and suspect.first.state in ("T", "t")
-        asked_at = self._asked_at if lr in self._offsets else None
+        at_ask = self._asked.get(lr)
+        asked_at = at_ask.at if at_ask is not None else None
         if watched.since is not None and asked_at is not None and watched.since > asked_at:
             # It progressed after the ask: the stack dumped then says nothing of now.
             return Bystander(late, watched.since, asked_at, Reading(Role.UNKNOWN, "stale stack"))
@@ -211,12 +251,17 @@ class Suspicions:
             first = self._sample(watched.pid, now)
             if first is None or first.state in ("T", "t"):
                 continue  # a stopped rank stays stopped: its state is the evidence
-            if watched.stacks is not None:
-                try:
-                    self._offsets[lr] = watched.stacks.stat().st_size
-                except OSError:
-                    self._offsets[lr] = 0
-            self._ask(watched.pid)
+            self._ask_one(lr, watched, first)
+
+    def _ask_one(self, lr: int, watched: Watched, sample: ProcSample) -> None:
+        """Asks one rank for its stacks; what it writes from now on is read for it."""
+        if watched.stacks is not None:
+            try:
+                self._offsets[lr] = watched.stacks.stat().st_size
+            except OSError:
+                self._offsets[lr] = 0
+        self._asked[lr] = sample
+        self._ask(watched.pid)
 
     def _stacks_of(self, lr: int, watched: Watched | None) -> str:
         if watched is None or watched.stacks is None or lr not in self._offsets:
