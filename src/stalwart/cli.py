@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from stalwart.config import LaunchConfig
 
 
-# The longest usage error shown as argparse wrote it.
-_MAX_ERROR = 200
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the flag and value (not the whole
     usage, which buries it), with a pointer to --help; exit status 2 as argparse's."""
@@ -32,9 +28,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         from stalwart.config import ConfigError
 
-        # argparse quotes the bad value whole: a pasted megabyte is named, not echoed.
-        if len(message) > _MAX_ERROR:
-            message = f"{message[:_MAX_ERROR]}... ({len(message)} characters)"
         raise ConfigError(f"{message} (see '{self.prog} --help')")
 
 

@@ -47,54 +47,6 @@ def test_config_loads_no_other_stalwart_package() -> None:
     assert all(m == "stalwart" or m.startswith("stalwart.config") for m in loaded), loaded
 
 
-# Each is a mistake the CLI answers with one line before it builds anything.
-_BAD_COMMAND_LINES = (
-    ["--bogus", "x.py"],
-    ["--nproc-per-node", "x", "x.py"],
-    ["--hb-timeout", "x", "x.py"],
-    ["--max-restarts", "9" * 10_000, "x.py"],
-)
-
-
-def test_a_bad_command_line_is_answered_without_the_monitor_or_torch() -> None:
-    """A typo costs the parser only: the node monitor (psutil, msgspec, its threads'
-    modules) and torch load for a job, never for the one-line error about a flag."""
-    code = (
-        "import sys\n"
-        "from stalwart.cli import main\n"
-        f"for argv in {_BAD_COMMAND_LINES!r}:\n"
-        "    assert main(['run', *argv]) == 2, argv\n"
-        "print(' '.join(sorted(sys.modules)))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("stalwart run: error")]
-    assert len(errors) == len(_BAD_COMMAND_LINES), out.stderr
-    assert all(len(line) < 400 for line in errors), [len(line) for line in errors]
-    loaded = set(out.stdout.split())
-    heavy = {"torch", "psutil", "msgspec", "stalwart.monitor.node", "stalwart.monitor.client"}
-    assert not heavy & loaded, sorted(heavy & loaded)
-    # What ``config.hang`` needs still loads: the light record module, not the package's rest.
-    assert {m for m in loaded if m.startswith("stalwart.monitor")} == {
-        "stalwart.monitor",
-        "stalwart.monitor.config",
-    }
-
-
-def test_the_monitor_package_names_each_load_on_first_use() -> None:
-    import stalwart.monitor as monitor
-
-    assert sorted(monitor.__all__) == sorted(monitor._HOME)
-    # A wrong home raises here; `RankMonitorClientError` is an alias of `RankMonitorError`.
-    assert {getattr(monitor, name).__name__ for name in monitor.__all__} == set(monitor.__all__) - {
-        "RankMonitorClientError"
-    }
-    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        _ = monitor.Nope
-
-
 def _all_flags() -> list[Any]:
     return [*launch_flags(), *HANG_FLAGS]
 
