@@ -12,6 +12,7 @@ import hmac
 import os
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -57,6 +58,9 @@ def pool() -> Iterator[WarmPool]:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
+_TITLE = ["-m", "stalwart.health.linkrun"]
+
+
 class Watched:
     """The pool as the check's forker, noting what each forked process looks like."""
 
@@ -67,15 +71,23 @@ class Watched:
     def fork_link_check(self, fds: list[int]) -> int | None:
         pid = self.pool.fork_link_check(fds)
         assert pid is not None
+        ready = Event.TEMPLATE_READY in EVENTS
         p = psutil.Process(pid)
+        # The child takes its title a moment after the fork answered: wait for it (a
+        # child that never becomes the check keeps the template's and fails below).
+        deadline = time.monotonic() + 30
+        cmd = p.cmdline()
+        while " ".join(cmd).split()[1:] != _TITLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+            cmd = p.cmdline()
         self.seen.append(
             {
                 "pid": pid,
                 "env": p.environ(),
                 "ppid": p.ppid(),
                 "children": p.children(),
-                "cmd": p.cmdline(),
-                "template_ready": Event.TEMPLATE_READY in EVENTS,
+                "cmd": cmd,
+                "template_ready": ready,
             }
         )
         return pid
@@ -122,7 +134,7 @@ def test_the_check_is_forked_from_the_template_and_carries_no_worker_state(
         assert seen["ppid"] == os.getpid()  # re-parented to the subreaper, as to a launcher
         assert seen["children"] == []  # no checkpoint writer seed: not a worker
         # What ps shows, as for a check started cold (its title, over the template's).
-        assert " ".join(seen["cmd"]).split()[1:] == ["-m", "stalwart.health.linkrun"]
+        assert " ".join(seen["cmd"]).split()[1:] == _TITLE, seen["cmd"]
     # The first fork came while the template was importing: as soon as torch.distributed
     # was in, before it said it was ready (the second waited for the first's answer).
     assert [seen["template_ready"] for seen in forker.seen][:1] == [False], forker.seen
