@@ -20,6 +20,7 @@ import torch
 
 from bench.netns import Host, Network
 from tests.helpers import free_port, read_events, wait_for
+from tests.reliability.fsdp_setup import same
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,22 +64,6 @@ def wait_steps(out: Path, world: int, n: int, procs: list[subprocess.Popen[str]]
         return tail >= n
 
     wait_for(reached, 90, f"{n} steps at world {world}", interval=0.05)
-
-
-def same(a: object, b: object, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b))
-        for k in a:
-            same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, (where, a, b)
 
 
 def test_fsdp2_job_shrinks_to_one_node_and_grows_back(network: Network, tmp_path: Path) -> None:
