@@ -418,7 +418,7 @@ def _run_in_own_group(
     argv: list[str],
     cwd: Path,
     log: Path,
-    wall_s: float = 1200,
+    wall_s: float,
     env: dict[str, str] | None = None,
 ) -> None:
     """Run pytest in a session of its own, then end whatever of it is left: some suites
@@ -441,12 +441,14 @@ def _test_key(node_id: str) -> str:
     return path.rsplit("/", 1)[-1] + sep + rest
 
 
-def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
+def run_pytest(python: str, cwd: Path, suite: Suite, log: Path, wall_s: float) -> Outcome:
     """Outcomes read from pytest's per-test lines as they were printed, so a suite that
     kills its own pytest process (some of NVIDIA's hard-timeout tests) still counts: a
-    collected test with no line counts as failed."""
+    collected test with no line counts as failed. The run is ended after `wall_s`."""
     collect_log = log.with_suffix(".collect")
-    _run_in_own_group(_pytest_argv(python, suite, "--collect-only", "-q"), cwd, collect_log)
+    _run_in_own_group(
+        _pytest_argv(python, suite, "--collect-only", "-q"), cwd, collect_log, wall_s=300
+    )
     # Collected ids are relative to the rootdir pytest picked, the -v lines to the
     # invocation folder: compare from the file name on.
     collected = {
@@ -466,7 +468,7 @@ def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
     argv = _pytest_argv(
         python, suite, "-v", "-p", _SUBTEST_PLUGIN_NAME, "--timeout", str(suite.timeout_s)
     )
-    _run_in_own_group(argv, cwd, log, env=env)
+    _run_in_own_group(argv, cwd, log, wall_s, env=env)
     seconds = time.monotonic() - t0
     outcome: dict[str, str] = {}
     for line in log.read_text(errors="replace").splitlines():
@@ -484,6 +486,13 @@ def run_pytest(python: str, cwd: Path, suite: Suite, log: Path) -> Outcome:
     return Outcome(outcome, read_subtests(subtest_log), seconds)
 
 
+def _stamp() -> str:
+    """UTC time and the load average, printed with every result: the machine is shared,
+    and tests with wall-clock limits fail under load."""
+    one, five, _ = os.getloadavg()
+    return f"{time.strftime('%H:%M:%S', time.gmtime())} UTC, load {one:.1f}/{five:.1f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nvidia", type=Path, help="git clone of NVIDIA/nvidia-resiliency-ext")
@@ -498,7 +507,18 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run suites whose name contains this")
     parser.add_argument("--keep", type=Path, help="keep the rewritten copies here")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument(
+        "--run-limit",
+        type=float,
+        default=60.0,
+        metavar="MINUTES",
+        help="end a pytest run after this long (default 60: at load 25 on 2 cores "
+        "torch's api_test.py took 20 minutes)",
+    )
     args = parser.parse_args()
+    if not args.run_limit > 0:
+        parser.error(f"--run-limit {args.run_limit}: expected a positive number of minutes")
+    wall_s = args.run_limit * 60
     refs: dict[str, str] = {}
     for item in args.ref_python:
         key, sep, python = item.partition("=")
@@ -528,8 +548,15 @@ def main() -> int:
             rewrite_tree(ours_dir, suite.rewrite)
             ref_python = refs.get(suite.ref)
             original: Outcome | None = None
+            print(f"{suite.name}: started {_stamp()}", flush=True)
             if ref_python and not args.skip_reference:
-                original = run_pytest(ref_python, orig_dir, suite, base / f"{index}-original.log")
+                original = run_pytest(
+                    ref_python, orig_dir, suite, base / f"{index}-original.log", wall_s
+                )
+                print(
+                    f"{suite.name}: original done {_stamp()} ({original.seconds:.0f} s)",
+                    flush=True,
+                )
             ours = run_pytest(
                 str(stalwart_root / ".venv" / "bin" / "python")
                 if (stalwart_root / ".venv").exists()
@@ -537,6 +564,7 @@ def main() -> int:
                 ours_dir,
                 suite,
                 base / f"{index}-stalwart.log",
+                wall_s,
             )
             reference = original.cell() if original else "-"
             reference_sub = original.subtest_cell() if original else "-"
@@ -553,7 +581,8 @@ def main() -> int:
             if original is not None:
                 lost[suite.name] = regressions(original, ours)
             print(
-                f"{suite.name}: original {reference} (subtests {reference_sub}); "
+                f"{suite.name}: stalwart done {_stamp()} ({ours.seconds:.0f} s); "
+                f"original {reference} (subtests {reference_sub}); "
                 f"stalwart {ours.cell()} (subtests {ours.subtest_cell()})",
                 flush=True,
             )
