@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -336,6 +337,37 @@ def read_subtests(path: Path) -> dict[str, str]:
     return outcome
 
 
+# The pytorch test files the table in docs/migrating.md was measured with (torch keeps
+# no tag per test file; these are the stored versions closest to torch 2.13).
+_MANIFEST = Path(__file__).with_suffix(".sha256")
+
+
+def _measured_versions() -> dict[str, str]:
+    known: dict[str, str] = {}
+    if _MANIFEST.exists():
+        for line in _MANIFEST.read_text().splitlines():
+            digest, _, rel = line.partition("  ")
+            if rel and not line.startswith("#"):
+                known[rel] = digest
+    return known
+
+
+def _note_other_versions(root: Path, rels: tuple[str, ...]) -> None:
+    """Say which copied files differ from the versions the documented table used:
+    counts from other versions of torch's tests are not comparable."""
+    known = _measured_versions()
+    for rel in rels:
+        top = root / rel
+        for path in sorted(top.rglob("*") if top.is_dir() else [top]):
+            name = path.relative_to(root).as_posix()
+            if (
+                path.is_file()
+                and name in known
+                and hashlib.sha256(path.read_bytes()).hexdigest() != known[name]
+            ):
+                print(f"note: {name} is not the version in {_MANIFEST.name}")
+
+
 def materialize(suite: Suite, nvidia: Path | None, pytorch: Path | None, into: Path) -> bool:
     """Copy the suite's files into `into`; False when its source was not given or lacks
     them."""
@@ -366,6 +398,7 @@ def materialize(suite: Suite, nvidia: Path | None, pytorch: Path | None, into: P
             shutil.copytree(src, dst, dirs_exist_ok=True)
         else:
             shutil.copy2(src, dst)
+    _note_other_versions(into, suite.paths)
     return True
 
 
