@@ -271,9 +271,10 @@ class AsyncDcpSaver:
             process_group = dist.new_group(backend="gloo")
             self._own_group = True
         self.process_group = process_group
-        self.stager = ReusingStager(background=background)
         # Started now, so its interpreter is up by the first save's write.
         self.shard_process = ShardProcess(config=writer_config) if subprocess else None
+        # Staged straight into the writer's shared buffer: each tensor is copied once.
+        self.stager = ReusingStager(background=background, arena=self.shard_process)
         self._last: Future[Any] | None = None
         # A saver the program never closes is closed before the interpreter finalizes
         # (atexit runs while it is whole), never by its teardown: see release_group.
