@@ -80,7 +80,7 @@ def rank_main(ns: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from stalwart.checkpoint import dcp as sdcp
-    from stalwart.checkpoint.process_args import WriterProcessConfig
+    from stalwart.checkpoint.process_args import DCP_WRITER_NICE, WriterProcessConfig
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -109,7 +109,7 @@ def rank_main(ns: argparse.Namespace) -> None:
         keep_last=2,
         process_group=ckpt_group,
         # A loaded host can take over a minute to start an interpreter that imports torch.
-        writer_config=WriterProcessConfig(init_timeout_s=600.0),
+        writer_config=WriterProcessConfig(init_timeout_s=600.0, writer_nice=DCP_WRITER_NICE),
     )
     # The same saver with DCP writing the shards on its own thread in the rank (the
     # path before the writer subprocess), for the before/after rows.

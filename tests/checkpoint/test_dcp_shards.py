@@ -158,6 +158,8 @@ def test_shards_from_the_subprocess_are_plain_dcp_and_stay_private(tmp_path: Pat
         # shared-memory file to read: the buffer is an anonymous memfd, the pipe a
         # socketpair.
         writer = psutil.Process(writer_pid)
+        # The DCP writer runs at the rank's own priority (see DCP_WRITER_NICE).
+        assert writer.nice() == os.nice(0)
         assert writer.net_connections(kind="inet") == []
         maps = [m.path for m in writer.memory_maps(grouped=True)]
         assert any("memfd:stalwart-ckpt-staging" in p for p in maps), maps

@@ -245,7 +245,8 @@ class AsyncDcpSaver:
     segment to use, else this local rank's). ``subprocess`` (default): the shard files
     are written, checksummed and fsync'd by a writer subprocess of this saver's from
     shared memory (see :mod:`~stalwart.checkpoint.dcp_shards`), not by DCP's thread
-    in this process; ``writer_config``: its start-up and write timeouts.
+    in this process; ``writer_config``: its start-up and write timeouts and niceness
+    (without one the writer runs at nice ``DCP_WRITER_NICE``, 0: see process_args).
     """
 
     def __init__(

@@ -17,8 +17,12 @@ from typing import Any
 import torch
 
 from .manifest import DEFAULT_ALGORITHM, FileEntry, Hasher, new_hasher
+from .streaming import start_writeback
 
 FILES_KEY = "files"
+# Writes at least this large start their writeback at once (the buffered stream in
+# front hands over 1 MiB at a time, a tensor's data in one piece).
+WRITEBACK_FROM = 1 << 20
 
 
 class HashingFile(io.FileIO):
@@ -31,10 +35,15 @@ class HashingFile(io.FileIO):
         self.in_order = True
 
     def write(self, b: Any, /) -> int:
+        at = self.size
         n = super().write(b)
         if n:
             self._hasher.update(memoryview(b).cast("B")[:n])
             self.size += n
+            if n >= WRITEBACK_FROM and self.in_order:
+                # The disk starts on these bytes while the next record is serialized
+                # and hashed; the fsync at the end then waits for the tail only.
+                start_writeback(self.fileno(), at, n)
         return n
 
     def seek(self, pos: int, whence: int = os.SEEK_SET, /) -> int:

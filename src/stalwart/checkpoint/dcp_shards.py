@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .dcp_shard_writer import FILES_KEY, ShardFileWriter, WrittenFile
 from .manifest import DEFAULT_ALGORITHM, FileEntry
 from .process import CheckpointProcess, CopyStats
-from .process_args import WriterProcessConfig
+from .process_args import DCP_WRITER_NICE, WriterProcessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,9 @@ class ShardProcess:
     ) -> None:
         self.algorithm = algorithm
         self._proc = CheckpointProcess(
-            ShardFileWriter, {"algorithm": algorithm}, config=config or WriterProcessConfig()
+            ShardFileWriter,
+            {"algorithm": algorithm},
+            config=config or WriterProcessConfig(writer_nice=DCP_WRITER_NICE),
         )
         self._lock = threading.Lock()
         self._start_failure_logged = False
