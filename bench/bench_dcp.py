@@ -42,8 +42,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-# "stalwart": shards written by the writer subprocess from shared memory (the default);
-# "stalwart (in-rank writes)": by DCP's thread in the rank, as before.
+# "stalwart": shards written by the writer subprocess from the shared memory the stager
+# staged into (the default: one copy of each tensor); "stalwart (in-rank writes)": by
+# DCP's thread in the rank.
 SAVES = ("dcp default", "dcp async stager", "stalwart", "stalwart (in-rank writes)", "plain write")
 ROOT = HERE.parent
 JOB = HERE / "dcp_crash_job.py"
