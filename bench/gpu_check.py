@@ -208,7 +208,9 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
     from stalwart.checkpoint import layout
     from stalwart.checkpoint.dcp_storage import DcpReader
 
-    dist.init_process_group(_backend(device))
+    # dcp.async_save needs a CPU backend beside NCCL (torch asserts it), as torchtitan
+    # sets up; the dcp mode keeps NCCL alone, as most FSDP2 examples do.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
     side = 4096
     layers = max(1, round(mib * 2**20 / (side * side * 4)))
     torch.manual_seed(0)
