@@ -248,6 +248,7 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
     stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
     rows: dict[str, list[tuple[float, float]]] = {}
     sources: list[str] = []
+    fresh_stagers = 0
 
     def note(name: str, stall: float, durable: float) -> None:
         rows.setdefault(name, []).append((stall, durable))
@@ -261,6 +262,11 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
         fut.result()
         note("dcp.async_save default", stall, time.perf_counter() - t0)
 
+        if not getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", 1):
+            # torch 2.11's async_save closes the stager it was given after the upload
+            # (2.13 keeps it): a closed one fails the next stage with KeyError(type).
+            stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+            fresh_stagers += 1
         t0 = time.perf_counter()
         resp = dcp.async_save(state, checkpoint_id=ckpt / f"astager-{rep}", async_stager=stager)
         stall = time.perf_counter() - t0
@@ -315,6 +321,7 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
         stalwart_buffers_pinned=pinned,
         cache=sorted(set(sources)),
         repeats=repeats,
+        dcp_stagers_made_again=fresh_stagers,
     )
     dist.destroy_process_group()
 
