@@ -24,8 +24,12 @@ model and optimizer), under a launcher:
   - crash (``--repeats`` runs each): crash -> first resumed step of the job saving with
     plain dcp.save under torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, without
     which its restarts fail on gloo) vs stalwart's dcp.save under
-    ``stalwart run --ckpt-ram``.
-``--sections`` picks them (default: save,restore,crash).
+    ``stalwart run --ckpt-ram``: the same script, model, step count and clock (wall
+    time from the job's ranks), then where the seconds went, stage by stage (the
+    launcher's log or events, the restarted ranks' own marks, with their CPU seconds).
+    A run in which stalwart killed a rank as hung (the job never hangs) is counted,
+    named and rerun.
+``--sections`` picks them (default: save,restore,crash); ``--keep`` keeps the run folders.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ MODE ``plain`` (under torchrun; never imports stalwart) or ``stalwart`` (under
 or stalwart's ``dcp.save`` with its RAM copy) and rank 1 SIGKILLs itself right after
 it; the restarted job loads the newest step (plain: the newest folder with DCP's
 metadata; stalwart: ``load_newest``) and trains two more steps. Rank 0 appends a line
-per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the wall time.
+per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the wall time;
+every rank appends one per stage to ``OUT/stages.jsonl`` (its process made, the script's
+first line, imports, process group, model, restore, each step's forward, backward and
+optimizer step) with the wall time and its CPU seconds so far, for the bench's breakdown.
 
 MODE ``restore`` (under ``stalwart run --ckpt-ram``): the first attempt saves step 1
 three ways (plain ``dcp.save``; stalwart's ``save`` without and with the RAM copy), and
