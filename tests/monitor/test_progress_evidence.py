@@ -673,3 +673,57 @@ def test_each_episode_asks_for_fresh_stacks(tmp_path: Path) -> None:
     files[101].write_text(files[101].read_text() + _dump(("/job/train.py", "load_batch")))
     found = s.confirm({1: Late(101, 9.4, 10.0, True)}, watched, 10.0)
     assert "train.py" in found[1].where and "eval.py" not in found[1].where
+
+
+def _taking_turns(tmp_path: Path, turn: float):  # type: ignore[no-untyped-def]
+    """Two ranks of a DCP save: until `turn` rank 0 waits in a collective (quiet) while
+    rank 1 writes its shards (busy); from then on rank 0, the coordinator, copies the
+    step into RAM (busy) while rank 1 waits for its answer (quiet). `turn` None: both
+    wait from the start (a deadlock)."""
+    from stalwart.monitor.suspicions import Suspicions, Watched
+
+    def sampler(pid: int, now: float) -> ProcSample:
+        if turn is None:
+            return ProcSample(now, "S", 1.0)
+        works = (pid == 101) == (now < turn)
+        # CPU seconds so far: rank 1 works until the turn, rank 0 from it on.
+        cpu = 1.0 + (min(now, turn) if pid == 101 else max(0.0, now - turn))
+        return ProcSample(now, "R" if works else "S", cpu)
+
+    asked: list[int] = []
+    files = {pid: tmp_path / f"stacks{pid}.log" for pid in (100, 101)}
+    for f in files.values():
+        f.write_text("")
+    s = Suspicions(lambda pid: asked.append(pid) or True, sampler, wait=0.3)
+    return s, {0: Watched(100, files[100]), 1: Watched(101, files[101])}, asked, files
+
+
+def test_ranks_that_take_turns_waiting_are_never_handed_over_together(tmp_path: Path) -> None:
+    # Seen under bench_dcp's crash section at load 18-22 (2 of 4 runs): rank 0 was held
+    # as waiting while rank 1 wrote, then copied the step while rank 1 waited, and the
+    # stale verdict was handed over with rank 1's: both killed in a save that went on.
+    s, watched, asked, files = _taking_turns(tmp_path, turn=11.0)
+    waits = _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_gather"))
+    writes = _dump(("/job/ckpt.py", "write_data"))
+    got: list[dict[int, object]] = []
+    for k in range(60):
+        now = 10.0 + 0.05 * k
+        got.append(dict(s.confirm(_past({0: 100, 1: 101}), watched, now)))
+        for pid, before, after in ((100, waits, writes), (101, writes, waits)):
+            if asked.count(pid) > files[pid].read_text().count("Current"):  # it dumps
+                files[pid].write_text(files[pid].read_text() + (before if now < 11.0 else after))
+    assert asked.count(101) >= 2  # rank 1 was found quiet, and asked again for its stack
+    assert all(found == {} for found in got), got
+
+
+def test_ranks_that_all_wait_are_still_handed_over_together(tmp_path: Path) -> None:
+    s, watched, asked, files = _taking_turns(tmp_path, turn=None)
+    waits = _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"))
+    found: dict[int, object] = {}
+    for k in range(40):
+        if not found:
+            found = dict(s.confirm(_past({0: 100, 1: 101}), watched, 10.0 + 0.05 * k))
+        for pid in (100, 101):
+            if asked.count(pid) > files[pid].read_text().count("Current"):
+                files[pid].write_text(files[pid].read_text() + waits)
+    assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.WAITING}
