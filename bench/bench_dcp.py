@@ -626,6 +626,18 @@ def print_breakdown(runs: dict[str, list[dict[str, Any]]]) -> None:
         cpu = [r["cpu"]["later_step"] for r in runs[launcher] if "later_step" in r["cpu"]]
         cells += ["", f"{med(took):.2f}" if took else "-", f"{med(cpu):.2f}" if cpu else ""]
     print("| for comparison: the next step, whole | " + " | ".join(cells) + " |")
+    # The load moves during a run: the CPU seconds from the script's start to the end of
+    # the first step compare the two jobs' own work whatever the load did.
+    sums = {
+        launcher: med([sum(r["cpu"].get(k, 0.0) for k, _ in JOB_STAGES) for r in runs[launcher]])
+        for launcher in ("torchrun", "stalwart")
+    }
+    print(
+        f"\n- CPU seconds from the script's start to the first step done (each stage's "
+        f"busiest rank, summed; median): "
+        f"torchrun {sums['torchrun']:.2f}, stalwart {sums['stalwart']:.2f} "
+        f"({sums['stalwart'] / max(sums['torchrun'], 1e-9):.2f}x)"
+    )
     for launcher in ("torchrun", "stalwart"):
         starts = [r["start"] for r in runs[launcher]]
         print(f"\n- {launcher}'s restarted workers: " + ", ".join(starts))
