@@ -9,10 +9,12 @@ any other (its record's ``kind`` says what it holds).
 
 At load every rank offers what its node's segments hold for the job's root (its own
 slots, its node's other ranks' slots, replicas of peers): step, saving world size and
-saving rank of each shard set that verifies, as a bounded :class:`RamOffer`. From the
-gathered offers every rank computes the same :class:`RamPlan` (:func:`plan_ram_load`):
-the newest step whose every saving rank's shard set some rank holds, no older than the
-newest step on disk, and which rank serves which saving rank's files. That may be at
+saving rank of each shard set whose index checks out, as a bounded :class:`RamOffer`.
+From the gathered offers every rank computes the same :class:`RamPlan`
+(:func:`plan_ram_load`): the newest step whose every saving rank's shard set some rank
+holds, no older than the newest step on disk, and which rank serves which saving rank's
+files. Only a set's server hashes its data (once); a set that does not verify is
+dropped and the ranks plan again without it. The plan may be at
 another world size than the one loading: DCP plans the resharding from the step's
 metadata as it would from files, each rank reads the files it serves out of its slots,
 and the extents of other files its plan needs are sent by their serving rank over the
@@ -36,10 +38,11 @@ from typing import IO, Any, cast
 import msgspec
 import torch
 import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
@@ -47,6 +50,7 @@ from stalwart import runlog
 
 from . import layout
 from . import ramlayout as rl
+from .dcp_items import BlobFile, copy_item, native_order
 from .dcp_metadata import loads_metadata
 from .dcp_records import RankShards, is_plain_name, rank_record_name
 from .dcp_storage import read_record, stamp_load_id
@@ -211,13 +215,19 @@ OFFER_FORMAT = 1
 MAX_OFFER_BYTES = 16 << 10
 MAX_HELD = 64
 MAX_WORLD = 1 << 20
+#: Slots looked at in a node's segments (two per local rank, and replicas of peers).
+MAX_COPIES = 4 * MAX_HELD
+#: Rounds of offering, planning and verifying before the ranks give up on RAM: each
+#: round after the first follows a served set that did not verify.
+MAX_ROUNDS = 8
 
 
 @dataclass(frozen=True)
 class HeldShards:
-    """A verified shard set in RAM: where it is, what it holds, and the mapping it was
-    verified through (kept open, its pages faulted in, so the load reads the bytes
-    just hashed instead of mapping and hashing them again; :meth:`close` it)."""
+    """A shard set in RAM whose index checked out: where it is, what it holds, and the
+    mapping to read it through. Its data is hashed only by the rank that serves it
+    (:meth:`verify`, once per load), whose reads then use the pages just hashed;
+    :meth:`close` it."""
 
     path: Path
     slot: int
@@ -225,13 +235,22 @@ class HeldShards:
     index: ShardSet
     segment: RamSegment
 
+    @property
+    def key(self) -> HeldSet:
+        return HeldSet(self.index.step, self.index.world_size, self.index.rank)
+
+    def verify(self) -> None:
+        """Check the data's checksum (CheckpointCorruptError when torn)."""
+        self.segment.verify(self.slot, self.record)
+
     def close(self) -> None:
         self.segment.close()
 
 
 def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
-    """Every shard set of ``root`` in ``folder``'s segments that verifies, newest step
-    first, one per (step, saving world size, saving rank); :meth:`HeldShards.close`
+    """Every shard set of ``root`` in ``folder``'s segments whose index checks out,
+    newest step first (copies of one set, e.g. a node's own and a replica, each listed;
+    their data is not hashed here: see :meth:`HeldShards.verify`); :meth:`HeldShards.close`
     each."""
     candidates: list[tuple[Path, int, rl.CommitRecord]] = []
     try:
@@ -246,11 +265,8 @@ def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
                 if rec.kind == rl.KIND_DCP:
                     candidates.append((path, slot, rec))
     candidates.sort(key=lambda c: (c[2].step, c[2].world_size, -c[2].rank, c[2].seq), reverse=True)
-    found: dict[tuple[int, int, int], HeldShards] = {}
-    for path, slot, rec in candidates:
-        key = (rec.step, rec.world_size, rec.rank)
-        if key in found:
-            continue
+    found: list[HeldShards] = []
+    for path, slot, rec in candidates[:MAX_COPIES]:
         seg = _open(path)
         if seg is None:
             continue
@@ -264,13 +280,12 @@ def find_all_shards(folder: Path, root: str) -> list[HeldShards]:
             problem = index_problem(index, rec, root)
             if problem:
                 raise CheckpointCorruptError(f"{path} slot {slot}: {problem}")
-            seg.verify(slot, rec)
         except (OSError, CheckpointError, msgspec.DecodeError) as exc:
             seg.close()
             logger.warning("skipping step %d of rank %d in RAM: %s", rec.step, rec.rank, exc)
             continue
-        found[key] = HeldShards(path, slot, rec, index, seg)
-    return list(found.values())
+        found.append(HeldShards(path, slot, rec, index, seg))
+    return found
 
 
 def _open(path: Path) -> RamSegment | None:
@@ -383,9 +398,13 @@ def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
 
 
 def offer_of(rank: int, held: list[HeldShards], newest_on_disk: int) -> RamOffer:
-    """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first)."""
-    sets = [HeldSet(h.index.step, h.index.world_size, h.index.rank) for h in held[:MAX_HELD]]
-    return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets)
+    """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first;
+    copies of one set are offered once)."""
+    sets: list[HeldSet] = []
+    for h in held:
+        if h.key not in sets:
+            sets.append(h.key)
+    return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets[:MAX_HELD])
 
 
 @contextlib.contextmanager
@@ -486,7 +505,7 @@ def load_from_ram(
         wait_for_fetch(folder, rank)
         found = find_all_shards(folder, root_key(root))
     try:
-        return _load_held(state_dict, found[:MAX_HELD], newest_on_disk, process_group, planner)
+        return _load_held(state_dict, found, newest_on_disk, process_group, planner)
     finally:
         for h in found:
             h.close()
@@ -500,18 +519,23 @@ def _load_held(
     planner: Any,
 ) -> int | None:
     rank, _ = rank_world(process_group)
-    offer = msgspec.json.encode(offer_of(rank, held, newest_on_disk))
-    plan, why = plan_ram_load(gather_offers(offer, process_group))
-    if plan is None:
-        if held:
-            logger.info("rank %d: loading from disk: %s", rank, why)
+    usable = list(held)
+    for _ in range(MAX_ROUNDS):
+        offer = msgspec.json.encode(offer_of(rank, usable, newest_on_disk))
+        plan, why = plan_ram_load(gather_offers(offer, process_group))
+        if plan is None:
+            if held:
+                logger.info("rank %d: loading from disk: %s", rank, why)
+            return None
+        serving, problem = _verified_serving(plan, rank, usable)
+        (ok,) = _all_min([0 if problem else 1], process_group)
+        if ok:
+            break
+        # A set this rank serves did not verify (it is out of ``usable`` now), or
+        # another rank's did: offer again, without it.
+    else:
+        logger.info("rank %d: loading from disk: no shard set in RAM verified", rank)
         return None
-    serving = [
-        h
-        for h in held
-        if (h.index.step, h.index.world_size) == (plan.step, plan.saved_world)
-        and plan.servers[h.index.rank] == rank
-    ]
     files: dict[str, memoryview] = {}
     meta: bytes | None = None
     problem = ""
@@ -557,6 +581,32 @@ def _load_held(
     return plan.step
 
 
+def _verified_serving(
+    plan: RamPlan, rank: int, usable: list[HeldShards]
+) -> tuple[list[HeldShards], str]:
+    """The shard sets this rank serves under ``plan``, each the first copy whose data
+    verifies; copies that do not are dropped from ``usable``. '' or why one is missing."""
+    serving: list[HeldShards] = []
+    for saved, server in enumerate(plan.servers):
+        if server != rank:
+            continue
+        want = HeldSet(plan.step, plan.saved_world, saved)
+        for h in [h for h in usable if h.key == want]:
+            try:
+                h.verify()
+            except (OSError, CheckpointError) as exc:
+                logger.warning(
+                    "rank %d: step %d of rank %d in RAM: %s", rank, h.key.step, saved, exc
+                )
+                usable.remove(h)
+                continue
+            serving.append(h)
+            break
+        else:
+            return [], f"no copy of step {plan.step}'s rank {saved} shards verifies"
+    return serving, ""
+
+
 def _first(exc: CheckpointException) -> str:
     for failed, _ in exc.failures.values():
         return str(failed)
@@ -583,43 +633,6 @@ class _NoFiles(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
         yield io.BytesIO()
-
-
-class _ViewReader(io.RawIOBase):
-    """A read-only file over a slice of the mapped slot: DCP's ``torch.load`` of one
-    item reads its bytes straight out of the segment, with no copy in between."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._at = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"seek to {base + offset}: before the start")
-        self._at = base + offset
-        return self._at
-
-    def readinto(self, buffer: Any) -> int:
-        with memoryview(buffer) as out:
-            n = max(0, min(out.nbytes, len(self._view) - self._at))
-            out.cast("B")[:n] = self._view[self._at : self._at + n]
-        self._at += n
-        return n
-
-    def close(self) -> None:
-        self._view.release()
-        super().close()
 
 
 class RamShardReader(FileSystemReader):
@@ -666,15 +679,30 @@ class RamShardReader(FileSystemReader):
             if info.relative_path not in self._files:
                 wanted.append(info)
         self._fetched = exchange_extents(wanted, self._files, self.plan.servers, self._group)
-        done = super().read_data(plan, planner)
+        native: dict[str, bool] = {}
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            with self._blob(info) as blob:
+                if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                    self._read_as_dcp(req, planner, blob, info)
+                    continue
+                if info.relative_path not in native:
+                    native[info.relative_path] = native_order(blob)
+                # Straight from the slot into the destination; what that cannot do
+                # (a dtype to convert, a strided slice) goes DCP's way.
+                if not (native[info.relative_path] and copy_item(blob, req, planner)):
+                    self._read_as_dcp(req, planner, blob, info)
         # Read in place: a save into a served slot meanwhile (it invalidates the record
         # first) would have torn what was read; DCP then fails the load on every rank.
         for h in self.serving:
             if h.segment.record(h.slot) != h.record:
                 raise CheckpointCorruptError(f"{h.path} slot {h.slot}: overwritten while read")
+        done: Future[None] = Future()
+        done.set_result(None)
         return done
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+    def _blob(self, sinfo: _StorageInfo) -> memoryview:
+        """The bytes of one item: a view into a served slot, or what its server sent."""
         own = self._files.get(sinfo.relative_path)
         if own is not None:
             if sinfo.offset < 0 or sinfo.length < 0 or sinfo.offset + sinfo.length > len(own):
@@ -682,11 +710,37 @@ class RamShardReader(FileSystemReader):
                     f"{sinfo.relative_path}: extent {sinfo.offset}+{sinfo.length} "
                     f"outside its {len(own)} bytes"
                 )
-            return cast(IO[bytes], _ViewReader(own[sinfo.offset : sinfo.offset + sinfo.length]))
+            return own[sinfo.offset : sinfo.offset + sinfo.length]
         got = self._fetched.get((sinfo.relative_path, sinfo.offset, sinfo.length))
         if got is None:
             raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM by any rank")
-        return io.BytesIO(got)
+        return memoryview(got)
+
+    def _read_as_dcp(
+        self, req: ReadItem, planner: LoadPlanner, blob: memoryview, info: _StorageInfo
+    ) -> None:
+        """One item the way ``FileSystemReader.read_data`` reads it (its transforms,
+        ``torch.load``, then a copy into the destination)."""
+        with BlobFile(blob[:]) as raw:
+            stream = self.transforms.transform_load_stream(
+                req, info.transform_descriptors or (), cast(IO[bytes], raw)
+            )
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+                return
+            seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+            loaded = torch.load(seekable, map_location="cpu", weights_only=True)
+        if not isinstance(loaded, torch.Tensor):
+            raise CheckpointCorruptError(f"{info.relative_path}: an item holds no tensor")
+        tensor = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(
+                f"{info.relative_path}: item {req.storage_index} is {tuple(tensor.size())}, "
+                f"its destination {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
 
 
 #: Columns of one extent request: serving rank, saving rank, file number, offset, length.
