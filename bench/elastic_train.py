@@ -6,7 +6,7 @@ same trajectory (up to float rounding).  Rank 0 saves the model after every step
 (temp file + rename), and a restarted job resumes there.  ``--reference`` trains the
 same steps in one process without torch.distributed.
 
-    elastic_train.py STEPS OUT_DIR [--step-s S]     (under stalwart run)
+    elastic_train.py STEPS OUT_DIR [--step-s S] [--later-step-s S]   (under stalwart run)
     elastic_train.py STEPS OUT_FILE --reference
 """
 
@@ -73,20 +73,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("steps", type=int)
     p.add_argument("out", type=Path)
     p.add_argument("--step-s", type=float, default=0.05)
+    # Pacing after a restart (default: --step-s): a test that acts only on the first
+    # attempt need not wait out the rest.
+    p.add_argument("--later-step-s", type=float, default=None)
     return p
 
 
-def reference(steps: int, out: Path) -> None:
+def reference_state(steps: int) -> dict[str, torch.Tensor]:
+    """The model after ``steps`` steps in one process, without torch.distributed."""
     model, opt = model_and_opt()
     for step in range(steps):
         x, y = batch(step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    torch.save(model.state_dict(), out)
+    return model.state_dict()
 
 
-def train(steps: int, out: Path, step_s: float) -> None:
+def reference(steps: int, out: Path) -> None:
+    torch.save(reference_state(steps), out)
+
+
+def train(steps: int, out: Path, step_s: float, later_step_s: float | None = None) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -94,6 +102,8 @@ def train(steps: int, out: Path, step_s: float) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     assert GLOBAL_BATCH % world == 0, world
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt > 0 and later_step_s is not None:
+        step_s = later_step_s
     model, opt = model_and_opt()
     ckpt = out / "ckpt.pt"
     start = 0
@@ -124,7 +134,7 @@ def main() -> None:
     if a.reference:
         reference(a.steps, a.out)
     else:
-        train(a.steps, a.out, a.step_s)
+        train(a.steps, a.out, a.step_s, a.later_step_s)
 
 
 if __name__ == "__main__":

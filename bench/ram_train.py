@@ -37,7 +37,13 @@ def blob(rank: int, mib: int) -> torch.Tensor:
 
 
 def train(
-    steps: int, out: Path, step_s: float, save_every: int, persist_every: int, state_mb: int
+    steps: int,
+    out: Path,
+    step_s: float,
+    save_every: int,
+    persist_every: int,
+    state_mb: int,
+    later_step_s: float | None = None,
 ) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -46,6 +52,8 @@ def train(
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt > 0 and later_step_s is not None:
+        step_s = later_step_s
     model, opt = model_and_opt()
     ckpt = out / "ckpt"
     cfg = CheckpointerConfig(persist_every=persist_every, auto_reserve=False)
@@ -98,7 +106,7 @@ def main() -> None:
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--state-mb", type=int, default=0)
     a = p.parse_args()
-    train(a.steps, a.out, a.step_s, a.save_every, a.persist_every, a.state_mb)
+    train(a.steps, a.out, a.step_s, a.save_every, a.persist_every, a.state_mb, a.later_step_s)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,10 @@ def test_budget_spent_exits_nonzero_with_summary(tmp_path: Path) -> None:
 
 
 @warm_and_cold
-def test_summary_names_root_cause_exception_and_error_file(tmp_path: Path) -> None:
+def test_summary_names_root_cause_and_its_error_file_reads_in_torch_elastic(
+    tmp_path: Path,
+) -> None:
+    # One run serves both: the launcher's summary, and torch's reading of the error file.
     proc = stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
     assert proc.returncode == 1
     assert "root cause: rank 1" in proc.stderr
@@ -95,14 +98,8 @@ def test_summary_names_root_cause_exception_and_error_file(tmp_path: Path) -> No
     data = json.loads(err_file.read_text())
     assert data["message"]["message"] == "ValueError: rank one broke first"
     assert "root_cause.py" in data["message"]["extraInfo"]["py_callstack"]
-
-
-@warm_and_cold
-def test_error_file_readable_by_torch_elastic(tmp_path: Path) -> None:
-    stalwart("--nproc-per-node", "2", "--log-dir", tmp_path, SCRIPTS / "root_cause.py")
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as TorchFailure
 
-    err_file = next(tmp_path.glob("*/attempt_0/1/error.json"))
     tf = TorchFailure(local_rank=1, pid=1, exitcode=1, error_file=str(err_file))
     # torch keeps the whole message record and parses the whole-second timestamp.
     assert tf.message["message"] == "ValueError: rank one broke first"

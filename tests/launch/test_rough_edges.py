@@ -29,7 +29,7 @@ from .helpers import SCRIPTS
 pytestmark = pytest.mark.timeout(90)
 
 
-@warm_and_cold
+# Launcher-side output, whatever starts the worker: once, warm (the default).
 def test_run_folder_printed_at_start_without_log_dir(tmp_path: Path) -> None:
     env = clean_env(TMPDIR=str(tmp_path))
     proc = stalwart("--nproc-per-node", "1", SCRIPTS / "steps.py", tmp_path, "2", env=env)
@@ -140,7 +140,7 @@ def test_injected_fault_that_never_fired_is_recorded_and_reported(tmp_path: Path
     assert set(evs[-1]["goodput"]) == {*CATEGORIES, "ratio"}
 
 
-@warm_and_cold
+# The report reads the event log, whatever started the workers: once, warm.
 def test_report_lists_every_run_of_a_log_dir(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     for rid in ("first", "second"):

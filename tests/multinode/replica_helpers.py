@@ -49,11 +49,15 @@ def ram_job(
     step_s: float,
     persist_every: int,
     save_every: int | None = None,
+    later_step_s: float | None = None,
 ) -> list[str | Path]:
     """The end of a ``stalwart run`` line that trains ``bench/ram_train.py`` with 1 MiB of
     RAM snapshots a rank: the log folder, then the program and its arguments (a snapshot
-    every ``save_every`` steps, every ``persist_every``-th of them on disk)."""
+    every ``save_every`` steps, every ``persist_every``-th of them on disk; steps after a
+    restart paced at ``later_step_s``, if given, instead of ``step_s``)."""
     every = ["--save-every", str(save_every)] if save_every is not None else []
+    if later_step_s is not None:
+        every += ["--later-step-s", str(later_step_s)]
     return ["--ckpt-ram", "1MiB", "--log-dir", log_dir, RAM_TRAIN, str(steps), out,
             "--step-s", str(step_s), *every, "--persist-every", str(persist_every)]  # fmt: skip
 

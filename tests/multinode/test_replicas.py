@@ -49,8 +49,17 @@ def launch(
         "3",
         *extra,
         # A snapshot every 2nd step (0.5 s apart: longer than a replica takes, even on a
-        # busy machine), every 10th of them on disk: steps 19 and 39.
-        *ram_job(out / f"logs-{name}", out, STEPS, step_s, persist_every=10, save_every=2),
+        # busy machine), every 10th of them on disk: steps 19 and 39. The restarted job,
+        # once the spare has its replica, runs unpaced.
+        *ram_job(
+            out / f"logs-{name}",
+            out,
+            STEPS,
+            step_s,
+            persist_every=10,
+            save_every=2,
+            later_step_s=0,
+        ),
         log=out / f"{name}.out",
     )
 

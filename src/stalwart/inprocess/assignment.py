@@ -156,12 +156,8 @@ def _renumbered(state: State, rank: int, world_size: int) -> tuple[State, Set[in
     return placed, set()
 
 
-class ShiftRanks:
-    """Survivors keep their order and close the gaps: each rank moves down by the number
-    of terminated ranks below it; the world size shrinks by the number terminated.
-
-    Called as ``(state, terminated)`` or, as NVIDIA 0.4's, with one ``RankAssignmentCtx``.
-    """
+class _Renumbering:
+    """Both renumbering policies take either call form; each supplies ``_place``."""
 
     @overload
     def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
@@ -174,6 +170,18 @@ class ShiftRanks:
 
     @staticmethod
     def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
+        raise NotImplementedError
+
+
+class ShiftRanks(_Renumbering):
+    """Survivors keep their order and close the gaps: each rank moves down by the number
+    of terminated ranks below it; the world size shrinks by the number terminated.
+
+    Called as ``(state, terminated)`` or, as NVIDIA 0.4's, with one ``RankAssignmentCtx``.
+    """
+
+    @staticmethod
+    def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
         _discard_if_terminated(state, terminated)
         below = sum(1 for r in terminated if r < state.rank)
         return _renumbered(state, state.rank - below, state.world_size - len(terminated))
@@ -182,7 +190,7 @@ class ShiftRanks:
         return "ShiftRanks()"
 
 
-class FillGaps:
+class FillGaps(_Renumbering):
     """Survivors below the new world size keep their rank; the ones at or above it take
     the terminated ranks below it, in order (the lowest mover the lowest gap).
 
@@ -192,15 +200,6 @@ class FillGaps:
     (docs/migrating.md); here a mover only ever takes a gap.  Called in either form, as
     ``ShiftRanks``.
     """
-
-    @overload
-    def __call__(self, state: RankAssignmentCtx, /) -> RankAssignmentCtx: ...
-    @overload
-    def __call__(self, state: State, terminated: Set[int], /) -> tuple[State, Set[int]]: ...
-    def __call__(
-        self, state: State | RankAssignmentCtx, terminated: Set[int] | None = None, /
-    ) -> tuple[State, Set[int]] | RankAssignmentCtx:
-        return _either_form(self._place, state, terminated)
 
     @staticmethod
     def _place(state: State, terminated: Set[int]) -> tuple[State, Set[int]]:
