@@ -57,3 +57,15 @@ def test_hostile_items_are_refused_in_one_line(raw: bytes, problem: str) -> None
 def test_an_item_that_is_no_archive_has_no_byte_order() -> None:
     with pytest.raises(CheckpointCorruptError, match="not an archive"):
         native_order(memoryview(b"garbage" * 10))
+
+
+def test_byte_order_of_an_item_without_zip_crc() -> None:
+    """The shard writer saves records without a CRC32 (zipfile's read would refuse them)."""
+    was = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        raw = _saved(torch.ones(8))
+    finally:
+        torch.serialization.set_crc32_options(was)
+    assert native_order(memoryview(raw))
+    assert not native_order(memoryview(raw.replace(b"little", b"big\0\0\0")))

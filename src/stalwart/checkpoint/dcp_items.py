@@ -15,6 +15,7 @@ usual read.
 from __future__ import annotations
 
 import io
+import struct
 import sys
 import warnings
 import zipfile
@@ -26,6 +27,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from .errors import CheckpointCorruptError
+
+#: A zip local file header (signature .. extra field length).
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")
 
 
 class BlobFile(io.RawIOBase):
@@ -79,10 +83,21 @@ def native_order(blob: memoryview) -> bool:
     without a byte-order record is, as ``torch.load`` assumes)."""
     try:
         with BlobFile(blob[:]) as f, zipfile.ZipFile(f) as z:
-            names = [n for n in z.namelist() if n.endswith("/byteorder")]
-            return not names or z.read(names[0]).decode("ascii", "replace") == sys.byteorder
+            infos = [i for i in z.infolist() if i.filename.endswith("/byteorder")]
     except (zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError) as exc:
         raise CheckpointCorruptError(f"a tensor item is not an archive: {exc}") from None
+    if not infos:
+        return True
+    # Read from its local header, not with ZipFile.read: that checks a CRC32, and the
+    # shard writer saves records without one (its own hash covers them).
+    at = infos[0].header_offset
+    head = bytes(blob[at : at + _LOCAL_HEADER.size])
+    if len(head) < _LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        raise CheckpointCorruptError("a tensor item's byte-order record has no header")
+    name_len, extra_len = _LOCAL_HEADER.unpack(head)[-2:]
+    start = at + _LOCAL_HEADER.size + name_len + extra_len
+    order = bytes(blob[start : start + infos[0].file_size])
+    return order.decode("ascii", "replace") == sys.byteorder
 
 
 def locate(blob: memoryview) -> ItemLayout | None:
