@@ -338,7 +338,11 @@ def restore_section(ns: argparse.Namespace, work: Path) -> int:
     before = _uptime()
     ckpt = work / "ckpt"
     ckpt.mkdir()
-    why = _launch([*_stalwart(work, ns), JOB, "restore", work, ckpt, ns.mib, ns.repeats], work, {})
+    # The loads are measured here, not hang detection: at load 27-43 a heartbeat
+    # timeout learned from the first steps judged a rank hung during the three 1.1 GiB
+    # saves, and with the one restart spent the section had no figure (twice).
+    cmd = [*_stalwart(work, ns), "--hb-timeout", "600"]
+    why = _launch([*cmd, JOB, "restore", work, ckpt, ns.mib, ns.repeats], work, {})
     after = _uptime()
     recs = _events(work)
     loads = [r for r in recs if r["kind"] == "load"]
