@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from stalwart.base.pgdevice import group_device
+
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
 from .dcp_ram import load_from_ram, local_segment
@@ -120,7 +122,8 @@ def verify_share(folder: Path, rank: int, world_size: int) -> None:
 def _agree_min(value: int, group: Any) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    # On the caller's group, which may be NCCL alone (no CPU tensors).
+    t = torch.tensor([value], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 

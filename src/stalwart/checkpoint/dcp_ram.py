@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
 from stalwart import runlog
+from stalwart.base.pgdevice import group_device
 
 from . import layout
 from . import ramlayout as rl
@@ -439,7 +440,7 @@ def rank_world(group: Any) -> tuple[int, int]:
 def _all_min(values: list[int], group: Any) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return values
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return [int(v) for v in t.tolist()]
 
@@ -450,7 +451,8 @@ def gather_offers(mine: bytes, group: Any) -> list[RamOffer | None]:
     _, world = rank_world(group)
     if world == 1:
         return [_checked(mine, 0, 1)]
-    length = torch.tensor([len(mine)], dtype=torch.int64)
+    dev = group_device(group)
+    length = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
     lengths = [torch.zeros_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(t.item()) for t in lengths]
@@ -458,12 +460,13 @@ def gather_offers(mine: bytes, group: Any) -> list[RamOffer | None]:
     buf = torch.zeros(width, dtype=torch.uint8)
     if len(mine) <= width:
         buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    buf = buf.to(dev)
     gathered = [torch.empty_like(buf) for _ in range(world)]
     if width:
         dist.all_gather(gathered, buf, group=group)
     out: list[RamOffer | None] = []
     for r, (t, n) in enumerate(zip(gathered, sizes, strict=True)):
-        raw = t.numpy().tobytes()[:n] if 0 <= n <= width else b"x" * (MAX_OFFER_BYTES + 1)
+        raw = t.cpu().numpy().tobytes()[:n] if 0 <= n <= width else b"x" * (MAX_OFFER_BYTES + 1)
         out.append(_checked(raw, r, world))
     return out
 
@@ -480,7 +483,8 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     """``data`` of rank ``src`` on every rank (collective; a world of one returns it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return data or b""
-    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dev = group_device(group)
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(length, group=group, group_src=src)
     n = int(length.item())
     if data is not None:
@@ -488,8 +492,9 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     else:
         buf = torch.empty(n, dtype=torch.uint8)
     if n:
+        buf = buf.to(dev)
         dist.broadcast(buf, group=group, group_src=src)
-    return buf.numpy().tobytes() if n else b""
+    return buf.cpu().numpy().tobytes() if n else b""
 
 
 def load_from_ram(
@@ -761,7 +766,8 @@ def exchange_extents(
         if problem or rows:
             raise CheckpointCorruptError(problem or "extents of other ranks' files wanted")
         return {}
-    count = torch.tensor([len(rows)], dtype=torch.int64)
+    dev = group_device(group)
+    count = torch.tensor([len(rows)], dtype=torch.int64, device=dev)
     counts = [torch.zeros_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
     width = max(int(c.item()) for c in counts)
@@ -770,10 +776,11 @@ def exchange_extents(
         mine = torch.full((width, _REQUEST_COLS), -1, dtype=torch.int64)
         if rows:
             mine[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        mine = mine.to(dev)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
         for r, (t, c) in enumerate(zip(gathered, counts, strict=True)):
-            requests[r] = t[: int(c.item())].tolist()
+            requests[r] = t[: int(c.item())].cpu().tolist()
     for req_rows in requests:
         for server, saved, file_no, offset, length in req_rows:
             if server != rank:
@@ -799,13 +806,13 @@ def exchange_extents(
                 data = files[f"__{saved}_{file_no}.distcp"]
                 payload[at : at + length] = data[offset : offset + length]
                 at += length
-            buf = torch.frombuffer(payload, dtype=torch.uint8)
+            buf = torch.frombuffer(payload, dtype=torch.uint8).to(dev)
         else:
-            buf = torch.empty(total, dtype=torch.uint8)
+            buf = torch.empty(total, dtype=torch.uint8, device=dev)
         dist.broadcast(buf, group=group, group_src=src)
         if not any(r == rank for r, _ in pieces):
             continue
-        raw = buf.numpy().tobytes()
+        raw = buf.cpu().numpy().tobytes()
         at = 0
         for r, (_, saved, file_no, offset, length) in pieces:
             if r == rank:
