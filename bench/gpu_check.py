@@ -248,6 +248,7 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
     stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
     rows: dict[str, list[tuple[float, float]]] = {}
     sources: list[str] = []
+    fresh_stagers = 0
 
     def note(name: str, stall: float, durable: float) -> None:
         rows.setdefault(name, []).append((stall, durable))
@@ -261,6 +262,11 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
         fut.result()
         note("dcp.async_save default", stall, time.perf_counter() - t0)
 
+        if not getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", 1):
+            # torch 2.11's async_save closes the stager it was given after the upload
+            # (2.13 keeps it): a closed one fails the next stage with KeyError(type).
+            stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+            fresh_stagers += 1
         t0 = time.perf_counter()
         resp = dcp.async_save(state, checkpoint_id=ckpt / f"astager-{rep}", async_stager=stager)
         stall = time.perf_counter() - t0
@@ -301,7 +307,10 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
             sources.append(cache)
         for name in (f"default-{rep}", f"astager-{rep}"):
             shutil.rmtree(ckpt / name, ignore_errors=True)
-    pinned = all(b.is_pinned() for b in saver.stager._buffers.values()) if cuda else None
+    # AdamW's step counters are CPU scalars (their buffers are not pinned): count the
+    # buffers of CUDA tensors, i.e. the ones with more than one element here.
+    big = [b for b in saver.stager._buffers.values() if b.numel() > 1]
+    pinned = f"{sum(b.is_pinned() for b in big)}/{len(big)}" if cuda else None
     saver.close()
     stager.close()
     med = {
@@ -315,6 +324,7 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
         stalwart_buffers_pinned=pinned,
         cache=sorted(set(sources)),
         repeats=repeats,
+        dcp_stagers_made_again=fresh_stagers,
     )
     dist.destroy_process_group()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -249,3 +250,36 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
     assert len(hashed) == 1, hashed
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def test_ram_keeps_the_metadata_as_written_when_torch_does_not_fill_the_callers_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's ``FileSystemWriter.finish`` (seen on a lent GPU machine) writes the
+    storage table into the file but not into the Metadata object DCP hands the writer;
+    the RAM copy must be the metadata as written, or no restore from RAM can use it."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.dcp_ram import load_from_ram
+
+    finish = FileSystemWriter.finish
+
+    def on_a_copy(self: FileSystemWriter, metadata: Any, results: Any) -> None:
+        finish(self, copy.deepcopy(metadata), results)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", on_a_copy)
+    path = _segment(tmp_path)
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+    seg = RamSegment.open(path)
+    try:
+        sdcp.save(state, tmp_path / "ckpt", 1, ram=seg)
+    finally:
+        seg.close()
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))
+    into = {"w": torch.zeros(1 << 12)}
+    assert load_from_ram(into, tmp_path / "ckpt", 1) == 1
+    assert torch.equal(into["w"], state["w"])

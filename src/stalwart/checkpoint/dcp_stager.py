@@ -101,14 +101,12 @@ class ReusingStager(AsyncStager):
             local = obj.to_local().detach()
             buf = self._buffer(key, local)
             copies.append((buf, local))
-            return DTensor.from_local(
-                buf,
-                obj.device_mesh,
-                obj.placements,
-                run_check=False,
-                shape=obj.shape,
-                stride=obj.stride(),
-            )
+            # Not DTensor.from_local: on a CUDA mesh it moves a CPU local tensor back to
+            # the GPU, copying the buffer *now*, before the background copy fills it, so
+            # the save held stale bytes (seen on an H100: every restored tensor differed)
+            # and the state took GPU memory twice. torch's own CPU staging keeps the
+            # spec and swaps the local tensor the same way.
+            return DTensor(buf, obj._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
             buf = self._buffer(key, src)

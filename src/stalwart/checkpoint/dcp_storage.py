@@ -382,6 +382,12 @@ class DcpWriter(FileSystemWriter):
             remove_tree(self.folder)
             raise
         self._after_commit()
+        if self.ram_segment is not None and self._mine is not None:
+            # The metadata as written, not the object DCP handed us: torch 2.13's
+            # FileSystemWriter.finish fills the caller's object with the storage table,
+            # 2.11's (seen on a lent GPU machine) does not, and RAM then held metadata
+            # "without its tables" that no restore could use.
+            metadata = read_metadata(self.folder / METADATA_NAME)
         self._keep_in_ram(metadata)
 
     def _keep_in_ram(self, metadata: Metadata | None) -> None:
