@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +304,11 @@ def test_the_writer_reports_offsets_and_checksums_of_what_it_wrote(tmp_path: Pat
     off, length = w.extents[1]
     assert off == 3 and off + length == len(data) == w.entry.size
     assert torch.equal(torch.load(io.BytesIO(data[off : off + length])), t)
+    # No zip CRC32 per record (the file's own checksum covers those bytes), and the
+    # process's torch.save setting is left as it was.
+    with zipfile.ZipFile(io.BytesIO(data[off : off + length])) as z:
+        assert [i.CRC for i in z.infolist()] == [0] * len(z.infolist())
+    assert torch.serialization.get_crc32_options()
     from stalwart.checkpoint.manifest import file_checksum
 
     assert file_checksum(tmp_path / "__0_0.distcp", w.entry.algorithm) == (

@@ -80,12 +80,20 @@ class ShardFileWriter:
     ) -> list[WrittenFile]:
         folder = Path(path)
         opened: list[tuple[str, HashingFile, tuple[tuple[int, int], ...]]] = []
+        crc32 = torch.serialization.get_crc32_options()
         try:
+            # Each file is hashed as written and that checksum is verified at load, so
+            # the zip CRC32 torch.save computes per record is a second checksum of the
+            # same bytes, and the slower one: 0.57 s per 256 MiB against 0.22 s for the
+            # hash (measured, load 18). torch.load (and so dcp.load) reads records
+            # without one.
+            torch.serialization.set_crc32_options(False)
             for name, datas in state_dict[FILES_KEY]:
                 if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
                     raise ValueError(f"shard file name {name!r}: expected a plain file name")
                 raw = HashingFile(folder / name, new_hasher(self.algorithm))
                 opened.append((name, raw, _write_items(raw, datas)))
+            torch.serialization.set_crc32_options(crc32)
             # The shared buffer is read no more: the rank may stage its next save
             # while these files reach the disk.
             release()
@@ -96,6 +104,7 @@ class ShardFileWriter:
                 written.append(WrittenFile(name, extents, entry))
             return written
         finally:
+            torch.serialization.set_crc32_options(crc32)
             for opened_file in opened:
                 opened_file[1].close()
 
