@@ -2,8 +2,10 @@
 
 Three simulated hosts (network namespaces) run a small DDP job on gloo
 (``health_goodput_job.py``, which never imports stalwart) as an elastic job with a spare
-(``--nnodes 2:3``, c10d, ``--max-restarts 4``); one host is bad:
+(``--nnodes 2:3``, c10d, ``--max-restarts 4``); in each scenario but ``healthy`` one
+host is bad:
 
+* ``healthy``: no bad host: the reference a job with a bad node is measured against;
 * ``slow``: its launcher (and so its workers) sits in a cgroup held to 20 % of one CPU
   (``--throttle``);
 * ``failing``: its worker exits 7 at step 5 of every attempt.
@@ -12,9 +14,27 @@ Each scenario runs under torchrun (the anchor: no checks, no quarantine), stalwa
 without checks (``--quarantine-after off``) and stalwart with ``--node-health`` (and the
 default quarantine, 3 of the last 5), side by side in every repeat.  Printed per
 scenario and launcher: how often the job finished its steps, the wall time from the
-start to the two good launchers' exit, the goodput (the finished attempt's training
-time, from the workers' own stamps, over that wall time), stalwart's own productive
-share of node 0's run (``stalwart report --json``), and the attempts node 0 started.
+start to the two good launchers' exit, and three ratios that answer different
+questions:
+
+* **goodput**: useful work per wall-clock second, in units of a healthy job's work:
+  the steps the job completed (all of them when it finished, none when it did not: the
+  job keeps no checkpoint) times a healthy run's time per step (the median over this
+  bench run's ``healthy`` runs, from the workers' own stamps), over the wall time.  A
+  job that finishes sooner has the higher goodput, whatever it ran on;
+* **training share of wall**: the finished attempt's training time (workers' stamps)
+  over the wall time: how much of the wall the job spent stepping, at whatever pace.
+  A job slowed by a straggler spends *more* of its wall training, so this share rises
+  as the job gets slower: it is not goodput in the sense above;
+* **stalwart report productive share**: ``stalwart report --json``'s ``goodput`` for
+  node 0's run, the same kind of share (productive time over node 0's launcher wall).
+
+For the slow node with ``--node-health`` it also prints where the first round's close
+waited for it: from node 0's and the slow node's events, the slow launcher's first record
+(``launcher_start``: its own start-up at its CPU share is over), its check
+(``health_checked``), its exclusion (``node_excluded`` on node 0) and node 0's
+``rendezvous_done`` (the round sealed), in seconds after the bench started the launchers.
+(A failing node is not kept out by its check: it fails at step 5 and is quarantined.)
 
 Needs root.  ``python bench/bench_health_goodput.py [--repeats 3] [--steps 300] [--markdown]``
 """
@@ -30,10 +50,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -52,19 +73,42 @@ CONF = (
     "join_timeout=120,close_timeout=5"
 )
 LAUNCHERS = ("torchrun", "stalwart", "stalwart --node-health")
-SCENARIOS = ("slow", "failing")
+SCENARIOS = ("healthy", "slow", "failing")
 BAD = 2  # the index of the bad host
+
+
+@dataclass
+class Phases:
+    """When (seconds after the launchers' start) the first round's close got past the
+    bad node; None where the events do not say."""
+
+    bad_started: float | None  # the bad node's launcher_start
+    own_checked: float | None  # node 0's health_checked (its own check over)
+    bad_checked: float | None  # the bad node's health_checked (its report final)
+    excluded: float | None  # node 0's node_excluded for round 0
+    sealed: float | None  # node 0's rendezvous_done for round 0
+    bad_check_s: float | None  # the bad node's whole check (its ``seconds`` + link time)
 
 
 @dataclass
 class Run:
     finished: bool
     wall: float
-    goodput: float  # the finished attempt's training time / wall (0 when unfinished)
+    steps: int  # steps the job completed: all when it finished, else none is kept
+    step_s: float | None  # time per step, the finished attempt's (workers' stamps)
+    share: float  # the finished attempt's training time / wall (0 when unfinished)
     reported: float | None  # stalwart's productive / its wall on node 0
     attempts: int
     kept_out: int  # node_excluded + node_quarantined events on node 0
     load: float
+    phases: Phases | None
+
+    def goodput(self, healthy_step_s: float | None) -> float | None:
+        """Useful work per wall second, in a healthy job's step time (None: no
+        reference)."""
+        if healthy_step_s is None or self.wall <= 0:
+            return None
+        return self.steps * healthy_step_s / self.wall
 
 
 @contextmanager
@@ -119,6 +163,7 @@ def one_run(
     load = os.getloadavg()[0]
     endpoint = f"{hosts[0].addr}:{free_port()}"
     rdzv_id = f"hg{time.monotonic_ns()}"
+    started = time.time()  # the events' clock
     t0 = time.monotonic()
     procs = []
     for i, h in enumerate(hosts):
@@ -161,7 +206,7 @@ def one_run(
     kept = max(d["end"] for d in done) - min(d["start"] for d in done) if finished else 0.0
     starts = work / "starts_0"
     attempts = len(starts.read_text().split()) if starts.exists() else 0
-    reported, kept_out = None, 0
+    reported, kept_out, phases = None, 0, None
     if launcher != "torchrun":
         events = next((work / "logs0").glob("*/events.jsonl"), None)
         if events is not None:
@@ -172,7 +217,58 @@ def one_run(
                 kept_out += (
                     '"event":"node_excluded"' in line or '"event":"node_quarantined"' in line
                 )
-    return Run(finished, wall, kept / wall, reported, attempts, kept_out, load)
+        if launcher.endswith("--node-health") and scenario == "slow":
+            phases = round_phases(work, started)
+    return Run(
+        finished, wall, steps if finished else 0, kept / steps if finished else None,
+        kept / wall, reported, attempts, kept_out, load, phases,
+    )  # fmt: skip
+
+
+def _events(path: Path | None) -> list[dict[str, Any]]:
+    if path is None:
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and isinstance(ev.get("time"), int | float):
+            out.append(ev)
+    return out
+
+
+def round_phases(work: Path, started: float) -> Phases:
+    """Where round 0's close waited for the bad node, from node 0's and its events."""
+    node0 = _events(next((work / "logs0").glob("*/events.jsonl"), None))
+    bad = _events(next((work / f"logs{BAD}").glob("*/events.jsonl"), None))
+
+    def first(evs: list[dict[str, Any]], kind: str, **match: object) -> dict[str, Any] | None:
+        hits = [
+            e for e in evs if e["event"] == kind and all(e.get(k) == v for k, v in match.items())
+        ]
+        return min(hits, key=lambda e: float(e["time"])) if hits else None
+
+    def at(ev: dict[str, Any] | None) -> float | None:
+        return None if ev is None else float(ev["time"]) - started
+
+    checked = first(bad, "health_checked", attempt=0)
+    check_s = None
+    if checked is not None:
+        check_s = float(checked.get("seconds") or 0) + float(checked.get("links_s") or 0)
+    return Phases(
+        bad_started=at(first(bad, "launcher_start")),
+        own_checked=at(first(node0, "health_checked", attempt=0)),
+        bad_checked=at(checked),
+        excluded=at(first(node0, "node_excluded", attempt=0)),
+        sealed=at(first(node0, "rendezvous_done", attempt=0)),
+        bad_check_s=check_s,
+    )
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
 def main() -> int:
@@ -209,15 +305,20 @@ def main() -> int:
                         run = one_run(sc, la, hosts, base / tag, ns.steps, cgroup)
                         runs.setdefault((sc, la), []).append(run)
                         print(f"[{r + 1}/{ns.repeats}] {sc:8} {la:24} finished={run.finished} "
-                              f"wall {run.wall:.1f} s goodput {run.goodput:.2f} "
-                              f"reported {fmt(run.reported, '', 2)} attempts {run.attempts} "
-                              f"kept out {run.kept_out} load {run.load:.1f}", flush=True)  # fmt: skip
+                              f"wall {run.wall:.1f} s step {fmt(run.step_s, 's', 4)} "
+                              f"share {run.share:.2f} reported {fmt(run.reported, '', 2)} "
+                              f"attempts {run.attempts} kept out {run.kept_out} "
+                              f"load {run.load:.1f} {run.phases or ''}", flush=True)  # fmt: skip
     finally:
         net.close()
         if ns.keep:
             print(f"run folders kept in {base}")
         else:
             shutil.rmtree(base, ignore_errors=True)
+    healthy = [x.step_s for la in launchers for x in runs.get(("healthy", la), [])]
+    ref = med([s for s in healthy if s is not None])
+    print(f"healthy step time (median of {len(healthy)} healthy runs' finished attempts): "
+          f"{fmt(ref, 's', 4)}")  # fmt: skip
     rows = []
     for sc in scenarios:
         anchor = med([x.wall for x in runs.get((sc, "torchrun"), [])])
@@ -225,20 +326,45 @@ def main() -> int:
             rs = runs[(sc, la)]
             wall = med([x.wall for x in rs])
             reported = [x.reported for x in rs if x.reported is not None]
+            good = [g for x in rs if (g := x.goodput(ref)) is not None]
             rows.append([
                 sc, la, f"{sum(x.finished for x in rs)}/{len(rs)}", fmt(wall),
-                ratio(wall, anchor), f"{100 * (med([x.goodput for x in rs]) or 0):.0f}%",
-                f"{100 * m:.0f}%" if (m := med(reported)) is not None else "n/a",
-                " ".join(str(x.attempts) for x in rs), " ".join(str(x.kept_out) for x in rs),
-                " ".join(f"{x.load:.1f}" for x in rs),
+                ratio(wall, anchor), pct(med(good)), pct(med([x.share for x in rs])),
+                pct(med(reported)), " ".join(str(x.attempts) for x in rs),
+                " ".join(str(x.kept_out) for x in rs), " ".join(f"{x.load:.1f}" for x in rs),
             ])  # fmt: skip
     show(
         f"one bad node of 3 (--nnodes 2:3), {ns.steps} steps: goodput with and without checks",
         ["bad node", "launcher", "finished", "median wall", "wall ÷ torchrun",
-         "goodput (job's stamps)", "stalwart report goodput", "attempts per run",
-         "kept out per run", "load (1 min) per run"],
+         "goodput (steps × healthy step ÷ wall)", "training share of wall (job's stamps)",
+         "stalwart report productive share", "attempts per run", "kept out per run",
+         "load (1 min) per run"],
         rows, ns.markdown,
     )  # fmt: skip
+    waits = []
+    for sc in scenarios:
+        rs = [x.phases for x in runs.get((sc, "stalwart --node-health"), []) if x.phases]
+        if not rs:
+            continue
+
+        def col(f: Callable[[Phases], float | None], rs: list[Phases] = rs) -> str:
+            return fmt(med([v for p in rs if (v := f(p)) is not None]))
+
+        waits.append([
+            sc, str(len(rs)), col(lambda p: p.bad_started), col(lambda p: p.bad_check_s),
+            col(lambda p: p.own_checked), col(lambda p: p.bad_checked),
+            col(lambda p: p.excluded), col(lambda p: p.sealed),
+            col(lambda p: None if p.sealed is None or p.own_checked is None
+                else p.sealed - p.own_checked),
+        ])  # fmt: skip
+    if waits:
+        show(
+            "round 0 with --node-health: seconds after the launchers' start (medians)",
+            ["bad node", "runs", "bad launcher's first record", "bad node's check took",
+             "node 0 checked", "bad node checked", "excluded (node 0)", "round sealed",
+             "sealed − node 0 checked"],
+            waits, ns.markdown,
+        )  # fmt: skip
     return 0
 
 

@@ -11,7 +11,10 @@ MODE ``plain`` (under torchrun; never imports stalwart) or ``stalwart`` (under
 or stalwart's ``dcp.save`` with its RAM copy) and rank 1 SIGKILLs itself right after
 it; the restarted job loads the newest step (plain: the newest folder with DCP's
 metadata; stalwart: ``load_newest``) and trains two more steps. Rank 0 appends a line
-per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the wall time.
+per event to ``OUT/events.jsonl`` (``crash``, ``restored``, ``step``) with the wall time;
+every rank appends one per stage to ``OUT/stages.jsonl`` (its process made, the script's
+first line, imports, process group, model, restore, each step's forward, backward and
+optimizer step) with the wall time and its CPU seconds so far, for the bench's breakdown.
 
 MODE ``restore`` (under ``stalwart run --ckpt-ram``): the first attempt saves step 1
 three ways (plain ``dcp.save``; stalwart's ``save`` without and with the RAM copy), and
@@ -26,13 +29,18 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from fsdp_common import App, complete_steps, shard
-from torch.distributed.checkpoint.state_dict import get_state_dict
+SCRIPT_T, SCRIPT_CPU = time.time(), time.process_time()
+# Forked from a template that had torch imported (stalwart's warm start), or not.
+WARM = "torch" in sys.modules
+
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from fsdp_common import App, complete_steps, shard  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 mode, out, ckpt, mib, arg = (
     sys.argv[1],
@@ -43,9 +51,43 @@ mode, out, ckpt, mib, arg = (
 )
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 SIDE = 2048
+env_rank = int(os.environ["RANK"])
+timed = mode in ("plain", "stalwart")  # the crash section's modes; not the restore one
 
+
+def stage(name: str, t: float | None = None, cpu: float | None = None) -> None:
+    """One line per rank and stage in OUT/stages.jsonl (the bench's breakdown): wall
+    time, the same clock under both launchers."""
+    rec = {
+        "rank": env_rank,
+        "attempt": attempt,
+        "stage": name,
+        "t": time.time() if t is None else t,
+        # This process's CPU seconds (every thread, since the fork that made it), which a
+        # loaded host does not stretch.
+        "cpu": time.process_time() if cpu is None else cpu,
+    }
+    fd = os.open(out / "stages.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+if timed:
+    # When the kernel made this process (a fork: the launcher's, or the template's), to
+    # its 10 ms tick: /proc's start time counts from boot (psutil's create_time adds the
+    # boot time, which /proc/stat gives in whole seconds only).
+    with open("/proc/self/stat") as f:
+        started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+    stage("process", time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started), 0.0)
+    stage("script", SCRIPT_T, SCRIPT_CPU)
+    stage("torch_preimported" if WARM else "torch_not_preimported", SCRIPT_T, SCRIPT_CPU)
+    stage("imported")
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if timed:
+    stage("process_group")
 
 
 def log(**rec: object) -> None:
@@ -60,12 +102,23 @@ model = shard(
     torch.nn.Sequential(*[torch.nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
 )
 optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+if timed:
+    stage("model")
 
 
-def train_step() -> None:
-    model(torch.randn(4, SIDE)).square().mean().backward()
+def train_step(step: int = 0) -> None:
+    if timed:
+        stage(f"step{step}_start")
+    loss = model(torch.randn(4, SIDE)).square().mean()
+    if timed:
+        stage(f"step{step}_forward")
+    loss.backward()
+    if timed:
+        stage(f"step{step}_backward")
     optim.step()
     optim.zero_grad()
+    if timed:
+        stage(f"step{step}_optimizer")
 
 
 def local_sums() -> list[float]:
@@ -97,9 +150,10 @@ if mode in ("plain", "stalwart"):
 
             step = sdcp.load_newest(state, ckpt) or 0
         log(kind="restored", step=step)
+        stage("restored")
     while step < arg + 2:
         step += 1
-        train_step()
+        train_step(step)
         dist.barrier()
         log(kind="step", step=step)
         if attempt == 0 and step == arg:

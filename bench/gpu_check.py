@@ -17,6 +17,15 @@ Modes:
   inprocess  ``stalwart.inprocess.Wrapper`` over an NCCL group: a fault in the first
              iteration aborts the communicators and the second iteration runs a
              collective on a fresh group.
+  dcpbench   issue 23's figures on the device: an FSDP2 model + AdamW of --mib MiB of
+             parameters (x3 with the moments) in CUDA memory, one rank under
+             ``stalwart run --ckpt-ram``; per repeat, the stall and time to durable of
+             dcp.async_save (default; with DCP's asynchronous stager from pinned memory)
+             and stalwart's AsyncDcpSaver (reusing pinned buffers, writer subprocess), a
+             plain fsync'd write of the same bytes, then restores into the CUDA state:
+             dcp.load from disk (page cache dropped where allowed), plain
+             dcp.load(storage_reader=DcpReader(...)) (from RAM) and load_newest, each
+             checked bit for bit against the state saved. Prints medians.
   hang       2 ranks, no stalwart import, no timeout configured: rank 1 falls asleep in
              its own code before the step's all-reduce in attempt 0 while rank 0 waits
              in the all-reduce and a device synchronise (where NCCL makes the waiting
@@ -40,10 +49,12 @@ from torch import nn
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["env", "ddp", "dcp", "inprocess", "hang"])
+    p.add_argument("mode", choices=["env", "ddp", "dcp", "dcpbench", "inprocess", "hang"])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--ckpt", type=Path, default=Path("/tmp/gpu_check_ckpt"))
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--mib", type=int, default=512, help="dcpbench: parameter MiB")
+    p.add_argument("--repeats", type=int, default=3, help="dcpbench: repeats")
     return p.parse_args()
 
 
@@ -76,6 +87,9 @@ def mode_env(device: torch.device) -> None:
     if device.type == "cuda":
         seen["gpu"] = torch.cuda.get_device_name(device)
         seen["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    shm = os.statvfs("/dev/shm")
+    seen["dev_shm_free_gib"] = round(shm.f_bavail * shm.f_frsize / 2**30, 1)
+    seen["cpus"] = os.cpu_count()
     _report("env", **seen)
 
 
@@ -163,6 +177,158 @@ def mode_dcp(device: torch.device, ckpt: Path) -> None:
     dist.destroy_process_group()
 
 
+def _drop_cache(folder: Path) -> str:
+    """Evict the checkpoint files from the page cache (the whole cache when allowed)."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "drop_caches"
+    except OSError:
+        for f in folder.rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+        return "fadvise"
+
+
+def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> None:
+    import shutil
+    import statistics
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint import layout
+    from stalwart.checkpoint.dcp_storage import DcpReader
+
+    # dcp.async_save needs a CPU backend beside NCCL (torch asserts it), as torchtitan
+    # sets up; the dcp mode keeps NCCL alone, as most FSDP2 examples do.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
+    side = 4096
+    layers = max(1, round(mib * 2**20 / (side * side * 4)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(layers)]).to(device)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(8, side, device=device)).sum().backward()
+    optim.step()
+    m, o = get_state_dict(model, optim)
+    state = {"model": m, "optim": o}
+    tensors = [*m.values(), *[v for s in o["state"].values() for v in s.values()]]
+    locals_ = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    locals_ = [t for t in locals_ if isinstance(t, torch.Tensor) and t.dim() > 0]
+    nbytes = sum(t.numel() * t.element_size() for t in locals_)
+    reference = [t.detach().cpu().clone() for t in locals_]
+    on = {str(t.device) for t in locals_}
+
+    def same() -> bool:
+        return all(torch.equal(a.cpu(), b) for a, b in zip(locals_, reference, strict=True))
+
+    def spoil() -> None:
+        with torch.no_grad():
+            for t in locals_:
+                t.fill_(-1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    root = ckpt / "stalwart"
+    saver = sdcp.AsyncDcpSaver(root, keep_last=2)
+    if saver.shard_process is not None:
+        saver.shard_process.wait_ready(timeout=300)
+    cuda = device.type == "cuda"
+    stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+    rows: dict[str, list[tuple[float, float]]] = {}
+    sources: list[str] = []
+    fresh_stagers = 0
+
+    def note(name: str, stall: float, durable: float) -> None:
+        rows.setdefault(name, []).append((stall, durable))
+
+    for rep in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=ckpt / f"default-{rep}")
+        stall = time.perf_counter() - t0
+        fut.result()
+        note("dcp.async_save default", stall, time.perf_counter() - t0)
+
+        if not getattr(getattr(stager, "_state_dict_stager", None), "_deepcopy_dispatch", 1):
+            # torch 2.11's async_save closes the stager it was given after the upload
+            # (2.13 keeps it): a closed one fails the next stage with KeyError(type).
+            stager = DefaultStager(StagingOptions(cuda, False, True, cuda))
+            fresh_stagers += 1
+        t0 = time.perf_counter()
+        resp = dcp.async_save(state, checkpoint_id=ckpt / f"astager-{rep}", async_stager=stager)
+        stall = time.perf_counter() - t0
+        resp.upload_completion.result()  # type: ignore[union-attr]
+        note("dcp.async_save async stager (pinned)", stall, time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        _staged, done = saver.save(state, rep + 1)
+        stall = time.perf_counter() - t0
+        done.result()
+        note("stalwart AsyncDcpSaver", stall, time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        with open(ckpt / "raw", "wb") as f:
+            for t in locals_:
+                f.write(memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+        took = time.perf_counter() - t0
+        note("plain write + fsync", took, took)
+
+        for name in ("dcp.load (disk)", "dcp.load + DcpReader (RAM)", "stalwart load_newest"):
+            spoil()
+            cache = _drop_cache(ckpt)
+            t0 = time.perf_counter()
+            if name == "dcp.load (disk)":
+                dcp.load(state, checkpoint_id=ckpt / f"default-{rep}")
+            elif name == "stalwart load_newest":
+                sdcp.load_newest(state, root)
+            else:
+                dcp.load(state, storage_reader=DcpReader(layout.step_dir(root, rep + 1)))
+            if cuda:
+                torch.cuda.synchronize(device)
+            took = time.perf_counter() - t0
+            if not same():
+                sys.exit(f"gpu_check dcpbench: {name} restored a state unlike the saved one")
+            note(name, took, took)
+            sources.append(cache)
+        for name in (f"default-{rep}", f"astager-{rep}"):
+            shutil.rmtree(ckpt / name, ignore_errors=True)
+    # AdamW's step counters are CPU scalars (their buffers are not pinned): count the
+    # buffers of CUDA tensors, i.e. the ones with more than one element here.
+    big = [b for b in saver.stager._buffers.values() if b.numel() > 1]
+    pinned = f"{sum(b.is_pinned() for b in big)}/{len(big)}" if cuda else None
+    saver.close()
+    stager.close()
+    med = {
+        k: [round(statistics.median(x[i] for x in v), 4) for i in (0, 1)] for k, v in rows.items()
+    }
+    print(f"gpu_check dcpbench rows (median stall s, median durable-or-load s): {json.dumps(med)}")
+    _report(
+        "dcpbench",
+        state_gib=round(nbytes / 2**30, 2),
+        tensors_on=sorted(on),
+        stalwart_buffers_pinned=pinned,
+        cache=sorted(set(sources)),
+        repeats=repeats,
+        dcp_stagers_made_again=fresh_stagers,
+    )
+    dist.destroy_process_group()
+
+
 def mode_inprocess(device: torch.device) -> None:
     from stalwart.inprocess import Call, Wrapper
 
@@ -224,6 +390,8 @@ def main() -> None:
         mode_ddp(device, args.ckpt, args.steps)
     elif args.mode == "dcp":
         mode_dcp(device, args.ckpt)
+    elif args.mode == "dcpbench":
+        mode_dcpbench(device, args.ckpt, args.mib, args.repeats)
     elif args.mode == "hang":
         mode_hang(device, args.steps)
     else:

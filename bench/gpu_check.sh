@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every NCCL/CUDA path of stalwart, on a lent GPU machine, in well under 10 minutes.
 #
-#   bash bench/gpu_check.sh                 # on the GPU machine (results under $OUT or /tmp)
+#   bash bench/gpu_check.sh                 # on the GPU machine (logs in /tmp/gpu_check/run;
+#                                           # a tarball of them in $OUT when set)
 #   GPU_CHECK_DEVICE=cpu bash bench/gpu_check.sh   # the same logic on gloo/CPU, anywhere
 #
 # The GPU image has torch but maybe not stalwart's small dependencies: wheels for them
@@ -11,7 +12,9 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 DEV=${GPU_CHECK_DEVICE:-cuda}
-RES=${OUT:-/tmp/gpu_check}/gpu_check
+# Logs and checkpoints on the machine's own disk; under $OUT (the device tool's folder
+# that comes back) only a tarball of the logs, written at the end.
+RES=/tmp/gpu_check/run
 rm -rf "$RES" && mkdir -p "$RES"
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl \
@@ -40,6 +43,23 @@ check ddp 180 "${run[@]}" --max-restarts 1 --inject crash:rank=0,step=35 \
 grep -q '"attempt": 1, "resumed_from": 30' "$RES/ddp.log" \
   || { echo "FAIL ddp: expected attempt 1 resumed from step 30"; failed=1; }
 check dcp 180 "${run[@]}" bench/gpu_check.py dcp --device "$DEV" --ckpt "$RES/ckpt_dcp"
+# Issue 23 on the device: FSDP2 + AdamW state in CUDA memory, saved through DCP and
+# stalwart (pinned staging buffers), restored from disk and from the launcher's RAM, each
+# restore equal to the save; prints the medians. Smaller on CPU.
+if [ "$DEV" = cuda ]; then mib=${GPU_CHECK_MIB:-512}; else mib=${GPU_CHECK_MIB:-32}; fi
+check dcpbench 300 "$PY" -m stalwart.cli run --nproc-per-node 1 --ckpt-ram 3GiB \
+  --log-dir "$RES/runs_dcpbench" bench/gpu_check.py dcpbench --device "$DEV" \
+  --ckpt "$RES/ckpt_dcpbench" --mib "$mib" --repeats 3
+grep "dcpbench rows" "$RES/dcpbench.log" | sed 's/^/    /'
+"$PY" - "$RES/runs_dcpbench" <<'PYEOF' || failed=1
+import json, pathlib, sys
+evs = [json.loads(x) for f in pathlib.Path(sys.argv[1]).glob("*/events.jsonl")
+       for x in f.read_text().splitlines()]
+src = [e.get("source") for e in evs if e["event"] == "checkpoint_restored"]
+ok = len(src) == 6 and set(src) == {"ram"}
+print(("PASS" if ok else "FAIL") + f" dcpbench restores reported by the launcher: {src}")
+sys.exit(0 if ok else 1)
+PYEOF
 check inprocess 120 "${run[@]}" bench/gpu_check.py inprocess --device "$DEV"
 # A rank asleep before the all-reduce, nothing configured: found from the learned rhythm,
 # rank 1 blamed (rank 0 waits in the all-reduce / device synchronise), attempt 1 finishes.
@@ -68,4 +88,7 @@ grep -q '"event": *"node_excluded"' "$RES"/runs/*/events.jsonl 2>/dev/null \
 # The collective link check's process: one per GPU on NCCL (one GPU: a one-rank NCCL
 # group), each must conclude and blame nobody; on CPU, three on gloo.
 check health_links 180 "$PY" bench/gpu_links.py --device "$DEV"
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu_check_logs.tgz" --exclude='ckpt_*' -C /tmp/gpu_check run 2>/dev/null
+fi
 exit $failed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -194,7 +195,8 @@ def test_hostile_heads_are_skipped(tmp_path: Path, head: bytes) -> None:
     assert find_all_shards(path.parent, "/r") == []
 
 
-def test_checksum_mismatch_is_skipped_and_a_good_set_found(tmp_path: Path) -> None:
+def test_checksum_mismatch_is_found_by_verify(tmp_path: Path) -> None:
+    """find_all_shards reads heads only; the data's checksum is the server's to check."""
     path = _segment(tmp_path)
     seg = RamSegment.open(path)
     try:
@@ -204,13 +206,19 @@ def test_checksum_mismatch_is_skipped_and_a_good_set_found(tmp_path: Path) -> No
     finally:
         seg.close()
     (held,) = find_all_shards(path.parent, "/r")
+    held.verify()
     held.close()
     assert (held.index.step, held.index.rank, held.index.world_size) == (3, 1, 2)
     with open(path, "r+b") as f:
         at = rl.data_offset(held.slot, rl.slot_capacity(os.fstat(f.fileno()).st_size))
         f.seek(at + held.record.tensor_offset + 50)
         f.write(b"\x01")
-    assert find_all_shards(path.parent, "/r") == []
+    (held,) = find_all_shards(path.parent, "/r")
+    try:
+        with pytest.raises(CheckpointCorruptError, match="checksum"):
+            held.verify()
+    finally:
+        held.close()
 
 
 def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
@@ -249,3 +257,124 @@ def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
     assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
     assert len(hashed) == 1, hashed
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+
+
+def _two_steps(tmp_path: Path, state: dict[str, object]) -> tuple[Path, Path]:
+    """Steps 1 and 2 of one root in RAM, in two segments of the node; the root."""
+    from stalwart.checkpoint import dcp as sdcp
+
+    path = _segment(tmp_path)
+    second = path.parent / rl.segment_name(1)
+    second.write_bytes(b"")
+    os.truncate(second, path.stat().st_size)
+    second.chmod(0o600)
+    root = tmp_path / "ckpt"
+    for step, where in ((1, second), (2, path)):
+        seg = RamSegment.open(where)
+        try:
+            sdcp.save(state, root, step, ram=seg, keep_last=None)  # type: ignore[arg-type]
+        finally:
+            seg.close()
+    return path, root
+
+
+def test_restore_from_ram_hashes_only_what_it_serves_and_copies_each_item_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the served shard set is hashed (the node's older set of the same root is not:
+    the loader before hashed every set on the node), and each tensor item goes straight
+    from the slot into its destination: no torch.load materialises it (DCP's reader
+    loads every item into fresh memory, then copies it again). A destination of another
+    dtype still loads, DCP's way."""
+    import torch
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from stalwart.checkpoint import dcp_ram
+    from stalwart.checkpoint.dcp_ram import load_from_ram
+
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32), "b": torch.ones(3)}
+    path, root = _two_steps(tmp_path, state)
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))
+    hashed: list[int] = []
+    verify = RamSegment.verify
+
+    def counting(self: RamSegment, slot: int, record: rl.CommitRecord) -> None:
+        hashed.append(record.step)
+        verify(self, slot, record)
+
+    materialised: list[object] = []
+    real_load = torch.load
+
+    def load(*args: object, **kw: object) -> object:
+        if kw.get("map_location") != "meta":
+            materialised.append(kw.get("map_location"))
+        return real_load(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RamSegment, "verify", counting)
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(dcp_fs.torch, "load", load)
+    into = {"w": torch.zeros(1 << 16), "b": torch.zeros(3)}
+    assert load_from_ram(into, root, 2) == 2
+    assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
+    assert hashed == [2]
+    assert materialised == []
+    converted = {"w": torch.zeros(1 << 16, dtype=torch.float64), "b": torch.zeros(3)}
+    assert load_from_ram(converted, root, 2) == 2
+    assert torch.equal(converted["w"], state["w"].double())
+    assert len(materialised) == 1  # the converted item only
+    assert dcp_ram.MAX_ROUNDS >= 2
+
+
+def test_a_served_set_that_does_not_verify_is_dropped_and_an_older_one_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newest set in RAM is torn: its server finds out when it hashes it, and the
+    ranks plan again without it (the older whole step; disk holds nothing newer)."""
+    import torch
+
+    from stalwart.checkpoint.dcp_ram import load_from_ram
+
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+    path, root = _two_steps(tmp_path, state)
+    (newest,) = [h for h in find_all_shards(path.parent, str(root)) if h.index.step == 2]
+    newest.close()
+    with open(path, "r+b") as f:
+        at = rl.data_offset(newest.slot, rl.slot_capacity(os.fstat(f.fileno()).st_size))
+        f.seek(at + newest.record.tensor_offset + 7)
+        f.write(b"\xff")
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))
+    into = {"w": torch.zeros(1 << 12)}
+    assert load_from_ram(into, root, 1) == 1
+
+
+def test_ram_keeps_the_metadata_as_written_when_torch_does_not_fill_the_callers_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's ``FileSystemWriter.finish`` (seen on a lent GPU machine) writes the
+    storage table into the file but not into the Metadata object DCP hands the writer;
+    the RAM copy must be the metadata as written, or no restore from RAM can use it."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from stalwart.checkpoint import dcp as sdcp
+    from stalwart.checkpoint.dcp_ram import load_from_ram
+
+    finish = FileSystemWriter.finish
+
+    def on_a_copy(self: FileSystemWriter, metadata: Any, results: Any) -> None:
+        finish(self, copy.deepcopy(metadata), results)
+
+    monkeypatch.setattr(FileSystemWriter, "finish", on_a_copy)
+    path = _segment(tmp_path)
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+    seg = RamSegment.open(path)
+    try:
+        sdcp.save(state, tmp_path / "ckpt", 1, ram=seg)
+    finally:
+        seg.close()
+    monkeypatch.setenv(rl.RAM_DIR_ENV, str(path.parent))
+    into = {"w": torch.zeros(1 << 12)}
+    assert load_from_ram(into, tmp_path / "ckpt", 1) == 1
+    assert torch.equal(into["w"], state["w"])

@@ -192,3 +192,32 @@ def test_a_hostile_commit_record_is_one_clear_error(saved: tuple[Path, Path, Pat
     err = unwrap(info.value)
     assert isinstance(err, CheckpointCorruptError) and "unreadable record" in str(err), err
     assert events.read_text() == ""
+
+
+def test_ram_items_go_straight_into_their_destination(
+    saved: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DcpReader's RAM path copies each tensor item from the verified slot into the tensor
+    DCP hands over: no torch.load materialises it first (DCP's reader, which the RAM path
+    went through before, loads every item into fresh memory and copies it again). A
+    destination of another dtype still loads, by DCP's way, for that item only (torch.load
+    on the meta device to find it, then the materialising load)."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    folder, _, events = saved
+    materialised: list[object] = []
+    real_load = torch.load
+
+    def load(*args: object, **kw: object) -> object:
+        materialised.append(kw.get("map_location"))
+        return real_load(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "load", load)
+    monkeypatch.setattr(dcp_fs.torch, "load", load)
+    assert _load(folder, events) == "ram"
+    # Not even on the meta device: the item's small pickle is read by read_layout.
+    assert materialised == []
+    into = {"w": torch.zeros(1 << 14, dtype=torch.float64), "b": torch.zeros(5)}
+    dcp.load(into, storage_reader=DcpReader(folder))
+    assert torch.equal(into["w"], _state(1.0)["w"].double())
+    assert sorted(map(str, materialised)) == ["cpu"], materialised

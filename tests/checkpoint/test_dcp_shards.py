@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from stalwart.checkpoint.dcp_shards import (
 from stalwart.checkpoint.dcp_storage import DcpWriteError
 from stalwart.checkpoint.errors import WriterDiedError
 from stalwart.checkpoint.manifest import FileEntry
+from stalwart.checkpoint.process import CopyStats
 from tests.helpers import ROOT, clean_env, free_port, wait_for
 
 pytestmark = [
@@ -134,6 +136,16 @@ left.save({"w": torch.arange(20.0)}, 2)  # still in flight when the script ends;
 """
 
 
+def _in_staging_memfd(t: torch.Tensor) -> bool:
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:stalwart-ckpt-staging" in line:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= start and end <= hi:
+                return True
+    return False
+
+
 def test_shards_from_the_subprocess_are_plain_dcp_and_stay_private(tmp_path: Path) -> None:
     saver = sdcp.AsyncDcpSaver(tmp_path, keep_last=2)
     try:
@@ -147,12 +159,24 @@ def test_shards_from_the_subprocess_are_plain_dcp_and_stay_private(tmp_path: Pat
         # shared-memory file to read: the buffer is an anonymous memfd, the pipe a
         # socketpair.
         writer = psutil.Process(writer_pid)
+        # The DCP writer runs at the rank's own priority (see DCP_WRITER_NICE).
+        assert writer.nice() == os.nice(0)
         assert writer.net_connections(kind="inet") == []
         maps = [m.path for m in writer.memory_maps(grouped=True)]
         assert any("memfd:stalwart-ckpt-staging" in p for p in maps), maps
         assert not [p for p in maps if p.startswith("/dev/shm")]
         assert saver.shard_process.pid == writer_pid  # one writer for every save
         assert saver.shard_process.writes == 2
+        # One copy per tensor: the stager's buffers are the writer's shared memory, and
+        # the upload copies none of them again.
+        staged = [b for b in saver.stager._buffers.values() if b.numel()]
+        assert staged and all(_in_staging_memfd(b) for b in staged)
+        tensor_bytes = sum(b.numel() * b.element_size() for b in staged)
+        assert saver.shard_process.copy_stats == CopyStats(0, 2 * tensor_bytes)
+        own = [
+            line for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm" in line
+        ]
+        assert own == []
     finally:
         saver.close()
     folder = tmp_path / "step_000000002"
@@ -280,6 +304,11 @@ def test_the_writer_reports_offsets_and_checksums_of_what_it_wrote(tmp_path: Pat
     off, length = w.extents[1]
     assert off == 3 and off + length == len(data) == w.entry.size
     assert torch.equal(torch.load(io.BytesIO(data[off : off + length])), t)
+    # No zip CRC32 per record (the file's own checksum covers those bytes), and the
+    # process's torch.save setting is left as it was.
+    with zipfile.ZipFile(io.BytesIO(data[off : off + length])) as z:
+        assert [i.CRC for i in z.infolist()] == [0] * len(z.infolist())
+    assert torch.serialization.get_crc32_options()
     from stalwart.checkpoint.manifest import file_checksum
 
     assert file_checksum(tmp_path / "__0_0.distcp", w.entry.algorithm) == (

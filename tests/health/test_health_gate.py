@@ -257,3 +257,36 @@ def test_a_quarantined_joiner_is_refused_by_the_closer_whatever_its_checks_say(
     refusal = nodes[1].gate.before_round(_Rdzv("n1"), 4)  # type: ignore[arg-type]
     assert refusal is not None and refusal.by is By.QUARANTINE and refusal.goes_on
     assert nodes[0].gate.before_round(_Rdzv("n0"), 4) is None  # type: ignore[arg-type]
+
+
+def _report(node: str, round_: int, compute: float) -> NodeReport:
+    return NodeReport(run_id="job", round=round_, node=node, host="h", compute=compute, final=True)
+
+
+@pytest.mark.parametrize(
+    ("spare_compute", "refused"),
+    [
+        (9_000.0, True),  # a tenth of the running nodes' pace: not worth a restart
+        (95_000.0, False),  # as fast as they are: the job may grow to take it in
+    ],
+)
+def test_a_spare_is_judged_against_the_nodes_still_running(
+    store: MemoryStore, spare_compute: float, refused: bool
+) -> None:
+    """While round 0 runs, only the spare checks for round 1: without the running nodes
+    as its peers it had nobody to be slow against, looked admissible, and the job
+    restarted to take it in only for round 1 to keep it out again, over and over."""
+    closer = Node(store, "n0", measure=False)
+    closer.kv.set(report_key(0, "n0"), sign(KEY, _report("n0", 0, 100_000.0)))
+    closer.kv.set(report_key(1, "s"), sign(KEY, _report("s", 1, spare_compute)))
+    # A stranger's report for the other running node is no peer: taken as one, its pace
+    # would make the fast spare look slow.
+    stranger(store).set(report_key(0, "n1"), msgspec.json.encode(_report("n1", 0, 1e12)).decode())
+    said = closer.gate.admissions(closer.kv, 1, ["s"], running=["n0", "n1"])
+    assert said.pending == frozenset()
+    if refused:
+        assert "compute 9000 products/s is 9% of its peers' median 100000" in said.refused["s"]
+    else:
+        assert said.refused == {}
+    # The close of round 1 itself judges the spare among round 1's own reports only.
+    assert closer.gate.admissions(closer.kv, 1, ["s"]).refused == {}

@@ -220,3 +220,47 @@ def test_summary_block_names_outcome_faults_goodput_and_folder() -> None:
 def test_never_fired(spec: str, fired: list[str], ranks: set[int], expected: list[str]) -> None:
     events = [wev("fault_injected", 1.0, fault=f) for f in fired]
     assert never_fired(spec, events, ranks) == expected
+
+
+LATE_RECORD = [
+    ev("rendezvous_done", 11.0, attempt=0, world_size=1),
+    ev("worker_spawn", 12.0, attempt=0, rank=0),
+    step(0, 0, 0, 13.0),
+    ev("worker_exit", 20.0, attempt=0, rank=0, exitcode=0, exited_at=19.5),
+    ev("job_succeeded", 20.0, attempt=0),
+    ev("launcher_exit", 20.5, exit_code=0),
+]
+
+
+@pytest.mark.parametrize(
+    ("process_start", "start"),
+    [
+        (4.0, 4.0),  # the launcher's process began 6 s before its record: counted
+        (10.0, 10.0),
+        (10.5, 10.0),  # after its own record: not a start
+        (10.0 - 3601, 10.0),  # more than an hour of "start-up": a clock step, ignored
+        (-1e300, 10.0),
+        (float("nan"), 10.0),
+        (True, 10.0),
+        ("4.0", 10.0),
+        (None, 10.0),
+    ],
+)
+def test_the_run_starts_with_the_launchers_process(process_start: Any, start: float) -> None:
+    """Under load a launcher spends seconds (tens) importing and starting its template
+    before it writes launcher_start; that wait is start-up, part of the run's wall."""
+    events = [ev("launcher_start", 10.0, process_start=process_start), *LATE_RECORD]
+    b = account(events)
+    assert b.start == start
+    assert b.seconds["startup"] == pytest.approx(13.0 - start)
+    assert sum(b.seconds.values()) == pytest.approx(b.wall) == pytest.approx(20.5 - start)
+
+
+@pytest.mark.parametrize("bad", ['"4.0"', "-1", "1e300", "true"])
+def test_a_launcher_start_with_a_bad_process_start_is_not_used(bad: str) -> None:
+    from stalwart.reporting.event_schema import BadRecord, parse_event_line
+
+    line = f'{{"event":"launcher_start","time":10.0,"process_start":{bad}}}'.encode()
+    with pytest.raises(BadRecord, match="process_start"):
+        parse_event_line(line)
+    assert parse_event_line(b'{"event":"launcher_start","time":10.0,"process_start":4.5}')

@@ -205,3 +205,75 @@ def test_tee_never_blocks_on_a_fifo_nor_follows_a_swapped_link(tmp_path: Path) -
         with contextlib.suppress(OSError):
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert console.lines == 1  # "before" only: the link's target was never read
+
+
+@pytest.mark.parametrize(
+    ("entrypoint", "reader"), [("program", True), ("program", False), ("function", True)]
+)
+def test_a_fifo_planted_at_a_worker_log_neither_blocks_nor_is_written_through(
+    tmp_path: Path, entrypoint: str, reader: bool
+) -> None:
+    """A stranger who can write to the log folder plants a FIFO at rank 1's stdout.log,
+    reading from it or not: the start is refused in one line naming the path, at once,
+    nothing reaches the FIFO, and rank 0, already started, does not outlive the error."""
+    import sys
+
+    import psutil
+
+    from stalwart.launch.files.logs import LogSpec, Std
+    from stalwart.launch.workers.processes import start_processes
+
+    from . import funcs
+
+    logs = LogSpec(tmp_path / "run", redirects=Std.ALL).make(0, 2, {0: 0, 1: 1}, "default", 0)
+    fifo = logs[1].stdout
+    assert fifo is not None
+    os.mkfifo(fifo)
+    marker = f"planted-{os.getpid()}-{entrypoint}"
+    read_end = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK) if reader else None
+    refused: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            if entrypoint == "program":
+                code = f"import time; print('{marker}', flush=True); time.sleep(60)"
+                start_processes(
+                    sys.executable,
+                    {0: ("-c", code), 1: ("-c", code)},
+                    {0: {}, 1: {}},
+                    logs,
+                )
+            else:
+                start_processes(
+                    funcs.square, {0: (3,), 1: (4,)}, {0: {}, 1: {}}, logs, start_method="fork"
+                )
+        except BaseException as exc:  # the test reads what was raised
+            refused.append(exc)
+
+    starter = threading.Thread(target=start, daemon=True)
+    starter.start()
+    starter.join(20)
+    try:
+        assert not starter.is_alive(), "the start blocked on the FIFO"
+        (exc,) = refused
+        assert isinstance(exc, ValueError), exc
+        # With a reader the open succeeds and the file type refuses it; without one the
+        # non-blocking open fails at once (ENXIO).
+        assert str(exc).startswith(f"worker log '{fifo}'"), exc
+        assert "\n" not in str(exc)
+        if read_end is not None:
+            with contextlib.suppress(BlockingIOError):
+                assert os.read(read_end, 1 << 16) == b""
+        orphans = [
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if marker in " ".join(p.cmdline())
+        ]
+        assert orphans == []
+    finally:
+        if read_end is not None:
+            os.close(read_end)
+        if starter.is_alive():
+            # Releases an old launcher blocked in open(): a reader appears, then leaves.
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -18,12 +19,14 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def crashed_run(tmp_path: Path) -> Path:
-    logs = tmp_path / "logs"
+@pytest.fixture(scope="module")
+def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run for every test here (they only read it)."""
+    out = tmp_path_factory.mktemp("crashed")
+    logs = out / "logs"
     proc = stalwart(
         "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", logs,
-        "--inject", "crash:rank=1,step=12", SCRIPTS / "timed_steps.py", tmp_path, "25", "0.02", "5",
+        "--inject", "crash:rank=1,step=12", SCRIPTS / "timed_steps.py", out, "25", "0.02", "5",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return logs
@@ -71,6 +74,19 @@ def test_png_is_written(crashed_run: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_report_counts_the_launchers_own_start_up(crashed_run: Path) -> None:
+    """The run's wall starts when the launcher's process did, before its first record."""
+    (events,) = crashed_run.glob("*/events.jsonl")
+    recs = [json.loads(line) for line in events.read_text().splitlines()]
+    start = next(e for e in recs if e["event"] == "launcher_start")
+    first = min(e["time"] for e in recs)
+    assert start["time"] - 60 < start["process_start"] < first <= start["time"]
+    proc = report(crashed_run, "--json")
+    assert proc.returncode == 0, proc.stderr
+    (run,) = json.loads(proc.stdout)["runs"]
+    assert run["breakdown"]["start"] == start["process_start"]
 
 
 def test_unwritable_target_is_one_line(crashed_run: Path, tmp_path: Path) -> None:

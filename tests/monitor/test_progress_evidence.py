@@ -166,6 +166,120 @@ def test_role_table(text: str, stopped: bool, role: Role) -> None:
     assert evidence.role(text, stopped).role is role
 
 
+STALWART = "/venv/lib/python3.11/site-packages/stalwart"
+_C10D = (f"{TORCH}/distributed/distributed_c10d.py", "all_reduce")
+_SPIN = ("/job/loader.py", "spin")
+
+
+def _block(tid: int, current: bool, *frames: tuple[str, str]) -> str:
+    head = "Current thread" if current else "Thread"
+    lines = [f"{head} 0x{tid:016x} (most recent call first):"]
+    return "\n".join([*lines, *(f'  File "{f}", line 3 in {fn}' for f, fn in frames)]) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "role"),
+    [
+        # restore() agreeing on a step through the job's store (no process group): its
+        # store.wait is C++, so stalwart's exchange is the innermost Python frame.
+        (
+            _dump(
+                (f"{STALWART}/checkpoint/resume.py", "all_gather"),
+                (f"{STALWART}/checkpoint/resume.py", "restore"),
+                ("/job/train.py", "<module>"),
+            ),
+            Role.WAITING,
+        ),
+        # The signal landed on a busy worker thread (the main thread blocks it): the
+        # main thread, listed last, is the one read, not the "Current thread".
+        (_block(2, False, _SPIN) + _block(3, True, _SPIN) + _block(1, False, _C10D), Role.WAITING),
+        (_block(2, True, _C10D) + _block(1, False, ("/job/train.py", "<module>")), Role.ELSEWHERE),
+        # No thread marked current (the signal ran on a thread without Python): still last.
+        (_block(2, False, _SPIN) + _block(1, False, _C10D), Role.WAITING),
+        # Two dumps appended to one file: the first one counts.
+        (
+            _block(2, True, _SPIN) + _block(1, False, ("/job/train.py", "<module>"))
+            + _block(2, False, _SPIN) + _block(1, True, _C10D),
+            Role.ELSEWHERE,
+        ),
+        # faulthandler's "..." after 100 threads: the main thread is not in the dump.
+        (_block(2, True, _C10D) + "...\n", Role.UNKNOWN),
+        # A main thread with no Python frame to show.
+        (_block(2, True, _C10D) + _block(1, False), Role.UNKNOWN),
+    ],
+)  # fmt: skip
+def test_main_thread_and_store_wait_table(text: str, role: Role) -> None:
+    assert evidence.role(text, False).role is role
+
+
+# A rank whose program restores through the job's store (no process group; the peer
+# never comes), its main thread blocking the stack signal the way code around a
+# critical section may, and a worker thread spinning: the kernel hands the signal to
+# another thread. No __main__ guard. stacks.install() stands in for the worker's
+# bootstrap.
+_STORE_WAITER = """
+import signal, sys, threading
+from datetime import timedelta
+from torch.distributed import TCPStore
+from stalwart.checkpoint.resume import restore
+from stalwart.monitor import stacks
+
+stacks.install()
+
+
+def spin():
+    while True:
+        pass
+
+
+threading.Thread(target=spin, daemon=True).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {stacks.STACK_SIGNAL})
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+print(f"0x{threading.main_thread().ident:016x}", flush=True)
+restore(sys.argv[1], rank=0, world_size=2, store=store, timeout_s=120)
+"""
+
+
+def test_a_rank_in_the_store_exchange_reads_as_waiting_whichever_thread_took_the_signal(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from stalwart.base import procs
+    from stalwart.monitor import stacks
+    from tests.helpers import clean_env, wait_for
+
+    script, dump = tmp_path / "restore_waiter.py", tmp_path / "stacks.txt"
+    script.write_text(_STORE_WAITER)
+    env = clean_env(**{envvars.STACKS_FILE: str(dump)})
+    with subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    ) as child:
+        try:
+            assert child.stdout is not None
+            main_id = child.stdout.readline().strip()
+            assert main_id.startswith("0x"), main_id
+
+            def asked() -> str | None:
+                procs.signal_pid(child.pid, stacks.STACK_SIGNAL)
+                text = wait_for(lambda: dump.exists() and dump.read_text(), 10, "a dump")
+                dump.write_text("")
+                return text if "all_gather" in text else None
+
+            wait_for(lambda: procs.catches_signal(child.pid, stacks.STACK_SIGNAL), 30, "handler")
+            text = wait_for(asked, 30, "a dump taken inside the store exchange", interval=0.2)
+        finally:
+            child.kill()
+    assert f"Current thread {main_id}" not in text  # the signal ran elsewhere
+    reading = evidence.role(text, False)
+    assert reading.role is Role.WAITING, reading
+    assert "resume.py" in reading.where
+
+
 def test_role_reads_hostile_and_oversized_stack_text_in_bounded_time() -> None:
     junk = "\x00\xff" * 4_000_000 + 'Current thread 0xZZ\n  File "' + "a" * 100_000
     started = time.monotonic()
@@ -673,3 +787,57 @@ def test_each_episode_asks_for_fresh_stacks(tmp_path: Path) -> None:
     files[101].write_text(files[101].read_text() + _dump(("/job/train.py", "load_batch")))
     found = s.confirm({1: Late(101, 9.4, 10.0, True)}, watched, 10.0)
     assert "train.py" in found[1].where and "eval.py" not in found[1].where
+
+
+def _taking_turns(tmp_path: Path, turn: float):  # type: ignore[no-untyped-def]
+    """Two ranks of a DCP save: until `turn` rank 0 waits in a collective (quiet) while
+    rank 1 writes its shards (busy); from then on rank 0, the coordinator, copies the
+    step into RAM (busy) while rank 1 waits for its answer (quiet). `turn` None: both
+    wait from the start (a deadlock)."""
+    from stalwart.monitor.suspicions import Suspicions, Watched
+
+    def sampler(pid: int, now: float) -> ProcSample:
+        if turn is None:
+            return ProcSample(now, "S", 1.0)
+        works = (pid == 101) == (now < turn)
+        # CPU seconds so far: rank 1 works until the turn, rank 0 from it on.
+        cpu = 1.0 + (min(now, turn) if pid == 101 else max(0.0, now - turn))
+        return ProcSample(now, "R" if works else "S", cpu)
+
+    asked: list[int] = []
+    files = {pid: tmp_path / f"stacks{pid}.log" for pid in (100, 101)}
+    for f in files.values():
+        f.write_text("")
+    s = Suspicions(lambda pid: asked.append(pid) or True, sampler, wait=0.3)
+    return s, {0: Watched(100, files[100]), 1: Watched(101, files[101])}, asked, files
+
+
+def test_ranks_that_take_turns_waiting_are_never_handed_over_together(tmp_path: Path) -> None:
+    # Seen under bench_dcp's crash section at load 18-22 (2 of 4 runs): rank 0 was held
+    # as waiting while rank 1 wrote, then copied the step while rank 1 waited, and the
+    # stale verdict was handed over with rank 1's: both killed in a save that went on.
+    s, watched, asked, files = _taking_turns(tmp_path, turn=11.0)
+    waits = _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_gather"))
+    writes = _dump(("/job/ckpt.py", "write_data"))
+    got: list[dict[int, object]] = []
+    for k in range(60):
+        now = 10.0 + 0.05 * k
+        got.append(dict(s.confirm(_past({0: 100, 1: 101}), watched, now)))
+        for pid, before, after in ((100, waits, writes), (101, writes, waits)):
+            if asked.count(pid) > files[pid].read_text().count("Current"):  # it dumps
+                files[pid].write_text(files[pid].read_text() + (before if now < 11.0 else after))
+    assert asked.count(101) >= 2  # rank 1 was found quiet, and asked again for its stack
+    assert all(found == {} for found in got), got
+
+
+def test_ranks_that_all_wait_are_still_handed_over_together(tmp_path: Path) -> None:
+    s, watched, asked, files = _taking_turns(tmp_path, turn=None)
+    waits = _dump((f"{TORCH}/distributed/distributed_c10d.py", "all_reduce"))
+    found: dict[int, object] = {}
+    for k in range(40):
+        if not found:
+            found = dict(s.confirm(_past({0: 100, 1: 101}), watched, 10.0 + 0.05 * k))
+        for pid in (100, 101):
+            if asked.count(pid) > files[pid].read_text().count("Current"):
+                files[pid].write_text(files[pid].read_text() + waits)
+    assert {lr: r.role for lr, r in found.items()} == {0: Role.WAITING, 1: Role.WAITING}

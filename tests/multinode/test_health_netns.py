@@ -2,8 +2,9 @@
 its cgroup's CPU limit, a node behind a slow link (``tc`` rate limit) and a node whose own
 check fails are kept out, and the round closes with the healthy ones; a node behind a
 link narrow enough to pass the echo check is found by the collective link check; a
-healthy cluster keeps everyone. (``tc netem`` is not available here: no ``sch_netem``
-module; ``tbf`` rate limits stand in for slow links.)"""
+healthy cluster keeps everyone. (``tc netem`` cannot run here: the kernel is built
+without it and without loadable modules, docs/health.md; ``tbf`` rate limits stand in
+for slow links.)"""
 
 from __future__ import annotations
 

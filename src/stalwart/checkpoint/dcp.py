@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from stalwart.base.pgdevice import group_device
+
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
 from .dcp_ram import load_from_ram, local_segment
@@ -120,7 +122,8 @@ def verify_share(folder: Path, rank: int, world_size: int) -> None:
 def _agree_min(value: int, group: Any) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    # On the caller's group, which may be NCCL alone (no CPU tensors).
+    t = torch.tensor([value], dtype=torch.int64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
 
@@ -245,7 +248,8 @@ class AsyncDcpSaver:
     segment to use, else this local rank's). ``subprocess`` (default): the shard files
     are written, checksummed and fsync'd by a writer subprocess of this saver's from
     shared memory (see :mod:`~stalwart.checkpoint.dcp_shards`), not by DCP's thread
-    in this process; ``writer_config``: its start-up and write timeouts.
+    in this process; ``writer_config``: its start-up and write timeouts and niceness
+    (without one the writer runs at nice ``DCP_WRITER_NICE``, 0: see process_args).
     """
 
     def __init__(
@@ -271,9 +275,10 @@ class AsyncDcpSaver:
             process_group = dist.new_group(backend="gloo")
             self._own_group = True
         self.process_group = process_group
-        self.stager = ReusingStager(background=background)
         # Started now, so its interpreter is up by the first save's write.
         self.shard_process = ShardProcess(config=writer_config) if subprocess else None
+        # Staged straight into the writer's shared buffer: each tensor is copied once.
+        self.stager = ReusingStager(background=background, arena=self.shard_process)
         self._last: Future[Any] | None = None
         # A saver the program never closes is closed before the interpreter finalizes
         # (atexit runs while it is whole), never by its teardown: see release_group.

@@ -13,10 +13,12 @@ it holds).
 
 At load every rank offers what its node's segments hold for the job's root (its own
 slots, its node's other ranks' slots, replicas of peers): step, saving world size and
-saving rank of each shard set that verifies, as a bounded :class:`RamOffer`. From the
-gathered offers every rank computes the same :class:`RamPlan` (:func:`plan_ram_load`):
-the newest step whose every saving rank's shard set some rank holds, no older than the
-newest step on disk, and which rank serves which saving rank's files. That may be at
+saving rank of each shard set whose index checks out, as a bounded :class:`RamOffer`.
+From the gathered offers every rank computes the same :class:`RamPlan`
+(:func:`plan_ram_load`): the newest step whose every saving rank's shard set some rank
+holds, no older than the newest step on disk, and which rank serves which saving rank's
+files. Only a set's server hashes its data (once); a set that does not verify is
+dropped and the ranks plan again without it. The plan may be at
 another world size than the one loading: DCP plans the resharding from the step's
 metadata as it would from files, each rank reads the files it serves out of its slots,
 and the extents of other files its plan needs are sent by their serving rank over the
@@ -35,7 +37,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import msgspec
 import torch
@@ -48,9 +50,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
 from stalwart import runlog
+from stalwart.base.pgdevice import group_device
 
 from . import layout
 from . import ramlayout as rl
+from .dcp_items import read_items
 from .dcp_metadata import loads_metadata
 from .dcp_records import MAX_SAVE_TOKEN, is_plain_name
 from .dcp_storage import stamp_load_id
@@ -221,19 +225,33 @@ OFFER_FORMAT = 1
 MAX_OFFER_BYTES = 16 << 10
 MAX_HELD = 64
 MAX_WORLD = 1 << 20
+#: Slots looked at in a node's segments (two per local rank, and replicas of peers).
+MAX_COPIES = 4 * MAX_HELD
+#: Rounds of offering, planning and verifying before the ranks give up on RAM: each
+#: round after the first follows a served set that did not verify.
+MAX_ROUNDS = 8
 
 
 @dataclass(frozen=True)
 class HeldShards:
-    """A verified shard set in RAM: where it is, what it holds, and the mapping it was
-    verified through (kept open, its pages faulted in, so the load reads the bytes
-    just hashed instead of mapping and hashing them again; :meth:`close` it)."""
+    """A shard set in RAM whose index checked out: where it is, what it holds, and the
+    mapping to read it through. Its data is hashed only by the rank that serves it
+    (:meth:`verify`, once per load), whose reads then use the pages just hashed;
+    :meth:`close` it."""
 
     path: Path
     slot: int
     record: rl.CommitRecord
     index: ShardSet
     segment: RamSegment
+
+    @property
+    def key(self) -> HeldSet:
+        return HeldSet(self.index.step, self.index.world_size, self.index.rank, self.index.save)
+
+    def verify(self) -> None:
+        """Check the data's checksum (CheckpointCorruptError when torn)."""
+        self.segment.verify(self.slot, self.record)
 
     def close(self) -> None:
         self.segment.close()
@@ -242,9 +260,10 @@ class HeldShards:
 def find_all_shards(
     folder: Path, root: str, *, step: int | None = None, ranks: set[int] | None = None
 ) -> list[HeldShards]:
-    """Every shard set of ``root`` in ``folder``'s segments that verifies, newest step
-    first, one per (step, saving world size, saving rank, save); only of ``step`` and of
-    saving ``ranks`` when given (the others are not hashed). :meth:`HeldShards.close`
+    """Every shard set of ``root`` in ``folder``'s segments whose index checks out,
+    newest step first, only of ``step`` and of saving ``ranks`` when given (copies of one
+    set, e.g. a node's own and a replica, each listed; their data is not hashed here: see
+    :func:`first_verified`); :meth:`HeldShards.close`
     each."""
     candidates: list[tuple[Path, int, rl.CommitRecord]] = []
     try:
@@ -263,14 +282,14 @@ def find_all_shards(
                 ):
                     candidates.append((path, slot, rec))
     candidates.sort(key=lambda c: (c[2].step, c[2].world_size, -c[2].rank, c[2].seq), reverse=True)
-    found: dict[tuple[int, int, int, str], HeldShards] = {}
-    for path, slot, rec in candidates:
+    found: list[HeldShards] = []
+    for path, slot, rec in candidates[:MAX_COPIES]:
         seg = _open(path)
         if seg is None:
             continue
         try:
             index = msgspec.json.decode(seg.head(slot, rec, MAX_INDEX_BYTES), type=ShardSet)
-            if index.root != root or (rec.step, rec.world_size, rec.rank, index.save) in found:
+            if index.root != root:
                 # Another checkpoint folder's shards (a job may save several): not
                 # this load's, and nothing wrong with them.
                 seg.close()
@@ -278,15 +297,12 @@ def find_all_shards(
             problem = index_problem(index, rec, root)
             if problem:
                 raise CheckpointCorruptError(f"{path} slot {slot}: {problem}")
-            seg.verify(slot, rec)
         except (OSError, CheckpointError, msgspec.DecodeError) as exc:
             seg.close()
             logger.warning("skipping step %d of rank %d in RAM: %s", rec.step, rec.rank, exc)
             continue
-        found[(rec.step, rec.world_size, rec.rank, index.save)] = HeldShards(
-            path, slot, rec, index, seg
-        )
-    return list(found.values())
+        found.append(HeldShards(path, slot, rec, index, seg))
+    return found
 
 
 def _open(path: Path) -> RamSegment | None:
@@ -408,12 +424,13 @@ def plan_ram_load(offers: list[RamOffer | None]) -> tuple[RamPlan | None, str]:
 
 
 def offer_of(rank: int, held: list[HeldShards], newest_on_disk: int) -> RamOffer:
-    """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first)."""
-    sets = [
-        HeldSet(h.index.step, h.index.world_size, h.index.rank, h.index.save)
-        for h in held[:MAX_HELD]
-    ]
-    return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets)
+    """This rank's offer: its newest ``MAX_HELD`` shard sets (``held`` is newest first;
+    copies of one set are offered once)."""
+    sets: list[HeldSet] = []
+    for h in held:
+        if h.key not in sets:
+            sets.append(h.key)
+    return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets[:MAX_HELD])
 
 
 @contextlib.contextmanager
@@ -439,7 +456,7 @@ def rank_world(group: Any) -> tuple[int, int]:
 def _all_min(values: list[int], group: Any) -> list[int]:
     if not (dist.is_available() and dist.is_initialized()):
         return values
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device=group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return [int(v) for v in t.tolist()]
 
@@ -450,7 +467,8 @@ def gather_offers(mine: bytes, group: Any) -> list[RamOffer | None]:
     _, world = rank_world(group)
     if world == 1:
         return [_checked(mine, 0, 1)]
-    length = torch.tensor([len(mine)], dtype=torch.int64)
+    dev = group_device(group)
+    length = torch.tensor([len(mine)], dtype=torch.int64, device=dev)
     lengths = [torch.zeros_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(t.item()) for t in lengths]
@@ -458,12 +476,13 @@ def gather_offers(mine: bytes, group: Any) -> list[RamOffer | None]:
     buf = torch.zeros(width, dtype=torch.uint8)
     if len(mine) <= width:
         buf[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    buf = buf.to(dev)
     gathered = [torch.empty_like(buf) for _ in range(world)]
     if width:
         dist.all_gather(gathered, buf, group=group)
     out: list[RamOffer | None] = []
     for r, (t, n) in enumerate(zip(gathered, sizes, strict=True)):
-        raw = t.numpy().tobytes()[:n] if 0 <= n <= width else b"x" * (MAX_OFFER_BYTES + 1)
+        raw = t.cpu().numpy().tobytes()[:n] if 0 <= n <= width else b"x" * (MAX_OFFER_BYTES + 1)
         out.append(_checked(raw, r, world))
     return out
 
@@ -480,7 +499,8 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     """``data`` of rank ``src`` on every rank (collective; a world of one returns it)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return data or b""
-    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dev = group_device(group)
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=dev)
     dist.broadcast(length, group=group, group_src=src)
     n = int(length.item())
     if data is not None:
@@ -488,8 +508,9 @@ def _broadcast_bytes(data: bytes | None, src: int, group: Any) -> bytes:
     else:
         buf = torch.empty(n, dtype=torch.uint8)
     if n:
+        buf = buf.to(dev)
         dist.broadcast(buf, group=group, group_src=src)
-    return buf.numpy().tobytes() if n else b""
+    return buf.cpu().numpy().tobytes() if n else b""
 
 
 def load_from_ram(
@@ -514,7 +535,7 @@ def load_from_ram(
         wait_for_fetch(folder, rank)
         found = find_all_shards(folder, root_key(root))
     try:
-        return _load_held(state_dict, found[:MAX_HELD], newest_on_disk, process_group, planner)
+        return _load_held(state_dict, found, newest_on_disk, process_group, planner)
     finally:
         for h in found:
             h.close()
@@ -528,19 +549,23 @@ def _load_held(
     planner: Any,
 ) -> int | None:
     rank, _ = rank_world(process_group)
-    offer = msgspec.json.encode(offer_of(rank, held, newest_on_disk))
-    plan, why = plan_ram_load(gather_offers(offer, process_group))
-    if plan is None:
-        if held:
-            logger.info("rank %d: loading from disk: %s", rank, why)
+    usable = list(held)
+    for _ in range(MAX_ROUNDS):
+        offer = msgspec.json.encode(offer_of(rank, usable, newest_on_disk))
+        plan, why = plan_ram_load(gather_offers(offer, process_group))
+        if plan is None:
+            if held:
+                logger.info("rank %d: loading from disk: %s", rank, why)
+            return None
+        serving, problem = _verified_serving(plan, rank, usable)
+        (ok,) = _all_min([0 if problem else 1], process_group)
+        if ok:
+            break
+        # A set this rank serves did not verify (it is out of ``usable`` now), or
+        # another rank's did: offer again, without it.
+    else:
+        logger.info("rank %d: loading from disk: no shard set in RAM verified", rank)
         return None
-    serving = [
-        h
-        for h in held
-        if (h.index.step, h.index.world_size, h.index.save)
-        == (plan.step, plan.saved_world, plan.save)
-        and plan.servers[h.index.rank] == rank
-    ]
     files: dict[str, memoryview] = {}
     meta: bytes | None = None
     problem = ""
@@ -589,6 +614,39 @@ def _load_held(
     return plan.step
 
 
+def _verified_serving(
+    plan: RamPlan, rank: int, usable: list[HeldShards]
+) -> tuple[list[HeldShards], str]:
+    """The shard sets this rank serves under ``plan``, each the first copy whose data
+    verifies; copies that do not are dropped from ``usable``. '' or why one is missing."""
+    serving: list[HeldShards] = []
+    for saved, server in enumerate(plan.servers):
+        if server != rank:
+            continue
+        want = HeldSet(plan.step, plan.saved_world, saved, plan.save)
+        good = first_verified(usable, want, rank)
+        if good is None:
+            return [], f"no copy of step {plan.step}'s rank {saved} shards verifies"
+        serving.append(good)
+    return serving, ""
+
+
+def first_verified(usable: list[HeldShards], want: HeldSet, rank: int) -> HeldShards | None:
+    """The first copy of shard set ``want`` in ``usable`` whose data verifies; the copies
+    tried before it that do not are dropped from ``usable``."""
+    for h in [h for h in usable if h.key == want]:
+        try:
+            h.verify()
+        except (OSError, CheckpointError) as exc:
+            logger.warning(
+                "rank %d: step %d of rank %d in RAM: %s", rank, want.step, want.rank, exc
+            )
+            usable.remove(h)
+            continue
+        return h
+    return None
+
+
 def _first(exc: CheckpointException) -> str:
     for failed, _ in exc.failures.values():
         return str(failed)
@@ -617,45 +675,8 @@ class NoFiles(FileSystem):
         yield io.BytesIO()
 
 
-class _ViewReader(io.RawIOBase):
-    """A read-only file over a slice of the mapped slot: DCP's ``torch.load`` of one
-    item reads its bytes straight out of the segment, with no copy in between."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._at = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"seek to {base + offset}: before the start")
-        self._at = base + offset
-        return self._at
-
-    def readinto(self, buffer: Any) -> int:
-        with memoryview(buffer) as out:
-            n = max(0, min(out.nbytes, len(self._view) - self._at))
-            out.cast("B")[:n] = self._view[self._at : self._at + n]
-        self._at += n
-        return n
-
-    def close(self) -> None:
-        self._view.release()
-        super().close()
-
-
-def view_slice(files: Mapping[str, memoryview], sinfo: _StorageInfo) -> IO[bytes]:
-    """The extent ``sinfo`` of a file held in RAM, as a read-only file over the slot."""
+def extent(files: Mapping[str, memoryview], sinfo: _StorageInfo) -> memoryview:
+    """The extent ``sinfo`` of a file held in RAM: a view into its slot."""
     own = files.get(sinfo.relative_path)
     if own is None:
         raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM")
@@ -664,7 +685,7 @@ def view_slice(files: Mapping[str, memoryview], sinfo: _StorageInfo) -> IO[bytes
             f"{sinfo.relative_path}: extent {sinfo.offset}+{sinfo.length} "
             f"outside its {len(own)} bytes"
         )
-    return cast(IO[bytes], _ViewReader(own[sinfo.offset : sinfo.offset + sinfo.length]))
+    return own[sinfo.offset : sinfo.offset + sinfo.length]
 
 
 class RamShardReader(FileSystemReader):
@@ -711,21 +732,24 @@ class RamShardReader(FileSystemReader):
             if info.relative_path not in self._files:
                 wanted.append(info)
         self._fetched = exchange_extents(wanted, self._files, self.plan.servers, self._group)
-        done = super().read_data(plan, planner)
+        read_items(self, plan, planner, self._blob)
         # Read in place: a save into a served slot meanwhile (it invalidates the record
         # first) would have torn what was read; DCP then fails the load on every rank.
         for h in self.serving:
             if h.segment.record(h.slot) != h.record:
                 raise CheckpointCorruptError(f"{h.path} slot {h.slot}: overwritten while read")
+        done: Future[None] = Future()
+        done.set_result(None)
         return done
 
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> IO[bytes]:
+    def _blob(self, sinfo: _StorageInfo) -> memoryview:
+        """The bytes of one item: a view into a served slot, or what its server sent."""
         if sinfo.relative_path in self._files:
-            return view_slice(self._files, sinfo)
+            return extent(self._files, sinfo)
         got = self._fetched.get((sinfo.relative_path, sinfo.offset, sinfo.length))
         if got is None:
             raise CheckpointCorruptError(f"{sinfo.relative_path}: not held in RAM by any rank")
-        return io.BytesIO(got)
+        return memoryview(got)
 
 
 #: Columns of one extent request: serving rank, saving rank, file number, offset, length.
@@ -761,7 +785,8 @@ def exchange_extents(
         if problem or rows:
             raise CheckpointCorruptError(problem or "extents of other ranks' files wanted")
         return {}
-    count = torch.tensor([len(rows)], dtype=torch.int64)
+    dev = group_device(group)
+    count = torch.tensor([len(rows)], dtype=torch.int64, device=dev)
     counts = [torch.zeros_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
     width = max(int(c.item()) for c in counts)
@@ -770,10 +795,11 @@ def exchange_extents(
         mine = torch.full((width, _REQUEST_COLS), -1, dtype=torch.int64)
         if rows:
             mine[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        mine = mine.to(dev)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
         for r, (t, c) in enumerate(zip(gathered, counts, strict=True)):
-            requests[r] = t[: int(c.item())].tolist()
+            requests[r] = t[: int(c.item())].cpu().tolist()
     for req_rows in requests:
         for server, saved, file_no, offset, length in req_rows:
             if server != rank:
@@ -799,13 +825,13 @@ def exchange_extents(
                 data = files[f"__{saved}_{file_no}.distcp"]
                 payload[at : at + length] = data[offset : offset + length]
                 at += length
-            buf = torch.frombuffer(payload, dtype=torch.uint8)
+            buf = torch.frombuffer(payload, dtype=torch.uint8).to(dev)
         else:
-            buf = torch.empty(total, dtype=torch.uint8)
+            buf = torch.empty(total, dtype=torch.uint8, device=dev)
         dist.broadcast(buf, group=group, group_src=src)
         if not any(r == rank for r, _ in pieces):
             continue
-        raw = buf.numpy().tobytes()
+        raw = buf.cpu().numpy().tobytes()
         at = 0
         for r, (_, saved, file_no, offset, length) in pieces:
             if r == rank:

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import layout
-from .dcp_ram import HeldShards, find_all_shards, root_key, shard_owner, shard_views
+from .dcp_ram import (
+    HeldSet,
+    HeldShards,
+    find_all_shards,
+    first_verified,
+    root_key,
+    shard_owner,
+    shard_views,
+)
 from .dcp_records import COMMIT_NAME, DcpCommit
 from .dcp_storage import read_record
 from .errors import CheckpointError
@@ -81,9 +89,17 @@ def find_source(
 
     wait_for_fetch(ram_dir, rank)
     found = find_all_shards(ram_dir, root_key(root), step=commit.step, ranks=ranks)
-    mine = [
+    copies = [
         h for h in found if h.index.world_size == commit.world_size and h.index.save == commit.save
     ]
+    # Only the sets this rank reads are hashed, each once (its first copy that verifies).
+    mine: list[HeldShards] = []
+    for saved in sorted(ranks):
+        good = first_verified(
+            copies, HeldSet(commit.step, commit.world_size, saved, commit.save), rank
+        )
+        if good is not None:
+            mine.append(good)
     for h in found:
         if h not in mine:
             h.close()

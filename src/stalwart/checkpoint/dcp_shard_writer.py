@@ -17,8 +17,12 @@ from typing import Any
 import torch
 
 from .manifest import DEFAULT_ALGORITHM, FileEntry, Hasher, new_hasher
+from .streaming import start_writeback
 
 FILES_KEY = "files"
+# Writes at least this large start their writeback at once (the buffered stream in
+# front hands over 1 MiB at a time, a tensor's data in one piece).
+WRITEBACK_FROM = 1 << 20
 
 
 class HashingFile(io.FileIO):
@@ -31,10 +35,15 @@ class HashingFile(io.FileIO):
         self.in_order = True
 
     def write(self, b: Any, /) -> int:
+        at = self.size
         n = super().write(b)
         if n:
             self._hasher.update(memoryview(b).cast("B")[:n])
             self.size += n
+            if n >= WRITEBACK_FROM and self.in_order:
+                # The disk starts on these bytes while the next record is serialized
+                # and hashed; the fsync at the end then waits for the tail only.
+                start_writeback(self.fileno(), at, n)
         return n
 
     def seek(self, pos: int, whence: int = os.SEEK_SET, /) -> int:
@@ -71,12 +80,20 @@ class ShardFileWriter:
     ) -> list[WrittenFile]:
         folder = Path(path)
         opened: list[tuple[str, HashingFile, tuple[tuple[int, int], ...]]] = []
+        crc32 = torch.serialization.get_crc32_options()
         try:
+            # Each file is hashed as written and that checksum is verified at load, so
+            # the zip CRC32 torch.save computes per record is a second checksum of the
+            # same bytes, and the slower one: 0.57 s per 256 MiB against 0.22 s for the
+            # hash (measured, load 18). torch.load (and so dcp.load) reads records
+            # without one.
+            torch.serialization.set_crc32_options(False)
             for name, datas in state_dict[FILES_KEY]:
                 if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
                     raise ValueError(f"shard file name {name!r}: expected a plain file name")
                 raw = HashingFile(folder / name, new_hasher(self.algorithm))
                 opened.append((name, raw, _write_items(raw, datas)))
+            torch.serialization.set_crc32_options(crc32)
             # The shared buffer is read no more: the rank may stage its next save
             # while these files reach the disk.
             release()
@@ -87,6 +104,7 @@ class ShardFileWriter:
                 written.append(WrittenFile(name, extents, entry))
             return written
         finally:
+            torch.serialization.set_crc32_options(crc32)
             for opened_file in opened:
                 opened_file[1].close()
 

@@ -3,7 +3,9 @@
 The rank plans its shard files as DCP's ``FileSystemWriter`` does (same file names,
 same split of items into files) and resolves each write item to its data; the
 tensors go into the writer's shared staging buffer (``staging.py``) and only the
-file layout plus the small serialized items travel over the pipe. The subprocess
+file layout plus the small serialized items travel over the pipe. Tensors that
+:class:`~stalwart.checkpoint.dcp_stager.ReusingStager` staged into that buffer already
+(``ShardProcess.lend``) are written from where they are, not copied again. The subprocess
 writes each ``.distcp`` file in DCP's own format (raw bytes for byte items,
 ``torch.save`` records for tensors), hashes it as it goes, fsyncs it and answers
 with every item's offset and length, which the rank turns into DCP's
@@ -28,8 +30,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from .dcp_shard_writer import FILES_KEY, ShardFileWriter, WrittenFile
 from .manifest import DEFAULT_ALGORITHM, FileEntry
-from .process import CheckpointProcess
-from .process_args import WriterProcessConfig
+from .process import CheckpointProcess, CopyStats
+from .process_args import DCP_WRITER_NICE, WriterProcessConfig
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +115,9 @@ class ShardProcess:
     ) -> None:
         self.algorithm = algorithm
         self._proc = CheckpointProcess(
-            ShardFileWriter, {"algorithm": algorithm}, config=config or WriterProcessConfig()
+            ShardFileWriter,
+            {"algorithm": algorithm},
+            config=config or WriterProcessConfig(writer_nice=DCP_WRITER_NICE),
         )
         self._lock = threading.Lock()
         self._start_failure_logged = False
@@ -141,6 +145,16 @@ class ShardProcess:
 
     def wait_ready(self, timeout: float | None = None) -> None:
         self._proc.wait_ready(timeout)
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """The writer's shared buffer to stage into (see ``CheckpointProcess.lend``): a
+        :class:`~stalwart.checkpoint.dcp_stager.ReusingStager` given this process as its
+        arena stages there, and :meth:`write` then copies none of those tensors."""
+        return self._proc.lend(nbytes)
+
+    @property
+    def copy_stats(self) -> CopyStats:
+        return self._proc.copy_stats
 
     def write(
         self,

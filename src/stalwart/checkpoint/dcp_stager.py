@@ -10,23 +10,69 @@ shard, with its mesh, placements and global shape, so DCP plans it as usual.
 
 The buffers are reused: the next ``stage`` waits for the copy before it and for
 the uploads passed to :meth:`ReusingStager.hold_until`
-(:func:`stalwart.checkpoint.dcp.async_save` does that); a caller of
+(:class:`stalwart.checkpoint.dcp.AsyncDcpSaver` does that); a caller of
 ``dcp.async_save`` directly waits for the previous upload before the next save.
+
+Given an *arena* (the writer subprocess's shared buffer, ``ShardProcess``), the
+buffers of CPU tensors are views of that shared memory: the writer then reads the
+staged tensors where they are, and the rank copies each tensor once, not twice.
+The region is taken only once the writer stopped reading it for the previous save.
 """
 
 from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from .staging import PAGE_ALIGN, PAGE_ALIGN_FROM, TENSOR_ALIGN
+
 _Key = tuple[str, ...]
+
+
+class StagingArena(Protocol):
+    """Shared memory a stager may fill in place (``ShardProcess`` is one)."""
+
+    def lend(self, nbytes: int) -> torch.Tensor: ...
+
+
+def arena_layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of tensors of ``sizes`` bytes packed into an arena, and its length: each
+    starts ``TENSOR_ALIGN``-aligned, large ones on a page, as the writer's own staging."""
+    offsets: list[int] = []
+    end = 0
+    for n in sizes:
+        if n < 0:
+            raise ValueError(f"tensor of {n} bytes: expected >= 0")
+        align = PAGE_ALIGN if n >= PAGE_ALIGN_FROM else TENSOR_ALIGN
+        end = (end + align - 1) // align * align
+        offsets.append(end)
+        end += n
+    return offsets, end
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _leaves(obj: Any, key: _Key) -> Iterator[tuple[_Key, torch.Tensor]]:
+    """The tensors ``ReusingStager._mirror`` stages, by the same keys."""
+    if isinstance(obj, DTensor):
+        yield key, obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _leaves(v, (*key, str(k)))
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*key, str(i)))
 
 
 class ReusingStager(AsyncStager):
@@ -34,8 +80,12 @@ class ReusingStager(AsyncStager):
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, background: bool = True) -> None:
+    def __init__(self, *, background: bool = True, arena: StagingArena | None = None) -> None:
         self._buffers: dict[_Key, torch.Tensor] = {}
+        self._arena = arena
+        # The arena region the buffers view now, and the layout they were cut for.
+        self._region: tuple[int, int] | None = None
+        self._layout: list[tuple[_Key, tuple[int, ...], torch.dtype]] = []
         self._lock = threading.Lock()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="stalwart-dcp-stage") if background else None
@@ -59,11 +109,17 @@ class ReusingStager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]] | dict[str, Any]:
         self._wait_idle()
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        staged = self._mirror(state_dict, (), copies)
-        self.staged_bytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+        leaves = list(_leaves(state_dict, ()))
+        self.staged_bytes = sum(_nbytes(t) for _, t in leaves)
 
+        # All of it off the caller's thread: taking the arena may wait for the writer
+        # (and grow it, the first time); DCP's contract keeps the state unchanged
+        # until staging completes.
         def run() -> dict[str, Any]:
+            if self._arena is not None:
+                self._place(self._arena, leaves)
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            staged = self._mirror(state_dict, (), copies)
             for dst, src in copies:
                 dst.copy_(src)
             return staged  # type: ignore[no-any-return]
@@ -86,6 +142,22 @@ class ReusingStager(AsyncStager):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._buffers.clear()
+        self._region, self._layout = None, []
+
+    def _place(self, arena: StagingArena, leaves: list[tuple[_Key, torch.Tensor]]) -> None:
+        # CUDA tensors keep pinned buffers of their own: the device copy needs them.
+        host = [(k, t) for k, t in leaves if not t.is_cuda and _nbytes(t) > 0]
+        layout = [(k, tuple(t.shape), t.dtype) for k, t in host]
+        offsets, total = arena_layout([_nbytes(t) for _, t in host])
+        region = arena.lend(total)
+        at = (region.data_ptr(), region.numel())
+        if at == self._region and layout == self._layout:
+            return  # the same views as last time
+        before = {k for k, _, _ in self._layout}
+        self._buffers = {k: b for k, b in self._buffers.items() if k not in before}
+        for (k, t), off in zip(host, offsets, strict=True):
+            self._buffers[k] = region[off : off + _nbytes(t)].view(t.dtype).view(t.shape)
+        self._region, self._layout = at, layout
 
     def _buffer(self, key: _Key, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -101,14 +173,12 @@ class ReusingStager(AsyncStager):
             local = obj.to_local().detach()
             buf = self._buffer(key, local)
             copies.append((buf, local))
-            return DTensor.from_local(
-                buf,
-                obj.device_mesh,
-                obj.placements,
-                run_check=False,
-                shape=obj.shape,
-                stride=obj.stride(),
-            )
+            # Not DTensor.from_local: on a CUDA mesh it moves a CPU local tensor back to
+            # the GPU, copying the buffer *now*, before the background copy fills it, so
+            # the save held stale bytes (seen on an H100: every restored tensor differed)
+            # and the state took GPU memory twice. torch's own CPU staging keeps the
+            # spec and swaps the local tensor the same way.
+            return DTensor(buf, obj._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if isinstance(obj, torch.Tensor):
             src = obj.detach()
             buf = self._buffer(key, src)

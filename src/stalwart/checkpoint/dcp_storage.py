@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemReader,
     FileSystemWriter,
     SerializationFormat,
-    _StorageInfo,
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -382,6 +381,12 @@ class DcpWriter(FileSystemWriter):
             remove_tree(self.folder)
             raise
         self._after_commit()
+        if self.ram_segment is not None and self._mine is not None:
+            # The metadata as written, not the object DCP handed us: torch 2.13's
+            # FileSystemWriter.finish fills the caller's object with the storage table,
+            # 2.11's (seen on a lent GPU machine) does not, and RAM then held metadata
+            # "without its tables" that no restore could use.
+            metadata = read_metadata(self.folder / METADATA_NAME)
         self._keep_in_ram(metadata)
 
     def _keep_in_ram(self, metadata: Metadata | None) -> None:
@@ -467,7 +472,6 @@ class DcpReader(FileSystemReader):
         self.ram = ram
         self._rank = 0
         self._source: RamSource | None = None
-        self._ram_files: Mapping[str, memoryview] | None = None
 
     @property
     def folder(self) -> Path:
@@ -516,25 +520,17 @@ class DcpReader(FileSystemReader):
                 source.close()
 
     def _read_ram(self, source: RamSource, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        from .dcp_ram import NoFiles
+        from .dcp_items import read_items
+        from .dcp_ram import extent
 
-        files, self.fs = self.fs, NoFiles()
-        self._ram_files = source.files
-        try:
-            done = super().read_data(plan, planner)
-        finally:
-            self.fs, self._ram_files = files, None
+        # Each item from the slot it was verified in, by one copy into DCP's destination.
+        read_items(self, plan, planner, lambda sinfo: extent(source.files, sinfo))
         source.check_unchanged()
         logger.info("rank %d resumes from step %d (ram, %s)", self._rank, source.step, source.where)
         runlog.emit(runlog.CHECKPOINT_RESTORED, step=source.step, source="ram", path=source.where)
+        done: Future[None] = Future()
+        done.set_result(None)
         return done
-
-    def _slice_file(self, file: Any, sinfo: _StorageInfo) -> Any:
-        if self._ram_files is None:
-            return super()._slice_file(file, sinfo)
-        from .dcp_ram import view_slice
-
-        return view_slice(self._ram_files, sinfo)
 
     def _read_disk(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self.verify and is_committed(self.folder):

@@ -14,7 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, overload
+
+import torch
 
 from . import seed
 from .child import CheckpointWriter
@@ -29,6 +32,15 @@ from .process_args import (
 from .staging import SharedBuffer, StagingPlan, plan
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyStats:
+    """Tensor bytes the parent's ``write`` calls copied into the shared buffer, and
+    bytes they found staged there already (see :meth:`CheckpointProcess.lend`)."""
+
+    copied_bytes: int
+    in_place_bytes: int
 
 
 class CheckpointProcess:
@@ -97,6 +109,8 @@ class CheckpointProcess:
         self._wrote = False
         self._abandoned = False
         self._lock = threading.Lock()
+        #: What ``write`` copied into the shared buffer and what it found there already.
+        self.copy_stats = CopyStats(0, 0)
         self._ready = self._io.submit(self._first_start)
 
     # -- public API -------------------------------------------------------
@@ -130,7 +144,28 @@ class CheckpointProcess:
         """
         if isinstance(state_dict, Future):
             return self._submit_deferred(state_dict, path, kwargs)
-        return self.write_planned(plan(state_dict), path, background=False, **kwargs)
+        staging = plan(state_dict, self._buffer.lent)
+        self.copy_stats = CopyStats(
+            self.copy_stats.copied_bytes + sum(r.nbytes for _, r, _ in staging.copies),
+            self.copy_stats.in_place_bytes + staging.in_place_bytes,
+        )
+        return self.write_planned(staging, path, background=False, **kwargs)
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """The head of the shared buffer, ``nbytes`` long (uint8), to stage into directly.
+
+        Waits until the writer stopped reading the buffer (its previous write
+        released it). Tensors a later :meth:`write` finds inside it are written from
+        where they are, without a copy; the caller must not change them until that
+        write released the buffer.
+        """
+        self._check_open()
+        self._wait_for_deferred()
+        self._buffer_free.acquire()
+        try:
+            return self._buffer.lend(nbytes)
+        finally:
+            self._buffer_free.release()
 
     def write_planned(
         self, staging: StagingPlan, path: str, *, background: bool, **kwargs: Any

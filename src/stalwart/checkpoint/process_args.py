@@ -38,6 +38,14 @@ class WriterProcessConfig:
     writer_nice: int = 5
 
 
+# The DCP shard writer's nice value when no WriterProcessConfig is given. Measured
+# (bench/bench_dcp_parts.py, 256 MiB, a one-thread loop running, load 26-31 on 2
+# cores): at +5 the save took 11.6 s to durable and slowed the loop's steps 1.55x
+# while it ran; at 0, 6.6 s and 2.26x: about the same loop steps lost in all (the
+# writer's CPU work is the same), the step durable in half the time.
+DCP_WRITER_NICE = 0
+
+
 @dataclass
 class CheckpointProcessConfig:
     """torch's experimental ``CheckpointProcessConfig``, field for field; the process

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from stalwart.base import envvars
+from stalwart.base.pgdevice import group_device
 
 from .errors import CheckpointError
 from .identity import resolve_rank, resolve_world_size
@@ -70,12 +71,7 @@ class _GroupExchange:
 
         self._dist = dist
         self._group = group
-        backend = dist.get_backend(group)
-        self._device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        self._device = group_device(group)
         self._size = dist.get_world_size(group)
 
     def all_gather(self, values: list[int]) -> list[list[int]]:

@@ -91,6 +91,10 @@ class StagingPlan:
     skeleton: bytes = b""
     used_bytes: int = 0
     copies: list[tuple[torch.Tensor, TensorRef, int]] = field(default_factory=list)
+    # The lent head of the buffer (see SharedBuffer.lend): tensors that already live
+    # there are referenced where they are, not copied.
+    in_place: torch.Tensor | None = None
+    in_place_bytes: int = 0
     _by_id: dict[int, TensorRef] = field(default_factory=dict)
 
     def add(self, t: torch.Tensor) -> TensorRef:
@@ -98,20 +102,39 @@ class StagingPlan:
         if known is not None:
             return known
         nbytes = t.numel() * t.element_size()
+        offset = self._offset_in_place(t, nbytes)
+        if offset is not None:
+            ref = _ref(t, offset, nbytes)
+            self._by_id[id(t)] = ref
+            self.in_place_bytes += nbytes
+            return ref
         if nbytes >= PAGE_ALIGN_FROM:
             self.used_bytes = _round_up(self.used_bytes, PAGE_ALIGN)
-        ref = TensorRef(
-            offset=self.used_bytes,
-            nbytes=nbytes,
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            parameter=isinstance(t, torch.nn.Parameter),
-            requires_grad=t.requires_grad,
-        )
+        ref = _ref(t, self.used_bytes, nbytes)
         self.used_bytes = _round_up(self.used_bytes + nbytes, TENSOR_ALIGN)
         self._by_id[id(t)] = ref
         self.copies.append((t, ref, _version_of(t)))
         return ref
+
+    def _offset_in_place(self, t: torch.Tensor, nbytes: int) -> int | None:
+        region = self.in_place
+        if region is None or nbytes == 0 or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        start = t.data_ptr() - region.data_ptr()
+        if start >= 0 and start + nbytes <= region.numel():
+            return start
+        return None
+
+
+def _ref(t: torch.Tensor, offset: int, nbytes: int) -> TensorRef:
+    return TensorRef(
+        offset=offset,
+        nbytes=nbytes,
+        dtype=t.dtype,
+        shape=tuple(t.shape),
+        parameter=isinstance(t, torch.nn.Parameter),
+        requires_grad=t.requires_grad,
+    )
 
 
 class _SkeletonPickler(pickle.Pickler):
@@ -125,14 +148,21 @@ class _SkeletonPickler(pickle.Pickler):
         return None
 
 
-def plan(state: Any) -> StagingPlan:
-    """Pickle the skeleton now; tensors are only referenced, not yet copied."""
-    result = StagingPlan()
+def plan(state: Any, in_place: torch.Tensor | None = None) -> StagingPlan:
+    """Pickle the skeleton now; tensors are only referenced, not yet copied.
+
+    ``in_place``: the buffer's lent head (:meth:`SharedBuffer.lend`); tensors inside
+    it are written from where they are, the others are copied after it.
+    """
+    result = StagingPlan(in_place=in_place)
+    if in_place is not None:
+        result.used_bytes = _round_up(in_place.numel(), PAGE_ALIGN)
     buf = io.BytesIO()
     _SkeletonPickler(buf, result).dump(state)
     result.skeleton = buf.getvalue()
     # Drop the identity map: ids may be reused once the caller frees tensors.
     result._by_id.clear()
+    result.in_place = None
     return result
 
 
@@ -176,6 +206,32 @@ class SharedBuffer:
         # Set by a provisional (estimated) reservation: the next snapshot, which
         # knows the real size, gives back what it does not need.
         self._trim_on_next_use = False
+        # The head of the buffer a stager fills in place (see lend); None until then.
+        self._lent: torch.Tensor | None = None
+
+    @property
+    def lent(self) -> torch.Tensor | None:
+        """The region last handed out by :meth:`lend` (uint8), or None."""
+        return self._lent
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer as a uint8 tensor to stage into directly.
+
+        Whatever the caller places there is written from where it is (see
+        :func:`plan`); other tensors of a snapshot are copied after it. The region's
+        memory stays mapped as long as a view of it lives, also after the buffer grew
+        or closed, so a stale view never points at unmapped memory. The caller must
+        not fill it while the writer reads it (``CheckpointProcess.lend`` waits).
+        """
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes}: expected >= 0")
+        if self.fd < 0:
+            raise RuntimeError("the staging buffer is closed")
+        self.ensure(max(nbytes, 1))
+        with self._lock:
+            assert self._bytes is not None
+            self._lent = self._bytes[:nbytes]
+            return self._lent
 
     def ensure(self, nbytes: int, *, provisional: bool = False, prefault: bool = False) -> None:
         """Grow so that ``nbytes`` fit (never shrink here).
@@ -220,6 +276,9 @@ class SharedBuffer:
                 return
             self._trim_on_next_use = False
             target = _round_up(max(int(nbytes * _GROW_FACTOR), 1), _GROW_GRANULE)
+            if self._lent is not None:
+                # Past the file's end a live view of the lent region would fault.
+                target = max(target, _round_up(self._lent.numel(), _GROW_GRANULE))
             if target < self.capacity:
                 logger.info("staging buffer: %d -> %d MiB", self.capacity >> 20, target >> 20)
                 self._resize(target)
@@ -227,9 +286,7 @@ class SharedBuffer:
     def _resize(self, new_cap: int) -> None:
         # Growing keeps the pages already faulted in; shrinking frees the rest.
         # The child re-maps when a snapshot names a new capacity.
-        self._bytes = None
-        _unmap(self._map)
-        self._map = None
+        self._drop_map()
         os.ftruncate(self.fd, new_cap)
         # Not MAP_POPULATE: the copy threads fault the pages in, in parallel,
         # which measured a little faster than one populating mmap call.
@@ -255,11 +312,17 @@ class SharedBuffer:
             skeleton=staging.skeleton, used_bytes=staging.used_bytes, capacity=self.capacity
         )
 
+    def _drop_map(self) -> None:
+        old, self._map, self._bytes = self._map, None, None
+        if self._lent is None:
+            _unmap(old)
+        # else: views of the lent region (a stager's buffers) hold the old map; it is
+        # unmapped when the last of them goes, never under them.
+
     def close(self) -> None:
         with self._lock:
-            self._bytes = None
-            _unmap(self._map)
-            self._map = None
+            self._drop_map()
+            self._lent = None
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
@@ -403,14 +466,16 @@ class _SkeletonUnpickler(pickle.Unpickler):
         super().__init__(file)
         self._m = m
         # One tensor per ref, so an object saved twice stays one object.
-        self._seen: dict[int, torch.Tensor] = {}
+        self._seen: dict[TensorRef, torch.Tensor] = {}
 
     def persistent_load(self, pid: Any) -> Any:
         if not isinstance(pid, TensorRef):
             raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
-        t = self._seen.get(pid.offset) if pid.nbytes else None
+        # By the whole ref: tensors staged in place may start at the same offset
+        # (a tensor and a narrower view of it) and still differ.
+        t = self._seen.get(pid) if pid.nbytes else None
         if t is None:
             t = _tensor_from_map(self._m, pid)
             if pid.nbytes:
-                self._seen[pid.offset] = t
+                self._seen[pid] = t
         return t

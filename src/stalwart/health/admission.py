@@ -351,10 +351,24 @@ class HealthGate:
             self._cache = {(round_, ids): found}  # final reports are written no more
         return found
 
-    def _decided(self, kv: Store, round_: int, nodes: Sequence[str]) -> dict[str, Admission]:
-        """The admission of each of *nodes* in *round_* (``decision.admission``)."""
+    def _decided(
+        self, kv: Store, round_: int, nodes: Sequence[str], running: Sequence[str] = ()
+    ) -> dict[str, Admission]:
+        """The admission of each of *nodes* in *round_* (``decision.admission``).
+        *running*: the nodes of the round still under way; their reports for it are
+        peers for the joiners' compute (their links and link checks were another
+        round's). Without them a spare that checks while the others train has no peer
+        to be slow against: it would look admissible, the job would restart to take it
+        in, and the new round would keep it out again, round after round."""
         reports = self._reports(kv, round_, nodes) if self._s.checks else {}
-        peers = against_peers(reports.values(), self._s.limits)
+        ref: list[NodeReport] = []
+        others = [n for n in running if n not in reports]
+        if self._s.checks and others and round_ > 0:
+            ref = [
+                msgspec.structs.replace(r, links=(), collective=None)
+                for r in self._reports(kv, round_ - 1, others).values()
+            ]
+        peers = against_peers([*reports.values(), *ref], self._s.limits)
         standing = self._quarantine.standing(round_) if self._quarantine is not None else None
         now = time.monotonic()
         decided: dict[str, Admission] = {}
@@ -367,10 +381,12 @@ class HealthGate:
             decided[n] = admission(c, checks=self._s.checks, wait=self._s.wait)
         return decided
 
-    def admissions(self, kv: Store, round_: int, nodes: Sequence[str]) -> Admissions:
+    def admissions(
+        self, kv: Store, round_: int, nodes: Sequence[str], running: Sequence[str] = ()
+    ) -> Admissions:
         """Which of *nodes* may not join *round_* (and why), and which are still due a
-        report."""
-        decided = self._decided(kv, round_, nodes)
+        report; *running*: the nodes of the round still under way (``_decided``)."""
+        decided = self._decided(kv, round_, nodes, running)
         return Admissions(
             refused={n: "; ".join(d.reasons) for n, d in decided.items() if isinstance(d, Refuse)},
             pending=frozenset(n for n, d in decided.items() if isinstance(d, Pending)),

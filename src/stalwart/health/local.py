@@ -21,8 +21,8 @@ BURST_S = 0.12
 BURSTS = 3
 
 
-def _cpu_stat_path() -> Path | None:
-    """The ``cpu.stat`` of this process's cgroup (v2, or v1's cpu controller)."""
+def _cgroup_dir() -> Path | None:
+    """This process's cgroup folder (v2, or v1's cpu controller)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -30,14 +30,66 @@ def _cpu_stat_path() -> Path | None:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            where = Path("/sys/fs/cgroup") / path.lstrip("/") / "cpu.stat"
+            where = Path("/sys/fs/cgroup") / path.lstrip("/")
         elif "cpu" in controllers.split(","):
-            where = Path("/sys/fs/cgroup/cpu") / path.lstrip("/") / "cpu.stat"
+            where = Path("/sys/fs/cgroup/cpu") / path.lstrip("/")
         else:
             continue
-        if where.exists():
+        if (where / "cpu.stat").exists():
             return where
     return None
+
+
+def _cpu_stat_path() -> Path | None:
+    """The ``cpu.stat`` of this process's cgroup."""
+    where = _cgroup_dir()
+    return None if where is None else where / "cpu.stat"
+
+
+def cpu_share(quota: str, period: str) -> float | None:
+    """The CPUs a CFS limit allows (``cpu.max``'s two fields, or v1's
+    ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``); None: no limit, or nothing
+    readable as one."""
+    if quota.strip() in ("max", "-1"):
+        return None
+    try:
+        q, t = int(quota), int(period)
+    except ValueError:
+        return None
+    if q <= 0 or t <= 0:
+        return None
+    try:
+        return q / t
+    except OverflowError:  # no kernel writes this: not a limit
+        return None
+
+
+def _limit_of(folder: Path) -> float | None:
+    try:
+        if (folder / "cpu.max").exists():
+            quota, _, period = (folder / "cpu.max").read_text().strip().partition(" ")
+            return cpu_share(quota, period)
+        if (folder / "cpu.cfs_quota_us").exists():
+            quota = (folder / "cpu.cfs_quota_us").read_text()
+            return cpu_share(quota, (folder / "cpu.cfs_period_us").read_text())
+    except OSError:
+        pass
+    return None
+
+
+def cpu_limit(folder: Path | None = None) -> float | None:
+    """The CPUs this node's cgroup and its parents allow it at most (the tightest
+    limit); None: no limit."""
+    start = folder if folder is not None else _cgroup_dir()
+    if start is None:
+        return None
+    shares = []
+    for where in (start, *start.parents):
+        if where in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/cpu"), Path("/")):
+            break
+        if (share := _limit_of(where)) is not None:
+            shares.append(share)
+    return min(shares, default=None)
 
 
 def throttled_periods(stat: Path | None) -> int:
@@ -61,12 +113,15 @@ def compute_rate(bursts: int = BURSTS, burst_s: float = BURST_S) -> float:
     (products per wall second: the limit is the node's). Any other burst counts per CPU
     second of this thread (the hardware's pace: clocks, thermal limits): time the
     scheduler gave to other tenants of a busy shared host is forgiven, so peers on one
-    host measure alike."""
+    host measure alike. A limit of less than one CPU caps that pace at its share: on a
+    host so busy that the thread gets less than its limit anyway, the burst never hits
+    the limit, yet the node could never go faster than it allows."""
     import numpy as np  # only when measured: the launcher starts without it
 
     a = np.random.default_rng(0).standard_normal((_SIDE, _SIDE), dtype=np.float32)
     b = a.copy()
     stat = _cpu_stat_path()
+    share = min(1.0, cpu_limit() or 1.0)
     best = 0.0
     for _ in range(bursts):
         n = 0
@@ -78,7 +133,7 @@ def compute_rate(bursts: int = BURSTS, burst_s: float = BURST_S) -> float:
             n += 1
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         held = throttled_periods(stat) != h0
-        best = max(best, n / (wall if held else max(cpu, 1e-6)))
+        best = max(best, n / wall if held else share * n / max(cpu, 1e-6))
     return best
 
 

@@ -75,9 +75,15 @@ _WAITS: tuple[tuple[str, str | None], ...] = (
     ("torch/autograd/__init__.py", "backward"),
     ("torch/cuda/", "synchronize"),
     ("torch/futures/", "wait"),
+    # stalwart's restore agreeing on a step: through the job's store when no process
+    # group exists, where the wait (store.wait/get, C++) leaves no torch.distributed frame.
+    ("stalwart/checkpoint/resume.py", "all_gather"),
 )
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line \d+ in (?P<func>\S+)')
-_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+")
+_THREAD = re.compile(r"^(?:Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)")
+# faulthandler's line in place of the threads past its limit (100): the main thread,
+# listed last, is among those left out.
+_MORE_THREADS = "..."
 
 
 class Role(enum.Enum):
@@ -163,21 +169,31 @@ def decision_at(first_at: float, due: float, wait: float = CONFIRM_WAIT) -> floa
 
 
 def main_stack(text: str) -> list[tuple[str, str, str]]:
-    """The frames (file, line text, function) of the dump's main thread, innermost
-    first: the "Current thread" (the signal lands on the main thread), else the first."""
-    threads: list[tuple[bool, list[tuple[str, str, str]]]] = []
+    """The frames (file, line text, function) of the main thread in the first dump of
+    `text`, innermost first; empty when that dump does not show it.
+
+    Not the "Current thread": that is the thread the kernel handed the signal to, the
+    main one only while it does not block the signal (a program masking it in its
+    main thread has it delivered to any other, a busy worker thread included). CPython
+    lists a dump's threads newest first, so the main thread, the interpreter's first,
+    is the last block of the dump; a thread id seen again starts the next dump (the
+    file is appended to)."""
+    blocks: list[list[tuple[str, str, str]]] = []
+    seen: set[str] = set()
     for line in text[:MAX_STACK_CHARS].splitlines():
         head = _THREAD.match(line)
         if head is not None:
-            threads.append((head.group(1) == "Current thread", []))
+            if head.group("id") in seen:
+                break
+            seen.add(head.group("id"))
+            blocks.append([])
             continue
+        if line == _MORE_THREADS and blocks:
+            return []
         frame = _FRAME.match(line)
-        if frame is not None and threads:
-            threads[-1][1].append((frame.group("file"), line.strip(), frame.group("func")))
-    for current, frames in threads:
-        if current and frames:
-            return frames
-    return next((frames for _, frames in threads if frames), [])
+        if frame is not None and blocks:
+            blocks[-1].append((frame.group("file"), line.strip(), frame.group("func")))
+    return blocks[-1] if blocks else []
 
 
 def role(text: str, stopped: bool) -> Reading:

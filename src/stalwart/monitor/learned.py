@@ -259,9 +259,9 @@ def _initialised_dist() -> Any | None:
 def _gather_bytes_dist(dist: Any, data: bytes) -> list[bytes]:
     import torch
 
-    device = torch.device("cpu")
-    if "nccl" in str(dist.get_backend()).lower():
-        device = torch.device("cuda", torch.cuda.current_device())
+    from stalwart.base.pgdevice import group_device
+
+    device = group_device()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.all_reduce(length, op=dist.ReduceOp.MAX)
     size = int(length.item())

@@ -18,7 +18,11 @@ again and judged on the new dump (`evidence.stack_look`).
 
 Ranks found waiting on their peers are never handed over while another rank of the node
 is not found hung (`_release`): killing a waiter whose peer is busy would be a false
-kill. The other way round, when a rank that is not waiting (the culprit) is found hung,
+kill. A verdict held that way is only as good as the quiet it was found in: before the
+held ranks are handed over, each is sampled again, and one that ran code since it was
+found hung is let go (ranks that take turns, one waiting while the other works, as in a
+checkpoint save whose coordinator copies the step while the others wait for its answer,
+would otherwise each be found quiet once and handed over together). The other way round, when a rank that is not waiting (the culprit) is found hung,
 its victims are judged at that same moment (`judged_with`): a rank already late, or one
 whose stack taken at the episode's start shows it waiting on its peers and that made no
 progress since. Their own deadlines may fall a little later (a heartbeat written a few
@@ -121,6 +125,8 @@ class Suspicions:
         self._reasked: set[int] = set()  # asked again once found hung: wait for that dump
         self._asked_at: float | None = None  # when this episode asked for stacks
         self._held: dict[int, Reading] = {}  # found hung, waiting for their peers' verdicts
+        #: local rank -> the sample that found a held rank hung (the quiet it was held in)
+        self._held_quiet: dict[int, ProcSample] = {}
 
     def reset(self) -> None:
         self._suspects = {}
@@ -129,6 +135,7 @@ class Suspicions:
         self._reasked = set()
         self._asked_at = None
         self._held = {}
+        self._held_quiet = {}
 
     def confirm(
         self, late: Mapping[int, Late], ranks: Mapping[int, Watched], now: float
@@ -142,6 +149,7 @@ class Suspicions:
                 del self._suspects[lr]  # progress again: what was seen is another stall
         for lr in [lr for lr in self._held if lr not in late or not late[lr].past]:
             del self._held[lr]
+            self._held_quiet.pop(lr, None)
         if not late and not self._held:
             self._asked_at = None  # the episode is over: a later one asks afresh
             self._offsets = {}
@@ -150,6 +158,7 @@ class Suspicions:
         if late and self._asked_at is None:
             self._ask_everyone(ranks, now)
         hung: dict[int, Reading] = {}
+        quiet: dict[int, ProcSample] = {}  # the samples that found them hung
         for lr, seen in late.items():
             suspect = self._suspects.get(lr)
             if suspect is None:
@@ -175,6 +184,7 @@ class Suspicions:
                     suspect.recheck = now + evidence.DUMP_POLL
                     continue
                 hung[lr] = evidence.role(self._stacks_of(lr, watched), stopped)
+                quiet[lr] = second
                 del self._suspects[lr]
             else:
                 suspect.first = second  # running code: look again a window later
@@ -188,7 +198,7 @@ class Suspicions:
             for lr in judged_with(hung, others):
                 hung[lr] = others[lr].reading
                 self._suspects.pop(lr, None)
-        return self._release(hung, ranks)
+        return self._release(hung, quiet, ranks, now)
 
     def next_look(self) -> float | None:
         """Monotonic time of the earliest second look due (None: no rank is suspected),
@@ -229,21 +239,44 @@ class Suspicions:
         return Bystander(late, watched.since, asked_at, reading)
 
     def _release(
-        self, hung: dict[int, Reading], ranks: Mapping[int, Watched]
+        self,
+        hung: dict[int, Reading],
+        quiet: dict[int, ProcSample],
+        ranks: Mapping[int, Watched],
+        now: float,
     ) -> dict[int, Reading]:
         """Holds ranks found waiting on their peers as long as another rank of the node
         is not found hung: that one is at work (a slow checkpoint, an evaluation) or not
         yet judged, and the waiters will go on when it does. When only waiters are left
         on the node (a deadlock between collectives, or a culprit on another node whose
-        monitor handles it) they are released together."""
+        monitor handles it) they are released together. Ranks held from an earlier scan
+        are released only if still quiet (`_still_quiet`)."""
+        if hung:
+            for lr in [lr for lr in self._held if lr not in hung]:
+                if not self._still_quiet(lr, ranks.get(lr), now):
+                    del self._held[lr]
+                    self._held_quiet.pop(lr, None)
         self._held.update(hung)
+        self._held_quiet.update(quiet)
         if not self._held:
             return {}
         victims_only = all(r.role is Role.WAITING for r in self._held.values())
         if victims_only and any(lr not in self._held for lr in ranks):
             return {}
-        out, self._held = self._held, {}
+        out, self._held, self._held_quiet = self._held, {}, {}
         return out
+
+    def _still_quiet(self, lr: int, watched: Watched | None, now: float) -> bool:
+        """Whether a held rank ran no code since the sample that found it hung (the same
+        evidence rule, over the time since); one that did was waiting on a peer that was
+        at work, and is at work itself now."""
+        was = self._held_quiet.get(lr)
+        if was is None or watched is None:
+            return True  # a victim judged with its culprit: held no longer than a scan
+        fresh = self._sample(watched.pid, now)
+        if fresh is None:
+            return True  # gone: its exit is reported as such
+        return fresh.at <= was.at or evidence.is_hung(was, fresh)
 
     def _ask_everyone(self, ranks: Mapping[int, Watched], now: float) -> None:
         self._asked_at = now

@@ -481,7 +481,11 @@ class ElasticRendezvous:
         ids = [m.id for _, m in members]
         self._live.observe(ids)
         gone = self.kv.get_many([keys.left(i) for i in ids])
-        said = self._gate.admissions(self.kv, round_ + 1, ids) if self._gate else None
+        said = (
+            self._gate.admissions(self.kv, round_ + 1, ids, running=sorted(running))
+            if self._gate
+            else None
+        )
         refused = said.refused if said else {}
         pending = said.pending if said else frozenset()
         spares = self._joiners(members, gone, refused, pending)

@@ -30,9 +30,12 @@ class AdmissionGate(Protocol):
         """This node is about to take a slot in *round_*; *peers* joined before it."""
         ...
 
-    def admissions(self, kv: KV, round_: int, nodes: Sequence[str]) -> Admissions:
+    def admissions(
+        self, kv: KV, round_: int, nodes: Sequence[str], running: Sequence[str] = ()
+    ) -> Admissions:
         """Which of the joiners *nodes* may not join *round_* (and why), and which are
-        not decided yet."""
+        not decided yet. *running*: while the round before it still runs, its nodes
+        (the spares are judged against them too: they have not checked for *round_*)."""
         ...
 
     def closing(self, kv: KV, round_: int, nodes: Sequence[str]) -> None:

@@ -63,6 +63,8 @@ class EventFields(msgspec.Struct, kw_only=True):
     save_s: Seconds | None = None
     stall_s: Seconds | None = None
     root_cause: RootCause | None = None
+    # launcher_start: when the launcher's process began (goodput's start)
+    process_start: Time | None = None
     # node_quarantined / node_released (reporting/quarantine.py)
     node: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     since_attempt: Attempt | None = None

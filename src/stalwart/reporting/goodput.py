@@ -4,7 +4,8 @@
 launcher's and the workers'), so the end-of-job summary, ``stalwart report`` and the
 metrics all say the same thing.  The categories (docs/goodput.md defines them):
 
-* ``startup``: launcher start to the first training step (first attempt), and a
+* ``startup``: the launcher's process start (``process_start`` of its
+  ``launcher_start`` record) to the first training step (first attempt), and a
   restarted attempt's worker start to its first step;
 * ``productive``: training steps whose work was kept;
 * ``recompute``: training time of a failed attempt past the step the next attempt
@@ -216,11 +217,28 @@ def _detected(fault: Fault, evs: list[dict[str, Any]], end: float) -> float:
     return min(seen) if seen else end
 
 
+# A launcher's own start-up (interpreter, imports, settings) before its launcher_start
+# record takes seconds, tens under load; a process_start further back than this is a
+# clock step or a hand-edited record, not start-up.
+MAX_LAUNCHER_STARTUP = 3600.0
+
+
+def began_at(launcher_start: dict[str, Any]) -> float:
+    """When the run began: its launcher's process start (``process_start``), which
+    precedes the ``launcher_start`` record by the launcher's own start-up; the record's
+    time where that field is missing or implausible."""
+    t = _t(launcher_start)
+    began = launcher_start.get("process_start")
+    if isinstance(began, bool) or not isinstance(began, int | float):
+        return t
+    return float(began) if t - MAX_LAUNCHER_STARTUP <= began <= t else t
+
+
 def account(events: list[dict[str, Any]], now: float | None = None) -> Breakdown:
     """The breakdown of a run from its events; *now* ends a run still under way."""
     launcher = [e for e in events if e.get("source") != "worker" and "time" in e]
     starts = [e for e in launcher if e["event"] == Event.LAUNCHER_START]
-    t0 = _t(starts[0]) if starts else (min(map(_t, launcher)) if launcher else 0.0)
+    t0 = began_at(starts[0]) if starts else (min(map(_t, launcher)) if launcher else 0.0)
     exits = [e for e in launcher if e["event"] == Event.LAUNCHER_EXIT]
     if exits:
         t_end = _t(exits[-1])

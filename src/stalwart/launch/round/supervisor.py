@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import psutil
 
 from stalwart.base.events import Event
 from stalwart.config import ConfigError, LaunchConfig
@@ -152,6 +153,9 @@ class Supervisor:
         cfg = self.cfg
         self.events.emit(
             Event.LAUNCHER_START,
+            # The process began before this record (interpreter, imports, settings, the
+            # template's start): the run's accounting starts there.
+            process_start=round(psutil.Process().create_time(), 3),
             nnodes=cfg.nnodes,
             nproc_per_node=cfg.nproc_per_node,
             max_restarts=cfg.max_restarts,

@@ -31,6 +31,7 @@ from typing import Any
 from stalwart.base import envvars, procs
 from stalwart.config.secret import JOB_SECRET_ENV, worker_environ
 from stalwart.launch.files.logs import Tee, WorkerLogs
+from stalwart.launch.files.redirects import open_regular
 from stalwart.launch.files.runfiles import APPEND_FLAGS
 from stalwart.launch.workers import posix
 from stalwart.launch.workers.cgroup import JobCgroup
@@ -113,11 +114,14 @@ def _function_child(
     else:
         procs.pdeathsig_then_check(parent)
     for fdno, path in ((1, stdout), (2, stderr)):
-        target = path if path is not None else (None if console else os.devnull)
-        if target is not None:
-            fd = os.open(target, APPEND_FLAGS, 0o644)
-            os.dup2(fd, fdno)
-            os.close(fd)
+        if path is not None:
+            fd = _open_log(path)
+        elif not console:
+            fd = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        else:
+            continue
+        os.dup2(fd, fdno)
+        os.close(fd)
     os.environ.update(env)
     # Inherited from the launcher at the child's start: not the program's to see.
     os.environ.pop(JOB_SECRET_ENV, None)
@@ -151,9 +155,16 @@ def _stdin_or_devnull(opened: list[int]) -> int:
         return fd
 
 
+def _open_log(path: str | os.PathLike[str]) -> int:
+    """A worker's log file for appending. A FIFO, link or device a stranger planted at
+    the path (a log folder others can write to) is a one-line `ValueError`: the open
+    neither waits for a reader nor writes through to one."""
+    return open_regular(path, APPEND_FLAGS | os.O_NONBLOCK, "worker log")
+
+
 def _open_stream(path: Path | None, console: bool) -> int | None:
     if path is not None:
-        return os.open(path, APPEND_FLAGS, 0o644)
+        return _open_log(path)
     return None if console else subprocess.DEVNULL
 
 
@@ -238,10 +249,16 @@ class ProcessContext(StrayScan):
         if self.adopt_orphans:
             self._preexisting = set(children_of(os.getpid(), recursive=False))
         for spec in self.specs:
-            if callable(self.entrypoint):
-                w = self._start_function(spec)
-            else:
-                w = self._start_program(spec)
+            try:
+                if callable(self.entrypoint):
+                    w = self._start_function(spec)
+                else:
+                    w = self._start_program(spec)
+            except BaseException:
+                # One worker could not start (a log path refused): the ones already
+                # running must not outlive the error.
+                self.close()
+                raise
             self._workers[spec.local_rank] = w
             if self.guardian is not None:
                 self.guardian.register(w.pid)
@@ -265,7 +282,11 @@ class ProcessContext(StrayScan):
         def stream(path: Path | None, console_fd: int, console: bool) -> int:
             if path is None and console:
                 return console_fd
-            fd = os.open(path if path is not None else os.devnull, APPEND_FLAGS, 0o644)
+            fd = (
+                _open_log(path)
+                if path is not None
+                else os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+            )
             opened.append(fd)
             return fd
 
@@ -323,6 +344,11 @@ class ProcessContext(StrayScan):
         assert callable(self.entrypoint)
         ctx: Any = mp.get_context(self.start_method)
         # Duplex: the child waits on its end for the parent to close ours (see below).
+        for path in (spec.logs.stdout, spec.logs.stderr):
+            if path is not None:
+                # Opened here first, so a planted FIFO or link is the launcher's one-line
+                # error, as for a program worker; the child opens it the same way.
+                os.close(_open_log(path))
         recv, send = ctx.Pipe(duplex=True)
         env = self._env(spec)
         proc = ctx.Process(
