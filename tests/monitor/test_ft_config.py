@@ -306,3 +306,11 @@ def test_fields_not_acted_on_are_named() -> None:
         "pci_topo_file",
         "link_down_path_template",
     ]
+
+
+def test_nvidia_config_module_path_names_the_same_class() -> None:
+    # `from nvidia_resiliency_ext.fault_tolerance.config import FaultToleranceConfig`
+    # with the package prefix changed.
+    from stalwart.monitor.config import FaultToleranceConfig as via_config
+
+    assert via_config is FaultToleranceConfig
