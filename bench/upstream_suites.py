@@ -41,6 +41,8 @@ from pathlib import Path
 _IMPORT_LINE = re.compile(r"^(\s*)(import|from)\s")
 
 NVIDIA_MODULES = (
+    # ft_launcher's parser is a compat module: `stalwart run` takes no --ft-* options.
+    ("nvidia_resiliency_ext.fault_tolerance.launcher", "stalwart.compat.ft_launcher"),
     ("nvidia_resiliency_ext.inprocess", "stalwart.inprocess"),
     ("nvidia_resiliency_ext.fault_tolerance", "stalwart.monitor"),
 )
@@ -172,6 +174,14 @@ SUITES = (
         rewrite_nvidia_fault_tolerance_from,
         "0.4.1",
         timeout_s=240,  # NVIDIA's own wait up to 180 s for their rank processes
+    ),
+    Suite(
+        "NVIDIA 0.4.1 fault_tolerance config",
+        "nvidia@v0.4.1",
+        ("tests",),
+        ("tests/fault_tolerance/unit/test_config.py",),
+        rewrite_nvidia_fault_tolerance_from,
+        "0.4.1",
     ),
     Suite(
         "torch test_checkpoint_process.py",

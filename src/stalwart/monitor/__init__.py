@@ -13,8 +13,9 @@ from stalwart.monitor.client import (
     RankMonitorError,
 )
 from stalwart.monitor.config import MonitorConfig
+from stalwart.monitor.ft_config import FaultToleranceConfig
 from stalwart.monitor.node import NodeMonitor
-from stalwart.monitor.nvidia_server import FaultToleranceConfig, RankMonitorServer
+from stalwart.monitor.nvidia_server import RankMonitorServer
 from stalwart.monitor.reports import ControlAction, ControlRequest, HangKind, HangReport
 from stalwart.monitor.timeouts_in_force import HeartbeatTimeouts, SectionTimeouts
 from stalwart.monitor.timer import TimerClient, TimerUnavailableError, expires

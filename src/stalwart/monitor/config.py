@@ -240,3 +240,13 @@ class MonitorConfig:
         out["term_signal"] = self.term_signal.name
         out["section_timeouts"] = dict(self.section_timeouts)
         return out
+
+
+def __getattr__(name: str) -> Any:
+    # NVIDIA's `fault_tolerance.config.FaultToleranceConfig`, whose import path maps
+    # here; loaded on first use because ft_config itself builds on this module.
+    if name == "FaultToleranceConfig":
+        from stalwart.monitor.ft_config import FaultToleranceConfig
+
+        return FaultToleranceConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

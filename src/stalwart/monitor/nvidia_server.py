@@ -1,5 +1,6 @@
 """NVIDIA's per-rank monitor process, for code that starts one itself (issue 26, seed 004):
-`FaultToleranceConfig` and `RankMonitorServer.run_in_subprocess(cfg, ipc_socket_path)`.
+`RankMonitorServer.run_in_subprocess(cfg, ipc_socket_path)` with a `FaultToleranceConfig`
+(stalwart.monitor.ft_config).
 
 Under `stalwart run` the launcher's node monitor watches every rank; this is for code
 written against NVIDIA's package that runs its own monitor per rank (its unit tests, a
@@ -16,9 +17,7 @@ can attach), and removes both files when it is terminated or its parent dies.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import mmap
 import os
 import signal
@@ -26,13 +25,13 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from stalwart.base import procs
 from stalwart.monitor import judge, layout
-from stalwart.monitor.config import MonitorConfig, parse_signal
+from stalwart.monitor.config import MonitorConfig
+from stalwart.monitor.ft_config import FaultToleranceConfig, judged
 from stalwart.monitor.timeouts_in_force import Configured
 
 log = logging.getLogger(__name__)
@@ -41,69 +40,6 @@ log = logging.getLogger(__name__)
 TIMEOUTS_SUFFIX = ".timeouts.json"
 #: Largest configured-timeouts file a rank reads back (a section table of ~1000 names).
 MAX_TIMEOUTS_BYTES = 64 * 1024
-
-
-def _seconds(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be None or a number of seconds > 0, got {value!r}")
-    return None if math.isinf(value) else float(value)
-
-
-@dataclasses.dataclass
-class FaultToleranceConfig:
-    """NVIDIA's settings for one rank's monitor, with NVIDIA's names and defaults (None:
-    not checked). `rank_section_timeouts` maps a section name to seconds or None."""
-
-    initial_rank_heartbeat_timeout: float | None = 60.0 * 60.0
-    rank_heartbeat_timeout: float | None = 45.0 * 60.0
-    rank_section_timeouts: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
-    rank_out_of_section_timeout: float | None = None
-    workload_check_interval: float = 5.0
-    safety_factor: float = 5.0
-    rank_termination_signal: signal.Signals | int | str = signal.SIGKILL
-
-    def configured(self) -> Configured:
-        """The timeouts a rank reports in force before it learns any."""
-        sections = {}
-        if not isinstance(self.rank_section_timeouts, Mapping):
-            raise ValueError(
-                "rank_section_timeouts must map section names to seconds, "
-                f"got {self.rank_section_timeouts!r}"
-            )
-        for name, secs in self.rank_section_timeouts.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"section names must be non-empty strings, got {name!r}")
-            sections[name] = _seconds(f"rank_section_timeouts[{name!r}]", secs)
-        return Configured(
-            _seconds("initial_rank_heartbeat_timeout", self.initial_rank_heartbeat_timeout),
-            _seconds("rank_heartbeat_timeout", self.rank_heartbeat_timeout),
-            sections,
-            _seconds("rank_out_of_section_timeout", self.rank_out_of_section_timeout),
-        )
-
-    def monitor_config(self) -> MonitorConfig:
-        """The same settings as stalwart's judge reads them."""
-        interval = _seconds("workload_check_interval", self.workload_check_interval)
-        return _judged(
-            self.configured(), interval or 5.0, parse_signal(self.rank_termination_signal)
-        )
-
-
-def _judged(conf: Configured, interval: float, term_signal: signal.Signals) -> MonitorConfig:
-    initial = conf.hb_initial
-    if initial is not None and conf.hb is not None:
-        # stalwart never lets the first heartbeat have less time than later ones.
-        initial = max(initial, conf.hb)
-    return MonitorConfig(
-        hb_timeout=conf.hb,
-        hb_initial_timeout=initial,
-        section_timeouts={k: v for k, v in conf.sections.items() if v is not None},
-        out_of_section_timeout=conf.oos,
-        check_interval=interval,
-        term_signal=term_signal,
-    )
 
 
 def timeouts_path(segment: str | Path) -> Path:
@@ -242,7 +178,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="stalwart rank monitor: %(message)s")
     path, parent, interval, signum = argv
     _, configured = attach(path)
-    config = _judged(configured, float(interval), signal.Signals(int(signum)))
+    config = judged(configured, float(interval), signal.Signals(int(signum)))
     serve(path, config, int(parent))
     return 0
 
