@@ -177,29 +177,15 @@ def mode_dcp(device: torch.device, ckpt: Path) -> None:
     dist.destroy_process_group()
 
 
-def _drop_cache(folder: Path) -> str:
-    """Evict the checkpoint files from the page cache (the whole cache when allowed)."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return "drop_caches"
-    except OSError:
-        for f in folder.rglob("*"):
-            if f.is_file():
-                fd = os.open(f, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-        return "fadvise"
-
-
 def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> None:
     import shutil
     import statistics
     import time
 
     import torch.distributed.checkpoint as dcp
+
+    # bench/ is the script's folder, so its sibling is importable here and on the device.
+    from bench_dcp import _drop_cache as drop_cache
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -290,7 +276,7 @@ def mode_dcpbench(device: torch.device, ckpt: Path, mib: int, repeats: int) -> N
 
         for name in ("dcp.load (disk)", "dcp.load + DcpReader (RAM)", "stalwart load_newest"):
             spoil()
-            cache = _drop_cache(ckpt)
+            cache = drop_cache(ckpt)
             t0 = time.perf_counter()
             if name == "dcp.load (disk)":
                 dcp.load(state, checkpoint_id=ckpt / f"default-{rep}")
