@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 
 from stalwart.base.pgdevice import group_device
 
@@ -278,8 +278,16 @@ class AsyncDcpSaver:
         # Started now, so its interpreter is up by the first save's write.
         self.shard_process = ShardProcess(config=writer_config) if subprocess else None
         # Staged straight into the writer's shared buffer: each tensor is copied once.
-        self.stager = ReusingStager(background=background, arena=self.shard_process)
+        # In the background, the upload thread stages before it uploads (one thread, so
+        # the next staging follows the previous upload by construction); else the
+        # caller's thread stages.
+        self.stager = ReusingStager(background=False, arena=self.shard_process)
+        self._stage_in_upload = background
+        self._upload = ThreadPoolExecutor(1, thread_name_prefix="stalwart-dcp-upload")
         self._last: Future[Any] | None = None
+        #: The bytes the latest save stages (resolved once its staging walked the state).
+        self.staged_bytes: Future[int] = Future()
+        self.staged_bytes.set_result(0)
         # A saver the program never closes is closed before the interpreter finalizes
         # (atexit runs while it is whole), never by its teardown: see release_group.
         self._pid = os.getpid()
@@ -295,32 +303,49 @@ class AsyncDcpSaver:
         )
         if self._last is not None:
             self._last.exception()
-        response = dcp_async_save(
-            state_dict,
-            storage_writer=writer,
-            async_stager=self.stager,
-            process_group=self.process_group,
-        )
-        if isinstance(response, Future):
-            staged: Future[None] = Future()
-            staged.set_result(None)
-            written = response
-        else:
-            staged, written = response.staging_completion, response.upload_completion
+        # What dcp.async_save does, on a thread this saver keeps: dcp.async_save starts
+        # a thread per call, and the hand-over of the interpreter lock to a new thread
+        # while staging walks the state dict was most of the loop's stall. Stateful
+        # objects give their state now, on the caller's thread, as DCP's async_save does.
+        state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        staged: Future[None] = Future()
         upload: Future[Any] = Future()
-
-        def committed(fut: Future[Any]) -> None:
-            exc = fut.exception()
-            if exc is not None:
-                upload.set_exception(unwrap(exc))
-                return
-            # The writer kept the RAM copy on DCP's upload thread, off the training one.
-            upload.set_result(fut.result())
-
-        written.add_done_callback(committed)
-        self.stager.hold_until(upload)
+        sized: Future[int] = Future()
+        self.staged_bytes = sized
+        early = None
+        if not self._stage_in_upload:
+            early = self.stager.stage(state)
+            sized.set_result(self.stager.staged_bytes.result())
+        self._upload.submit(self._run_save, state, early, writer, (sized, staged, upload))
         self._last = upload
         return staged, upload
+
+    def _run_save(
+        self,
+        state: dict[str, Any],
+        early: Future[dict[str, Any]] | dict[str, Any] | None,
+        writer: DcpWriter,
+        futures: tuple[Future[int], Future[None], Future[Any]],
+    ) -> None:
+        sized, staged, upload = futures
+        try:
+            got = self.stager.stage(state) if early is None else early
+            copy = got.result() if isinstance(got, Future) else got
+            if not sized.done():
+                sized.set_result(self.stager.staged_bytes.result())
+        except BaseException as exc:
+            sized.cancel()
+            staged.set_exception(exc)
+            upload.set_exception(exc)
+            return
+        staged.set_result(None)
+        try:
+            metadata = dcp_save(copy, storage_writer=writer, process_group=self.process_group)
+        except BaseException as exc:
+            upload.set_exception(unwrap(exc))
+            return
+        # The writer kept the RAM copy on this thread, off the training one.
+        upload.set_result(metadata)
 
     def wait(self) -> None:
         if self._last is not None:
@@ -334,6 +359,7 @@ class AsyncDcpSaver:
             if self._last is not None:
                 self._last.exception()
         finally:
+            self._upload.shutdown(wait=True)
             self.stager.close()
             if self.shard_process is not None:
                 # Never used and still importing torch: nothing to wait for.
@@ -372,7 +398,8 @@ class ShardedSaves:
         result.staged = staged  # type: ignore[attr-defined]
         staged_fut.add_done_callback(lambda _: staged.set())
         folder = layout.step_dir(self._saver.root, step)
-        nbytes = self._saver.stager.staged_bytes
+        # This save's: the next one replaces the stager's future.
+        sized = self._saver.staged_bytes
 
         def finished(fut: Future[Any]) -> None:
             exc = fut.exception()
@@ -380,6 +407,8 @@ class ShardedSaves:
                 result.set_exception(unwrap(exc))
                 return
             write_s = time.perf_counter() - t0
+            # Staging is done before any upload completes.
+            nbytes = sized.result()
             result.set_result(SaveResult(step, self.rank, folder, nbytes, "", write_s, True))
 
         upload.add_done_callback(finished)

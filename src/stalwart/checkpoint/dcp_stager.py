@@ -92,7 +92,10 @@ class ReusingStager(AsyncStager):
         )
         self._pending: Future[Any] | None = None
         self._held: list[Future[Any]] = []
-        self.staged_bytes = 0
+        #: The bytes the latest ``stage`` copies, once its walk is done (a future: the
+        #: walk runs in the background).
+        self.staged_bytes: Future[int] = Future()
+        self.staged_bytes.set_result(0)
 
     def hold_until(self, upload: Future[Any]) -> None:
         """The next staging waits for ``upload`` (it reads this stager's buffers)."""
@@ -109,19 +112,25 @@ class ReusingStager(AsyncStager):
 
     def stage(self, state_dict: dict[str, Any]) -> Future[dict[str, Any]] | dict[str, Any]:
         self._wait_idle()
-        leaves = list(_leaves(state_dict, ()))
-        self.staged_bytes = sum(_nbytes(t) for _, t in leaves)
+        sized: Future[int] = Future()
+        self.staged_bytes = sized
 
-        # All of it off the caller's thread: taking the arena may wait for the writer
-        # (and grow it, the first time); DCP's contract keeps the state unchanged
-        # until staging completes.
+        # All of it off the caller's thread, the walk over the state dict included (it
+        # was most of the loop's stall: a few microseconds per tensor, hundreds of
+        # tensors with AdamW): taking the arena may wait for the writer (and grow it,
+        # the first time); DCP's contract keeps the state unchanged until staging
+        # completes. Without autograd, ``to_local`` is an attribute read, not an
+        # autograd Function call (grad mode is per thread: set here, not inherited).
         def run() -> dict[str, Any]:
-            if self._arena is not None:
-                self._place(self._arena, leaves)
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-            staged = self._mirror(state_dict, (), copies)
-            for dst, src in copies:
-                dst.copy_(src)
+            with torch.no_grad():
+                leaves = list(_leaves(state_dict, ()))
+                sized.set_result(sum(_nbytes(t) for _, t in leaves))
+                if self._arena is not None:
+                    self._place(self._arena, leaves)
+                copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+                staged = self._mirror(state_dict, (), copies)
+                for dst, src in copies:
+                    dst.copy_(src)
             return staged  # type: ignore[no-any-return]
 
         if self._pool is None:
