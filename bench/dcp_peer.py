@@ -154,7 +154,14 @@ def peer_section(ns: argparse.Namespace, work: Path) -> int:
         for e in _launcher_events(work, name)
         if e.get("event") == "checkpoint_restored"
     ]
-    from_replica = [e for e in restored if Path(str(e.get("path", ""))).name.startswith("replica_")]
+    # The restarted rank 1 runs on the spare, which holds none of its own shards.
+    rank1 = [e for e in restored if e.get("rank") == 1]
+    from_replica = [
+        e
+        for e in rank1
+        if e.get("source") == "ram"
+        and all(Path(p).name.startswith("replica_") for p in str(e.get("path", "")).split(","))
+    ]
     fetched = [e for e in _launcher_events(work, "c") if e.get("event") == "replica_fetched"]
     med = statistics.median
     print(
@@ -168,7 +175,7 @@ def peer_section(ns: argparse.Namespace, work: Path) -> int:
         f"- restores the launchers logged: {len(restored)}, by source: "
         f"ram {sum(e.get('source') == 'ram' for e in restored)}, "
         f"disk {sum(e.get('source') == 'disk' for e in restored)}; "
-        f"rank 1's from node a's replica: {len(from_replica)}"
+        f"rank 1's from the replica the spare fetched: {len(from_replica)} of {len(rank1)}"
     )
     for e in fetched:
         print(
