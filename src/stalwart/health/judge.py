@@ -167,12 +167,19 @@ def _link_problem(node: str, links: dict[frozenset[str], float], lim: Limits) ->
     return f"its fastest link takes {_ms(mine)}, {mine / ref:.0f}x its peers' median {_ms(ref)}"
 
 
-def _collective(reps: Sequence[NodeReport]) -> tuple[dict[str, str], tuple[LinkBlame, ...]]:
+def _collective(
+    reps: Sequence[NodeReport], lossy: frozenset[str] = frozenset()
+) -> tuple[dict[str, str], tuple[LinkBlame, ...]]:
     """What the round's collective link check found, by its members' word: a node is
     slow when more than half of the members whose conclusion names it as a member blame
     it (they ran the same decision over the same timings, so they agree unless one was
     cut off; a conclusion that came to nothing counts against nobody). Its slow links,
-    from any member's conclusion."""
+    from any member's conclusion.
+
+    A conclusion among whose members is a node the echoes found *lossy* blames nobody
+    but such nodes: that node's pairs pass or fail by chance (a resend costs a round
+    trip, a lost tail a timer), so a healthy node timed against it as "a good partner"
+    can look slow (seen at 5 % loss, docs/health.md)."""
     votes: dict[str, int] = {}
     voters: dict[str, int] = {}
     why: dict[str, str] = {}
@@ -183,8 +190,9 @@ def _collective(reps: Sequence[NodeReport]) -> tuple[dict[str, str], tuple[LinkB
             continue
         for m in set(c.members):
             voters[m] = voters.get(m, 0) + 1
+        chance = not lossy.isdisjoint(c.members)
         for b in c.nodes:
-            if b.node in c.members:
+            if b.node in c.members and (not chance or b.node in lossy):
                 votes[b.node] = votes.get(b.node, 0) + 1
                 why.setdefault(b.node, b.reason)
         links.update(dict.fromkeys(c.links))
@@ -199,13 +207,16 @@ def against_peers(reports: Iterable[NodeReport], lim: Limits) -> dict[str, tuple
     reps = list(reports)
     links = _pairs(reps)
     losses = _losses(reps, lim)
-    collective, _ = _collective(reps)
+    lossy = {
+        r.node: why for r in reps if (why := _loss_problem(r.node, losses, lim)) is not None
+    }
+    collective, _ = _collective(reps, frozenset(lossy))
     found: dict[str, tuple[str, ...]] = {}
     for r in reps:
         mine = (
             _compute_problem(r, reps, lim),
             _link_problem(r.node, links, lim),
-            _loss_problem(r.node, losses, lim),
+            lossy.get(r.node),
             collective.get(r.node),
         )
         if any(f is not None for f in mine):
