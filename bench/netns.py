@@ -167,7 +167,8 @@ class Network:
   chain to_host {{ type filter hook egress device "{host.veth}" priority 0; {drop}; }}
 }}"""
         subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True, capture_output=True)
-        self.lossy.append(host)
+        if host not in self.lossy:
+            self.lossy.append(host)
 
     @staticmethod
     def _loss_table(host: Host) -> str:
@@ -175,7 +176,9 @@ class Network:
 
     def close(self) -> None:
         for h in self.lossy:
-            subprocess.run(["nft", "delete", "table", "netdev", self._loss_table(h)], check=False)
+            subprocess.run(
+                ["nft", "delete", "table", "netdev", self._loss_table(h)], capture_output=True
+            )
         for h in self.hosts:
             h.stop()
             _ip("netns", "del", h.name, check=False)

@@ -2,9 +2,10 @@
 its cgroup's CPU limit, a node behind a slow link (``tc`` rate limit) and a node whose own
 check fails are kept out, and the round closes with the healthy ones; a node behind a
 link narrow enough to pass the echo check is found by the collective link check; a
-healthy cluster keeps everyone. (``tc netem`` cannot run here: the kernel is built
+node whose link drops packets at random is found by the segments its probes saw resent;
+a healthy cluster keeps everyone. (``tc netem`` cannot run here: the kernel is built
 without it and without loadable modules, docs/health.md; ``tbf`` rate limits stand in
-for slow links.)"""
+for slow links, nftables' random drop on a veth for a lossy one.)"""
 
 from __future__ import annotations
 
