@@ -207,9 +207,7 @@ def against_peers(reports: Iterable[NodeReport], lim: Limits) -> dict[str, tuple
     reps = list(reports)
     links = _pairs(reps)
     losses = _losses(reps, lim)
-    lossy = {
-        r.node: why for r in reps if (why := _loss_problem(r.node, losses, lim)) is not None
-    }
+    lossy = {r.node: why for r in reps if (why := _loss_problem(r.node, losses, lim)) is not None}
     collective, _ = _collective(reps, frozenset(lossy))
     found: dict[str, tuple[str, ...]] = {}
     for r in reps:
