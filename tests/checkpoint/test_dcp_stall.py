@@ -98,3 +98,17 @@ def test_the_saver_starts_no_thread_per_save_and_takes_stateful_state_at_the_cal
     target: dict[str, Any] = {"w": torch.zeros(1024), "pos": _Position()}
     dcp.load(target, checkpoint_id=tmp_path / "step_000000004")
     assert torch.equal(target["w"], torch.full((1024,), 4.0)) and target["pos"].batch == 4
+
+
+def test_a_saver_refuses_a_group_without_a_cpu_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its save runs on a thread of its own: on the loop's NCCL group (mocked: no GPU
+    here) the collectives would interleave with the loop's. One clear error, at once."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match=r"a 'nccl' group; expected one with a CPU backend"):
+        sdcp.AsyncDcpSaver(tmp_path, process_group=object(), subprocess=False, ram=False)
+    assert list(tmp_path.iterdir()) == []

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from stalwart.base.pgdevice import group_device
+from stalwart.base.pgdevice import device_type_for, group_device
 
 from . import layout
 from .dcp_metadata import read_metadata, shard_extents
@@ -264,6 +264,17 @@ class AsyncDcpSaver:
         subprocess: bool = True,
         writer_config: WriterProcessConfig | None = None,
     ) -> None:
+        if process_group is not None and dist.is_available() and dist.is_initialized():
+            backend = str(dist.get_backend(process_group))
+            # The save runs on this saver's thread while the loop runs its own
+            # collectives: on the loop's NCCL group they would interleave (dcp.async_save
+            # refuses such a group too, at the first save).
+            if device_type_for(backend) != "cpu":
+                raise ValueError(
+                    f"AsyncDcpSaver(process_group=...): a {backend!r} group; expected one "
+                    "with a CPU backend (gloo, or 'cpu:gloo,cuda:nccl'), or None for a gloo "
+                    "group of the saver's own"
+                )
         self.root = Path(root)
         self._segment = (segment or local_segment()) if ram else None
         self.keep_last = keep_last
