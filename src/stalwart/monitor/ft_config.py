@@ -21,12 +21,12 @@ import logging
 import math
 import os
 import signal
-import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.yamlfile import read_yaml
 from stalwart.monitor import layout
 from stalwart.monitor.config import MonitorConfig, parse_signal
 from stalwart.monitor.timeouts_in_force import Configured
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 
 #: The section a YAML file holds the settings in (at the top or nested anywhere).
 SECTION = "fault_tolerance"
-#: Largest YAML file read: a training config with an FT section is a few KiB; anything
-#: near this is not a config, and YAML's parser would hold all of it in memory.
-MAX_YAML_BYTES = 1024 * 1024
 #: Prefix of the argparse option (and namespace attribute) of each field.
 OPTION_PREFIX = "ft"
 
@@ -208,7 +205,7 @@ class FaultToleranceConfig:
     ) -> FaultToleranceConfig:
         """The settings in the file's `fault_tolerance:` section, at the top level or
         nested in other mappings or lists (the first non-empty one found). The file is
-        read with YAML's safe loader (no Python tags), up to `MAX_YAML_BYTES`."""
+        read with YAML's safe loader (no Python tags), bounded as `stalwart.base.yamlfile` says."""
         data = read_yaml(Path(cfg_path))
         section = find_section(data)
         if section is None:
@@ -359,28 +356,6 @@ def find_section(data: Any) -> Any:
         children = list(node.values()) if isinstance(node, dict) else list(node)
         stack.extend(reversed(children))
     return None
-
-
-def read_yaml(path: Path) -> Any:
-    """A YAML file's data through the safe loader: a regular file of at most
-    `MAX_YAML_BYTES`, else one-line ValueError (FileNotFoundError as it is)."""
-    import yaml
-
-    # O_NONBLOCK: a FIFO planted at the path must not block the open.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        raw = f.read(MAX_YAML_BYTES + 1)
-    if len(raw) > MAX_YAML_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_YAML_BYTES} bytes; not a config file")
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        # YAML's messages span lines (a caret under the problem): one line here.
-        raise ValueError(f"{path}: cannot read YAML ({' '.join(str(err).split())})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: YAML nested too deeply") from None
 
 
 def parse_section_timeouts(text: str) -> dict[str, float | None]:
