@@ -306,7 +306,6 @@ def test_to_yaml_file_never_writes_through_a_planted_link(tmp_path: Path) -> Non
 def test_fields_not_acted_on_are_named() -> None:
     assert not_acted_on() == [
         "node_health_check_interval",
-        "safety_factor",
         "log_level",
         "restart_check_interval",
         "enable_nic_monitor",

@@ -6,8 +6,8 @@ or `--ft-*` options (`add_arguments`, `from_args`), and written back (`to_yaml_f
 stalwart's own settings are `stalwart run`'s flags and `--config` file
 (stalwart.config); this record is what a program that starts its own rank monitor
 hands `RankMonitorServer.run_in_subprocess`. Fields that stalwart does not act on (the
-launcher's NIC and node-health settings, the restart check, the log level, the safety
-factor) are checked and kept, so that a user's file loads and writes back as it was;
+launcher's NIC and node-health settings, the restart check, the log level) are checked
+and kept, so that a user's file loads and writes back as it was;
 docs/migrating.md names them. Each field is declared once below; its check, its YAML
 key and its `--ft-*` option are derived from that declaration.
 """
@@ -175,8 +175,9 @@ class FaultToleranceConfig:
         default=None, metadata=_meta(Kind.TIMEOUT, True)
     )
     node_health_check_interval: float = field(default=5.0, metadata=_meta(Kind.SECONDS, False))
-    # The rank's client takes its factor from `stalwart run --safety-factor` (or 5).
-    safety_factor: float = field(default=5.0, metadata=_meta(Kind.FACTOR, False))
+    # Under RankMonitorServer a rank learns its timeouts with this factor, as NVIDIA's
+    # client does with the config its server sends it.
+    safety_factor: float = field(default=5.0, metadata=_meta(Kind.FACTOR, True))
     rank_termination_signal: signal.Signals | int | str = field(
         default=signal.SIGKILL, metadata=_meta(Kind.SIGNAL, True)
     )
