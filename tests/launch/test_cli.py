@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from stalwart.cli import build_config
 from stalwart.config import DEFAULT_PREFIX, ConfigError
 from stalwart.launch.files.logs import Std
-from tests.helpers import clean_env, stalwart
+from tests.helpers import ROOT, clean_env, stalwart
 
 from .helpers import SCRIPTS
 
@@ -311,3 +313,20 @@ def test_config_file_aliases_and_tags(tmp_path: Path, text: str, needle: str | N
         build_config(["--config", str(conf), "x.py"])
     assert "\n" not in str(info.value) and needle in str(info.value)
     assert str(info.value).startswith(f"--config {conf}: ")
+
+
+def test_a_usage_error_loads_neither_torch_nor_the_monitor() -> None:
+    """A mistyped flag is answered from the settings alone (the timing is in
+    bench/bench_cli_usage.py)."""
+    code = (
+        "import sys\n"
+        "from stalwart.cli import main\n"
+        "code = main(['run', '--nproc-per-node', 'x', 'train.py'])\n"
+        "heavy = ('torch', 'stalwart.monitor.node', 'stalwart.monitor.client', 'stalwart.launch.round.supervisor')\n"
+        "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=ROOT
+    )
+    assert out.stdout.strip() == "2 []", (out.stdout, out.stderr[-2000:])
+    assert "--nproc-per-node 'x'" in out.stderr
