@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from stalwart.base.yamlfile import MAX_YAML_BYTES
 from stalwart.compat.ft_launcher import get_args_parser
 from stalwart.monitor import FaultToleranceConfig
-from stalwart.base.yamlfile import MAX_YAML_BYTES
 from stalwart.monitor.ft_config import (
     Kind,
     check,
