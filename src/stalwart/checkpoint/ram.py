@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import logging
 import mmap
 import os
@@ -52,6 +53,17 @@ _libc.madvise.restype = ctypes.c_int
 
 
 _ADVISE_CHUNK = 8 << 20
+#: Slot hashes this process has done (every verification that read the tensor bytes):
+#: what a restore cost, and what the tests of hashing once count.
+_hashes = itertools.count()
+_hashes_done = 0
+
+
+def hashes_done() -> int:
+    """How many times this process has hashed a slot's tensor bytes."""
+    return _hashes_done
+
+
 # Hashing a slot in the background stops between chunks of this size when the segment is
 # closed (a few milliseconds each).
 _HASH_CHUNK = 32 << 20
@@ -165,6 +177,14 @@ class RamSegment:
             os.close(fd)
             raise
         return cls(p, fd, writable)
+
+    def maps(self, path: Path) -> bool:
+        """Whether ``path`` is still the file this segment mapped (not replaced since)."""
+        try:
+            now, mine = os.stat(path), os.fstat(self._fd)
+        except (OSError, ValueError):
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
     # -- headers ---------------------------------------------------------------------
     def record(self, slot: int) -> rl.CommitRecord | None:
@@ -361,6 +381,8 @@ class RamSegment:
         end = start + record.tensor_bytes
         view = self._bytes
         assert view is not None
+        global _hashes_done
+        _hashes_done = next(_hashes) + 1
         hasher = xxhash.xxh3_64()
         with memoryview(self._map) as mv:
             for at in range(start, end, _HASH_CHUNK):
@@ -377,8 +399,9 @@ class RamSegment:
                 hasher.update(mv[at : at + n])
         return hasher.intdigest() == record.tensor_hash
 
-    def start_checking(self, rank: int, world_size: int) -> None:
-        """Verify ``rank``'s newest snapshot here on a thread, once.
+    def start_checking(self, rank: int, world_size: int | None, kind: str = rl.KIND_STATE) -> bool:
+        """Verify ``rank``'s newest snapshot of ``kind`` here on a thread, once; whether
+        one was started (``world_size`` None: saved by a world of any size).
 
         A restarted worker restores it soon, usually after setting up its process
         group, which mostly waits for its peers: hashing it meanwhile (it releases the
@@ -386,21 +409,24 @@ class RamSegment:
         report; :meth:`close` stops the thread between chunks.
         """
         if self._prechecking is not None:
-            return
+            return False
         newest = next(
             (
                 (slot, rec)
                 for slot, rec in self.records()
-                if rec.kind == rl.KIND_STATE and rec.rank == rank and rec.world_size == world_size
+                if rec.kind == kind
+                and rec.rank == rank
+                and (world_size is None or rec.world_size == world_size)
             ),
             None,
         )
         if newest is None:
-            return
+            return False
         self._prechecking = threading.Thread(
             target=self._precheck, args=newest, name="stalwart-ram-verify", daemon=True
         )
         self._prechecking.start()
+        return True
 
     def _precheck(self, slot: int, record: rl.CommitRecord) -> None:
         try:
