@@ -129,6 +129,7 @@ class Network:
         self.prefix = f"10.213.{third}"
         self.gateway = f"{self.prefix}.1"
         self.hosts: list[Host] = []
+        self.lossy: list[Host] = []
         _ip("link", "add", self.bridge, "type", "bridge")
         try:
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
@@ -150,7 +151,34 @@ class Network:
         _ip("-n", name, "link", "set", "lo", "up")
         return self.hosts[-1]
 
+    def lose(self, host: Host, percent: int) -> None:
+        """Drops *percent* % of the packets on *host*'s link, either way, at random, as a
+        flaky cable or NIC would (this kernel has no netem: nftables' ``numgen`` on the
+        root side of its veth, in the netdev family, so that the packets are lost on the
+        wire, not refused to the host's own stack). Every host's packets are made
+        wire-sized (``gso_max_segs 1``), so that one drop loses one segment."""
+        if shutil.which("nft") is None:
+            raise RuntimeError("nft (nftables) is not installed")
+        for h in self.hosts:
+            _ip("-n", h.name, "link", "set", "eth0", "gso_max_segs", "1")
+        drop = f"numgen random mod 100 < {int(percent)} drop"
+        rules = f"""table netdev {self._loss_table(host)} {{
+  chain from_host {{ type filter hook ingress device "{host.veth}" priority 0; {drop}; }}
+  chain to_host {{ type filter hook egress device "{host.veth}" priority 0; {drop}; }}
+}}"""
+        subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True, capture_output=True)
+        if host not in self.lossy:
+            self.lossy.append(host)
+
+    @staticmethod
+    def _loss_table(host: Host) -> str:
+        return f"swloss{host.veth}"
+
     def close(self) -> None:
+        for h in self.lossy:
+            subprocess.run(
+                ["nft", "delete", "table", "netdev", self._loss_table(h)], capture_output=True
+            )
         for h in self.hosts:
             h.stop()
             _ip("netns", "del", h.name, check=False)

@@ -2,13 +2,15 @@
 its cgroup's CPU limit, a node behind a slow link (``tc`` rate limit) and a node whose own
 check fails are kept out, and the round closes with the healthy ones; a node behind a
 link narrow enough to pass the echo check is found by the collective link check; a
-healthy cluster keeps everyone. (``tc netem`` cannot run here: the kernel is built
+node whose link drops packets at random is found by the segments its probes saw resent;
+a healthy cluster keeps everyone. (``tc netem`` cannot run here: the kernel is built
 without it and without loadable modules, docs/health.md; ``tbf`` rate limits stand in
-for slow links.)"""
+for slow links, nftables' random drop on a veth for a lossy one.)"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -185,6 +187,34 @@ def test_a_narrow_link_is_found_by_the_collective_check_and_its_node_kept_out(
     assert [e["collective_void"] for e in checked] == [""] * 4, checked
 
 
+def test_a_node_whose_link_loses_packets_is_kept_out(network: Network, tmp_path: Path) -> None:
+    """A node whose link drops 5 % of its packets either way, at random: its echoes' best
+    times and the collective check's pass (TCP resends within a round trip), but its
+    probes count the resent segments, and every link of it resends far more than its
+    peers' link."""
+    if shutil.which("nft") is None:
+        pytest.skip("nft (nftables) is not installed")
+    hosts = [network.add_host() for _ in range(3)]
+    lossy = hosts[2]
+    network.lose(lossy, 5)
+    endpoint = f"{hosts[0].addr}:{free_port()}"
+    procs = [launch(h, tmp_path, "2:3", endpoint, "lossy") for h in hosts]
+    logs = finish(procs, hosts, tmp_path)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, logs[hosts[0].name][-3000:]
+    assert (tmp_path / "world").read_text() == "2 2"
+    ids = {h.name: node_id(tmp_path, h) for h in hosts}
+    for h in hosts:
+        seen = kept_out(tmp_path, h)
+        assert list(seen) == [ids[lossy.name]], (h.name, seen, logs[h.name][-3000:])
+        assert "its links lose packets: TCP resent" in seen[ids[lossy.name]], seen
+    # What each node's probes counted: the later nodes probed the earlier ones.
+    checked = [
+        e for h in hosts for e in node_events(tmp_path, h)
+        if e["event"] == "health_checked" and e["attempt"] == 0
+    ]  # fmt: skip
+    assert sum(e["links_sent"] for e in checked) > 0, checked
+
+
 def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) -> None:
     hosts = [network.add_host() for _ in range(3)]
     endpoint = f"{hosts[0].addr}:{free_port()}"
@@ -199,6 +229,9 @@ def test_a_healthy_cluster_keeps_every_node(network: Network, tmp_path: Path) ->
     # Every pair of nodes was timed, by one end or the other.
     evs = [e for h in hosts for e in node_events(tmp_path, h) if e["event"] == "health_checked"]
     assert sum(e["links"] for e in evs) == 3
+    # Their probes counted the segments TCP sent, and resent nearly none of them.
+    assert sum(e["links_sent"] for e in evs) >= 3 * 100, evs
+    assert sum(e["links_resent"] for e in evs) <= 0.015 * sum(e["links_sent"] for e in evs)
     # The collective check ran among the three, to the end, on gloo, each node's in a
     # process forked from its warm template (no interpreter start or torch import of its
     # own); the job's worker (no stalwart import, no __main__ guard) was forked after it.

@@ -41,6 +41,7 @@ from stalwart.health.records import (
     ID_LIMIT,
     MAX_LINKS,
     MAX_PROBLEMS,
+    SEGMENTS_LIMIT,
     BadRecord,
     By,
     Exclusion,
@@ -129,6 +130,14 @@ def own_checks(s: HealthSettings, addr: str | None) -> OwnChecks:
         if user[0] is not None:
             problems.append(user[0])
     return OwnChecks(rate, tuple(problems[:MAX_PROBLEMS]), time.monotonic() - t0)
+
+
+def _link(peer: str, echo: probe.Echo) -> Link:
+    """A probed link as the report carries it (counts clamped to what a report may hold:
+    a report that does not decode would be dropped whole)."""
+    seg = echo.segments or probe.Segments(0, 0)
+    sent = min(max(seg.sent, 0), SEGMENTS_LIMIT)
+    return Link(peer, echo.seconds, sent=sent, resent=min(max(seg.resent, 0), sent))
 
 
 Emit = Callable[..., Any]
@@ -260,8 +269,8 @@ class HealthGate:
                 others = [p for p in dict.fromkeys([*earlier, *peers]) if p != node]
                 reports = self._reports(kv, round_, others)
                 targets = [(p, r.probe) for p, r in reports.items() if r.probe]
-                times = probe.time_links([a for _, a in targets])
-                links = tuple(Link(p, t) for (p, _), t in zip(targets, times, strict=True))
+                echoes = probe.time_links([a for _, a in targets])
+                links = tuple(_link(p, e) for (p, _), e in zip(targets, echoes, strict=True))
                 if links_check is not None:
                     collective = links_check.run(
                         kv, round_, node, addr, lambda ns: list(self._reports(kv, round_, ns))
@@ -287,6 +296,9 @@ class HealthGate:
                 node=node,
                 links=len(links),
                 links_s=round(time.monotonic() - t0, 4),
+                # What TCP resent on this node's probes (its links' loss, both ways).
+                links_sent=sum(x.sent for x in links),
+                links_resent=sum(x.resent for x in links),
                 **more,
             )
         finally:

@@ -24,10 +24,13 @@ MAX_PROBLEMS = 8
 #: Links a report may carry: one per peer, a job of up to this many nodes.
 MAX_LINKS = 1024
 ID_LIMIT = 128
+#: More TCP segments than one link probe could send, even resent many times over.
+SEGMENTS_LIMIT = 1 << 20
 
 _Id = Annotated[str, msgspec.Meta(max_length=ID_LIMIT)]
 _Problem = Annotated[str, msgspec.Meta(max_length=PROBLEM_LIMIT)]
 _Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+_Segments = Annotated[int, msgspec.Meta(ge=0, le=SEGMENTS_LIMIT)]
 
 
 def report_key(round_: int, node: str) -> str:
@@ -75,10 +78,14 @@ def link_store_key(round_: int) -> str:
 
 
 class Link(msgspec.Struct, frozen=True):
-    """The best time of a small echo to *peer* (seconds); None: it could not be reached."""
+    """The best time of a small echo to *peer* (seconds; None: it could not be reached),
+    and the data segments TCP sent on the probe's connection, both ways, and resent of
+    them (0 and 0: not counted)."""
 
     peer: _Id
     seconds: _Seconds | None
+    sent: _Segments = 0
+    resent: _Segments = 0
 
 
 class Blame(msgspec.Struct, frozen=True):
