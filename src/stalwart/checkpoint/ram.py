@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import itertools
 import logging
 import mmap
 import os
@@ -53,17 +52,6 @@ _libc.madvise.restype = ctypes.c_int
 
 
 _ADVISE_CHUNK = 8 << 20
-#: Slot hashes this process has done (every verification that read the tensor bytes):
-#: what a restore cost, and what the tests of hashing once count.
-_hashes = itertools.count()
-_hashes_done = 0
-
-
-def hashes_done() -> int:
-    """How many times this process has hashed a slot's tensor bytes."""
-    return _hashes_done
-
-
 # Hashing a slot in the background stops between chunks of this size when the segment is
 # closed (a few milliseconds each).
 _HASH_CHUNK = 32 << 20
@@ -381,8 +369,6 @@ class RamSegment:
         end = start + record.tensor_bytes
         view = self._bytes
         assert view is not None
-        global _hashes_done
-        _hashes_done = next(_hashes) + 1
         hasher = xxhash.xxh3_64()
         with memoryview(self._map) as mv:
             for at in range(start, end, _HASH_CHUNK):
