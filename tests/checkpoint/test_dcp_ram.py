@@ -196,7 +196,8 @@ def test_hostile_heads_are_skipped(tmp_path: Path, head: bytes) -> None:
 
 
 def test_checksum_mismatch_is_found_by_verify(tmp_path: Path) -> None:
-    """find_all_shards reads heads only; the data's checksum is the server's to check."""
+    """find_all_shards reads heads only; the data's checksum is the server's to check,
+    the first time this process reads the slot under its record."""
     path = _segment(tmp_path)
     seg = RamSegment.open(path)
     try:
@@ -206,19 +207,14 @@ def test_checksum_mismatch_is_found_by_verify(tmp_path: Path) -> None:
     finally:
         seg.close()
     (held,) = find_all_shards(path.parent, "/r")
-    held.verify()
-    held.close()
     assert (held.index.step, held.index.rank, held.index.world_size) == (3, 1, 2)
     with open(path, "r+b") as f:
         at = rl.data_offset(held.slot, rl.slot_capacity(os.fstat(f.fileno()).st_size))
         f.seek(at + held.record.tensor_offset + 50)
         f.write(b"\x01")
     (held,) = find_all_shards(path.parent, "/r")
-    try:
-        with pytest.raises(CheckpointCorruptError, match="checksum"):
-            held.verify()
-    finally:
-        held.close()
+    with pytest.raises(CheckpointCorruptError, match="checksum"):
+        held.verify()
 
 
 def test_restore_from_ram_hashes_the_slot_once_and_reads_it_in_place(
@@ -337,7 +333,6 @@ def test_a_served_set_that_does_not_verify_is_dropped_and_an_older_one_loads(
     state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
     path, root = _two_steps(tmp_path, state)
     (newest,) = [h for h in find_all_shards(path.parent, str(root)) if h.index.step == 2]
-    newest.close()
     with open(path, "r+b") as f:
         at = rl.data_offset(newest.slot, rl.slot_capacity(os.fstat(f.fileno()).st_size))
         f.seek(at + newest.record.tensor_offset + 7)

@@ -243,3 +243,64 @@ def test_a_new_estimate_is_averaged_into_the_learned_one(monkeypatch: pytest.Mon
         client.calculate_and_set_section_timeouts()
     assert client.calculate_and_set_section_timeouts(selected_sections=["step"])
     assert client.learned.sections == {"step": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("server_factor", "side_factor", "client_factor", "expected"),
+    [
+        (2.0, None, None, 2.0),  # the server's config, as NVIDIA's client takes it
+        (5.0, None, None, 5.0),
+        (2.0, None, 3.0, 3.0),  # a factor the rank's code gives itself wins
+        # A side file that does not hold a usable factor: the rank's own (5).
+        (2.0, "x", None, 5.0),
+        (2.0, -1, None, 5.0),
+        (2.0, True, None, 5.0),
+        (2.0, "1e999", None, 5.0),
+    ],
+)
+def test_learned_timeouts_use_the_servers_safety_factor(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    server_factor: float,
+    side_factor: Any,
+    client_factor: float | None,
+    expected: float,
+) -> None:
+    import stalwart.monitor.client as client_module
+
+    now = [100.0]
+    monkeypatch.setattr(client_module, "_monotonic", lambda: now[0])
+    cfg = FaultToleranceConfig()
+    cfg.safety_factor = server_factor
+    cfg.rank_section_timeouts = {"step": 100.0}
+    path = tmp_path / "rmon.socket"
+    server = RankMonitorServer.run_in_subprocess(cfg=cfg, ipc_socket_path=str(path))
+    try:
+        side = timeouts_path(path)
+        if side_factor is not None:
+            data = json.loads(side.read_text())
+            data["safety_factor"] = side_factor
+            text = json.dumps(data).replace('"1e999"', "1e999")
+            side.write_text(text)
+        client = _client_at(monkeypatch, path)
+        if client_factor is not None:
+            client = RankMonitorClient(safety_factor=client_factor)
+        client.init_workload_monitoring()
+        for at in (101.0, 105.0):  # first beat after 1 s, then a 4 s gap
+            now[0] = at
+            client.send_heartbeat()
+        client.start_section("step")
+        now[0] = 108.0  # a 3 s section
+        client.end_section("step")
+        assert client.calculate_and_set_hb_timeouts()
+        assert client.calculate_and_set_section_timeouts(calc_out_of_section=False)
+        assert client.hb_timeouts is not None and client.section_timeouts is not None
+        assert (client.hb_timeouts.initial, client.hb_timeouts.subsequent) == (
+            4.0 * expected,
+            4.0 * expected,
+        )
+        assert client.section_timeouts.section["step"] == 3.0 * expected
+        client.shutdown_workload_monitoring()
+    finally:
+        server.terminate()
+        server.join(timeout=30)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,7 @@ import pytest
 from stalwart.cli import build_config
 from stalwart.config import DEFAULT_PREFIX, ConfigError
 from stalwart.launch.files.logs import Std
-from tests.helpers import clean_env, stalwart
+from tests.helpers import ROOT, clean_env, stalwart
 
 from .helpers import SCRIPTS
 
@@ -246,3 +249,84 @@ def test_yaml_key_that_sets_nothing_is_one_line(tmp_path: Path, text: str, needl
     assert needle in str(info.value)
     if "unknown" in needle:
         assert "expected one of" in str(info.value) and "run_id" in str(info.value)
+
+
+def _alias_bomb(value_key: str) -> str:
+    """Nine levels of ten aliases each (10**9 values expanded) under a known key."""
+    levels = ["&a [x,x,x,x,x,x,x,x,x,x]"] + [
+        f"&{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 10)}]" for i in range(8)
+    ]
+    return f"{value_key}: [{', '.join(levels)}]\n"
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [
+        ("oversized", "larger than 1048576 bytes; not a config file"),
+        ("fifo", "not a regular file"),
+        ("list", "expected a mapping of settings at the top level, got list"),
+        ("bomb", "YAML aliases expand to more than 1048576 values"),
+    ],
+)
+def test_a_hostile_config_file_is_one_line_and_starts_nothing(
+    kind: str, needle: str, tmp_path: Path
+) -> None:
+    conf, out = tmp_path / "c.yaml", tmp_path / "out"
+    out.mkdir()
+    if kind == "fifo":
+        os.mkfifo(conf)  # nothing ever writes it: a blocking open would hang the CLI
+    elif kind == "oversized":
+        conf.write_text("nproc_per_node: 1\n#" + "x" * (1 << 20) + "\n")
+    elif kind == "list":
+        conf.write_text("- nproc_per_node: 1\n")
+    else:
+        # Walking or printing it while checking the setting took minutes and GiBs.
+        conf.write_text(_alias_bomb("log_line_prefix_template"))
+    proc = stalwart(
+        "--config", conf, "--log-dir", out / "logs", SCRIPTS / "envdump.py", out, timeout=30
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"stalwart run: error: --config {conf}: ") and needle in lines[0]
+    assert not any(out.iterdir()), "nothing may be started or written on a bad --config"
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("&a [*a]\n", "a YAML alias refers to a value that holds it"),
+        ("max_restarts: &a {b: *a}\n", "a YAML alias refers to a value that holds it"),
+        ("[" * 1000 + "]" * 1000, "YAML nested too deeply"),
+        ("max_restarts: !!python/object/apply:os.getpid []\n", "cannot read YAML"),
+        ("rdzv_id: &r job\nrun_id: *r\n", None),  # an alias to a plain value is fine
+    ],
+)
+def test_config_file_aliases_and_tags(tmp_path: Path, text: str, needle: str | None) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text(text)
+    if needle is None:
+        cfg, _ = build_config(["--config", str(conf), "x.py"])
+        assert cfg.run_id == "job"
+        return
+    with pytest.raises(ConfigError) as info:
+        build_config(["--config", str(conf), "x.py"])
+    assert "\n" not in str(info.value) and needle in str(info.value)
+    assert str(info.value).startswith(f"--config {conf}: ")
+
+
+def test_a_usage_error_loads_neither_torch_nor_the_monitor() -> None:
+    """A mistyped flag is answered from the settings alone (the timing is in
+    bench/bench_cli_usage.py)."""
+    code = (
+        "import sys\n"
+        "from stalwart.cli import main\n"
+        "code = main(['run', '--nproc-per-node', 'x', 'train.py'])\n"
+        "heavy = ('torch', 'stalwart.monitor.node', 'stalwart.monitor.client', 'stalwart.launch.round.supervisor')\n"
+        "print(code, sorted(m for m in sys.modules if m.startswith(heavy)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), cwd=ROOT
+    )
+    assert out.stdout.strip() == "2 []", (out.stdout, out.stderr[-2000:])
+    assert "--nproc-per-node 'x'" in out.stderr

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from stalwart.base.yamlfile import MAX_YAML_BYTES
 from stalwart.compat.ft_launcher import get_args_parser
 from stalwart.monitor import FaultToleranceConfig
 from stalwart.monitor.ft_config import (
-    MAX_YAML_BYTES,
     Kind,
     check,
     find_section,
@@ -191,9 +191,16 @@ def _python_tag(marker: Path) -> str:
                 f"{chr(98 + i)}: &{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 10)}]\n"
                 for i in range(9)
             ),
-            "no non-empty 'fault_tolerance:' section",
+            "YAML aliases expand to more than",
         ),
-        ("&a [*a, {b: *a}]\n", "no non-empty 'fault_tolerance:' section"),
+        # The same bomb as a setting's value: checking it printed all of it.
+        (
+            "x: [&a [x,x,x,x,x,x,x,x,x,x], "
+            + ", ".join(f"&{chr(98 + i)} [{','.join(['*' + chr(97 + i)] * 10)}]" for i in range(8))
+            + "]\nfault_tolerance: {rank_heartbeat_timeout: *i}\n",
+            "YAML aliases expand to more than",
+        ),
+        ("&a [*a, {b: *a}]\n", "a YAML alias refers to a value that holds it"),
         ("OVERSIZED", f"larger than {MAX_YAML_BYTES} bytes"),
     ],
 )
@@ -299,7 +306,6 @@ def test_to_yaml_file_never_writes_through_a_planted_link(tmp_path: Path) -> Non
 def test_fields_not_acted_on_are_named() -> None:
     assert not_acted_on() == [
         "node_health_check_interval",
-        "safety_factor",
         "log_level",
         "restart_check_interval",
         "enable_nic_monitor",

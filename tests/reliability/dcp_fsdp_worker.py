@@ -34,12 +34,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from fsdp_setup import App, DataPosition, build, full_state, same, train
+# A warm worker: forked from a template that had stalwart's checkpoint code imported.
+WARM = "stalwart.checkpoint.ram" in sys.modules
 
-from stalwart.checkpoint import dcp as sdcp
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from fsdp_setup import App, DataPosition, build, full_state, same, train  # noqa: E402
+
+from stalwart.checkpoint import dcp as sdcp  # noqa: E402
 
 mode, out, root = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 steps = [int(s) for s in sys.argv[4:]]
@@ -137,9 +140,25 @@ elif mode == "job":
             crashed.write_text("")
             os._exit(1)
 elif mode == "ramjob":
-    from stalwart.checkpoint import ramlayout as rl
+    import threading
 
+    from stalwart.checkpoint import ramlayout as rl
+    from stalwart.checkpoint.ram import RamSegment
+
+    # Slot hashes on the restore's own thread: the ones a restarted rank waits for.
+    on_main: list[int] = []
+    hash_matches = RamSegment._hash_matches
+
+    def counted(self: RamSegment, *args: object) -> object:
+        if threading.current_thread() is threading.main_thread():
+            on_main.append(1)
+        return hash_matches(self, *args)  # type: ignore[arg-type]
+
+    RamSegment._hash_matches = counted  # type: ignore[method-assign]
     loaded = sdcp.load_newest(state, root)
+    with open(out / "hashes", "a") as f:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        f.write(f"{attempt} {rank} {len(on_main)} {WARM}\n")
     if loaded is not None:
         check(loaded)
     with open(out / "resumes", "a") as f:

@@ -267,6 +267,15 @@ def test_fsdp2_job_under_ckpt_ram_restores_shards_from_ram_else_disk(
     ], restored  # fmt: skip
     # The script has no __main__ guard and ran once per rank and attempt.
     assert _starts(out) == 6
+    # A restarted (warm) rank verified its newest shard set while the program started,
+    # so its restore hashed nothing on its own thread (before: the set it serves, every
+    # restore). Rank 1's copy of step 5, changed through a second writable mapping after
+    # its commit, failed that check and was hashed again where it was to be served: by
+    # rank 1, then, planned again, by rank 0 (same node), and refused both times.
+    hashes = sorted((out / "hashes").read_text().splitlines())
+    assert hashes == [
+        "0 0 0 True", "0 1 0 True", "1 0 0 True", "1 1 0 True", "2 0 1 True", "2 1 1 True"
+    ], hashes  # fmt: skip
 
 
 @pytest.mark.timeout(600)

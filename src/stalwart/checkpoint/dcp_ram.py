@@ -61,6 +61,7 @@ from .dcp_storage import stamp_load_id
 from .errors import CheckpointCorruptError, CheckpointError
 from .manifest import FileEntry
 from .ram import RamSegment, SnapshotTooLargeError, open_local, ram_folder
+from .ramshared import SEGMENTS, segment_paths
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +236,9 @@ MAX_ROUNDS = 8
 @dataclass(frozen=True)
 class HeldShards:
     """A shard set in RAM whose index checked out: where it is, what it holds, and the
-    mapping to read it through. Its data is hashed only by the rank that serves it
-    (:meth:`verify`, once per load), whose reads then use the pages just hashed;
-    :meth:`close` it."""
+    mapping to read it through (the process's own, kept: see ``ramshared``). Its data
+    is hashed only by the rank that serves it (:meth:`verify`), once per commit record
+    and process, whose reads then use the pages just hashed."""
 
     path: Path
     slot: int
@@ -253,9 +254,6 @@ class HeldShards:
         """Check the data's checksum (CheckpointCorruptError when torn)."""
         self.segment.verify(self.slot, self.record)
 
-    def close(self) -> None:
-        self.segment.close()
-
 
 def find_all_shards(
     folder: Path, root: str, *, step: int | None = None, ranks: set[int] | None = None
@@ -263,54 +261,37 @@ def find_all_shards(
     """Every shard set of ``root`` in ``folder``'s segments whose index checks out,
     newest step first, only of ``step`` and of saving ``ranks`` when given (copies of one
     set, e.g. a node's own and a replica, each listed; their data is not hashed here: see
-    :func:`first_verified`); :meth:`HeldShards.close`
-    each."""
-    candidates: list[tuple[Path, int, rl.CommitRecord]] = []
-    try:
-        paths = sorted(p for p in folder.iterdir() if p.name.endswith(rl.SEGMENT_SUFFIX))
-    except OSError:
-        return []
-    for path in paths:
-        with _opened(path) as seg:
-            if seg is None:
-                continue
-            for slot, rec in seg.records():
-                if (
-                    rec.kind == rl.KIND_DCP
-                    and (step is None or rec.step == step)
-                    and (ranks is None or rec.rank in ranks)
-                ):
-                    candidates.append((path, slot, rec))
-    candidates.sort(key=lambda c: (c[2].step, c[2].world_size, -c[2].rank, c[2].seq), reverse=True)
-    found: list[HeldShards] = []
-    for path, slot, rec in candidates[:MAX_COPIES]:
-        seg = _open(path)
+    :func:`first_verified`), read through the process's mappings (``ramshared``)."""
+    candidates: list[tuple[Path, RamSegment, int, rl.CommitRecord]] = []
+    SEGMENTS.prune()
+    for path in segment_paths(folder):
+        seg = SEGMENTS.get(path)
         if seg is None:
             continue
+        for slot, rec in seg.records():
+            if (
+                rec.kind == rl.KIND_DCP
+                and (step is None or rec.step == step)
+                and (ranks is None or rec.rank in ranks)
+            ):
+                candidates.append((path, seg, slot, rec))
+    candidates.sort(key=lambda c: (c[3].step, c[3].world_size, -c[3].rank, c[3].seq), reverse=True)
+    found: list[HeldShards] = []
+    for path, seg, slot, rec in candidates[:MAX_COPIES]:
         try:
             index = msgspec.json.decode(seg.head(slot, rec, MAX_INDEX_BYTES), type=ShardSet)
             if index.root != root:
                 # Another checkpoint folder's shards (a job may save several): not
                 # this load's, and nothing wrong with them.
-                seg.close()
                 continue
             problem = index_problem(index, rec, root)
             if problem:
                 raise CheckpointCorruptError(f"{path} slot {slot}: {problem}")
         except (OSError, CheckpointError, msgspec.DecodeError) as exc:
-            seg.close()
             logger.warning("skipping step %d of rank %d in RAM: %s", rec.step, rec.rank, exc)
             continue
         found.append(HeldShards(path, slot, rec, index, seg))
     return found
-
-
-def _open(path: Path) -> RamSegment | None:
-    try:
-        return RamSegment.open(path, writable=False)
-    except (OSError, ValueError, CheckpointError) as exc:
-        logger.warning("skipping snapshot segment %s: %s", path, exc)
-        return None
 
 
 class HeldSet(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -433,20 +414,6 @@ def offer_of(rank: int, held: list[HeldShards], newest_on_disk: int) -> RamOffer
     return RamOffer(OFFER_FORMAT, rank, newest_on_disk, sets[:MAX_HELD])
 
 
-@contextlib.contextmanager
-def _opened(path: Path) -> Iterator[RamSegment | None]:
-    try:
-        seg = RamSegment.open(path, writable=False)
-    except (OSError, ValueError, CheckpointError) as exc:
-        logger.warning("skipping snapshot segment %s: %s", path, exc)
-        yield None
-        return
-    try:
-        yield seg
-    finally:
-        seg.close()
-
-
 def rank_world(group: Any) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(group), dist.get_world_size(group)
@@ -534,11 +501,7 @@ def load_from_ram(
 
         wait_for_fetch(folder, rank)
         found = find_all_shards(folder, root_key(root))
-    try:
-        return _load_held(state_dict, found, newest_on_disk, process_group, planner)
-    finally:
-        for h in found:
-            h.close()
+    return _load_held(state_dict, found, newest_on_disk, process_group, planner)
 
 
 def _load_held(

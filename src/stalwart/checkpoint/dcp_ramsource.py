@@ -49,8 +49,8 @@ def agreed(votes: Iterable[object]) -> bool:
 
 
 class RamSource:
-    """The verified RAM copies of the shard files one rank's load reads, held open
-    (mapped, pages faulted in by the hash) until :meth:`close`."""
+    """The verified RAM copies of the shard files one rank's load reads, through the
+    process's mappings (pages faulted in by the hash), viewed until :meth:`close`."""
 
     def __init__(self, step: int, held: list[HeldShards], files: dict[str, memoryview]) -> None:
         self.step = step
@@ -68,11 +68,10 @@ class RamSource:
                 raise CheckpointError(f"{h.path} slot {h.slot}: overwritten while read")
 
     def close(self) -> None:
+        """Let go of the views; the mappings stay the process's (``ramshared``)."""
         for view in self.files.values():
             view.release()
         self.files = {}
-        for h in self.held:
-            h.close()
         self.held = []
 
 
@@ -100,9 +99,6 @@ def find_source(
         )
         if good is not None:
             mine.append(good)
-    for h in found:
-        if h not in mine:
-            h.close()
     source = RamSource(commit.step, mine, {})
     try:
         for h in mine:

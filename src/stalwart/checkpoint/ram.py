@@ -166,6 +166,14 @@ class RamSegment:
             raise
         return cls(p, fd, writable)
 
+    def maps(self, path: Path) -> bool:
+        """Whether ``path`` is still the file this segment mapped (not replaced since)."""
+        try:
+            now, mine = os.stat(path), os.fstat(self._fd)
+        except (OSError, ValueError):
+            return False
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
     # -- headers ---------------------------------------------------------------------
     def record(self, slot: int) -> rl.CommitRecord | None:
         return rl.slot_record(self._map, slot, self.slot_bytes)
@@ -377,8 +385,9 @@ class RamSegment:
                 hasher.update(mv[at : at + n])
         return hasher.intdigest() == record.tensor_hash
 
-    def start_checking(self, rank: int, world_size: int) -> None:
-        """Verify ``rank``'s newest snapshot here on a thread, once.
+    def start_checking(self, rank: int, world_size: int | None, kind: str = rl.KIND_STATE) -> bool:
+        """Verify ``rank``'s newest snapshot of ``kind`` here on a thread, once; whether
+        one was started (``world_size`` None: saved by a world of any size).
 
         A restarted worker restores it soon, usually after setting up its process
         group, which mostly waits for its peers: hashing it meanwhile (it releases the
@@ -386,21 +395,24 @@ class RamSegment:
         report; :meth:`close` stops the thread between chunks.
         """
         if self._prechecking is not None:
-            return
+            return False
         newest = next(
             (
                 (slot, rec)
                 for slot, rec in self.records()
-                if rec.kind == rl.KIND_STATE and rec.rank == rank and rec.world_size == world_size
+                if rec.kind == kind
+                and rec.rank == rank
+                and (world_size is None or rec.world_size == world_size)
             ),
             None,
         )
         if newest is None:
-            return
+            return False
         self._prechecking = threading.Thread(
             target=self._precheck, args=newest, name="stalwart-ram-verify", daemon=True
         )
         self._prechecking.start()
+        return True
 
     def _precheck(self, slot: int, record: rl.CommitRecord) -> None:
         try:

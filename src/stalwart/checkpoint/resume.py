@@ -12,15 +12,15 @@ corrupt newest file on one rank makes all ranks resume from the previous step.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
+import msgspec
 import torch
 
 from stalwart.base import envvars
@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 STORE_PREFIX = "stalwart/ckpt/restore"
 #: Candidate steps each rank offers per round (newest first).
 MAX_CANDIDATES = 64
+#: Largest store value a rank decodes from a peer: MAX_CANDIDATES int64 steps in JSON
+#: take at most 64 x 20 bytes; anyone who reaches the store can write the key, so a
+#: larger value is not a peer's.
+MAX_EXCHANGE_BYTES = 2048
+# What a peer's value must decode to: its steps (or its one verdict), each an int64 >= 0.
+# A typed decode stops at the first element that is not a number, however deep the
+# nesting a forged value holds.
+_Row = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]],
+    msgspec.Meta(max_length=MAX_CANDIDATES),
+]
+_ROW_DECODER = msgspec.json.Decoder(_Row)
 # The launcher's fetch is bounded by its own socket timeouts; this only stops a restore
 # from waiting on a launcher that died mid-fetch.
 _FETCH_WAIT_S = 120.0
@@ -100,16 +112,27 @@ class _StoreExchange:
 
     def all_gather(self, values: list[int]) -> list[list[int]]:
         prefix = f"{self._base}/{next(self._round)}"
-        self._store.set(f"{prefix}/{self._rank}", json.dumps(values))
+        self._store.set(f"{prefix}/{self._rank}", msgspec.json.encode(values))
         keys = [f"{prefix}/{r}" for r in range(self._world)]
         self._store.wait(keys, self._timeout)
-        out = []
-        for key in keys:
-            row = json.loads(self._store.get(key))
-            if not isinstance(row, list) or not all(isinstance(v, int) for v in row):
-                raise CheckpointError(f"store key {key}: expected a list of steps, got {row!r}")
-            out.append(row)
-        return out
+        return [decode_row(key, self._store.get(key)) for key in keys]
+
+
+def decode_row(key: str, raw: bytes) -> list[int]:
+    """A peer's value at store key `key`: a JSON list of at most MAX_CANDIDATES steps,
+    else CheckpointError in one line naming the key and what was expected."""
+    if len(raw) > MAX_EXCHANGE_BYTES:
+        raise CheckpointError(
+            f"store key {key}: value of {len(raw)} bytes is over the limit of "
+            f"{MAX_EXCHANGE_BYTES}; expected a JSON list of at most {MAX_CANDIDATES} steps"
+        )
+    try:
+        return _ROW_DECODER.decode(raw)
+    except msgspec.DecodeError as err:
+        raise CheckpointError(
+            f"store key {key}: expected a JSON list of at most {MAX_CANDIDATES} steps "
+            f"(int64 >= 0), got {len(raw)} bytes that are not ({err})"
+        ) from None
 
 
 def _job_store(timeout_s: float) -> Any:

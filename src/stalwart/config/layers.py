@@ -15,6 +15,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.yamlfile import read_yaml
 from stalwart.config.flags import HANG_FLAGS, Flag
 from stalwart.config.settings import LaunchConfig
 from stalwart.config.values import ConfigError
@@ -180,18 +181,19 @@ def monitor_settings(
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
-    """A ``--config`` file's settings, keys with ``-`` read as ``_``."""
-    import yaml
-
+    """A ``--config`` file's settings, keys with ``-`` read as ``_`` (the file bounded as
+    ``stalwart.base.yamlfile`` says)."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
-        # YAML's messages span lines (with a caret under the problem): one line here.
-        raise ConfigError(
-            f"--config {path}: cannot read YAML ({' '.join(str(err).split())})"
-        ) from None
+        data = read_yaml(path)
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read ({err.strerror or err})") from None
+    except ValueError as err:
+        raise ConfigError(f"--config {err}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of settings at the top level")
+        raise ConfigError(
+            f"--config {path}: expected a mapping of settings at the top level, "
+            f"got {type(data).__name__}"
+        )
     return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -71,8 +71,10 @@ class RankMonitorClient:
         (default: STALWART_MONITOR_STRICT=1).
     install_exception_hook: chain sys.excepthook to record the exception and close sections.
     install_stack_dump: register the stack dump at init (see `stacks.install`).
-    safety_factor: learned timeout = longest observed interval x this
-        (default: the node's, from STALWART_MONITOR_SAFETY_FACTOR, else 5).
+    safety_factor: learned timeout = longest observed interval x this (default: the
+        `safety_factor` of the FaultToleranceConfig a RankMonitorServer was started
+        with, when the rank attaches to one; else the node's, from
+        STALWART_MONITOR_SAFETY_FACTOR; else 5).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class RankMonitorClient:
         self.strict = os.environ.get(envvars.STRICT) == "1" if strict is None else strict
         self.install_exception_hook = install_exception_hook
         self.install_stack_dump = install_stack_dump
+        self._factor_given = safety_factor is not None
         if safety_factor is None:
             safety_factor = float(os.environ.get(envvars.SAFETY_FACTOR, "5.0"))
         if safety_factor < 1:
@@ -131,13 +134,15 @@ class RankMonitorClient:
         if found is None and nvidia_path:
             # A monitor process started with NVIDIA's RankMonitorServer.run_in_subprocess.
             try:
-                segment, self._configured = nvidia_server.attach(nvidia_path)
+                segment, self._configured, factor = nvidia_server.attach(nvidia_path)
             except (OSError, ValueError, layout.LayoutError) as exc:
                 raise RankMonitorError(
                     f"{envvars.NVIDIA_IPC_SOCKET}={nvidia_path!r}: no usable rank monitor "
                     f"there ({exc})"
                 ) from None
             found = (segment, 0)
+            if factor is not None and not self._factor_given:
+                self.safety_factor = factor
             # NVIDIA's monitor stops watching a rank whose connection closed; here the
             # rank says so as it exits, so a slow interpreter teardown is no hang. A
             # multiprocessing child skips atexit, hence its finalizer too.

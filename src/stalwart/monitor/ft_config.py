@@ -6,8 +6,8 @@ or `--ft-*` options (`add_arguments`, `from_args`), and written back (`to_yaml_f
 stalwart's own settings are `stalwart run`'s flags and `--config` file
 (stalwart.config); this record is what a program that starts its own rank monitor
 hands `RankMonitorServer.run_in_subprocess`. Fields that stalwart does not act on (the
-launcher's NIC and node-health settings, the restart check, the log level, the safety
-factor) are checked and kept, so that a user's file loads and writes back as it was;
+launcher's NIC and node-health settings, the restart check, the log level) are checked
+and kept, so that a user's file loads and writes back as it was;
 docs/migrating.md names them. Each field is declared once below; its check, its YAML
 key and its `--ft-*` option are derived from that declaration.
 """
@@ -21,12 +21,12 @@ import logging
 import math
 import os
 import signal
-import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from stalwart.base.yamlfile import read_yaml
 from stalwart.monitor import layout
 from stalwart.monitor.config import MonitorConfig, parse_signal
 from stalwart.monitor.timeouts_in_force import Configured
@@ -35,9 +35,6 @@ log = logging.getLogger(__name__)
 
 #: The section a YAML file holds the settings in (at the top or nested anywhere).
 SECTION = "fault_tolerance"
-#: Largest YAML file read: a training config with an FT section is a few KiB; anything
-#: near this is not a config, and YAML's parser would hold all of it in memory.
-MAX_YAML_BYTES = 1024 * 1024
 #: Prefix of the argparse option (and namespace attribute) of each field.
 OPTION_PREFIX = "ft"
 
@@ -178,8 +175,9 @@ class FaultToleranceConfig:
         default=None, metadata=_meta(Kind.TIMEOUT, True)
     )
     node_health_check_interval: float = field(default=5.0, metadata=_meta(Kind.SECONDS, False))
-    # The rank's client takes its factor from `stalwart run --safety-factor` (or 5).
-    safety_factor: float = field(default=5.0, metadata=_meta(Kind.FACTOR, False))
+    # Under RankMonitorServer a rank learns its timeouts with this factor, as NVIDIA's
+    # client does with the config its server sends it.
+    safety_factor: float = field(default=5.0, metadata=_meta(Kind.FACTOR, True))
     rank_termination_signal: signal.Signals | int | str = field(
         default=signal.SIGKILL, metadata=_meta(Kind.SIGNAL, True)
     )
@@ -208,7 +206,7 @@ class FaultToleranceConfig:
     ) -> FaultToleranceConfig:
         """The settings in the file's `fault_tolerance:` section, at the top level or
         nested in other mappings or lists (the first non-empty one found). The file is
-        read with YAML's safe loader (no Python tags), up to `MAX_YAML_BYTES`."""
+        read with YAML's safe loader (no Python tags), bounded as `stalwart.base.yamlfile` says."""
         data = read_yaml(Path(cfg_path))
         section = find_section(data)
         if section is None:
@@ -359,28 +357,6 @@ def find_section(data: Any) -> Any:
         children = list(node.values()) if isinstance(node, dict) else list(node)
         stack.extend(reversed(children))
     return None
-
-
-def read_yaml(path: Path) -> Any:
-    """A YAML file's data through the safe loader: a regular file of at most
-    `MAX_YAML_BYTES`, else one-line ValueError (FileNotFoundError as it is)."""
-    import yaml
-
-    # O_NONBLOCK: a FIFO planted at the path must not block the open.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        raw = f.read(MAX_YAML_BYTES + 1)
-    if len(raw) > MAX_YAML_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_YAML_BYTES} bytes; not a config file")
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        # YAML's messages span lines (a caret under the problem): one line here.
-        raise ValueError(f"{path}: cannot read YAML ({' '.join(str(err).split())})") from None
-    except RecursionError:
-        raise ValueError(f"{path}: YAML nested too deeply") from None
 
 
 def parse_section_timeouts(text: str) -> dict[str, float | None]:

@@ -8,7 +8,9 @@ home-grown launcher). The rank finds it through NVIDIA's variable
 (FT_RANK_MONITOR_IPC_SOCKET, the path given here), as NVIDIA's does. What lies at that
 path is not a socket but a one-slot stalwart monitor segment (0600, this user's), which
 the rank's `RankMonitorClient` writes exactly as under `stalwart run`: no message per
-heartbeat. The configured timeouts go beside it in `<path>.timeouts.json`. The monitor
+heartbeat. The configured timeouts go beside it in `<path>.timeouts.json`, with the
+config's `safety_factor`, which the rank's client learns its timeouts with (NVIDIA's
+client takes it from the config its server sends). The monitor
 process judges the slot with `judge.judge`, signals a rank that missed a deadline once
 with `rank_termination_signal`, forgets a rank whose process is gone (so the next rank
 can attach), and removes both files when it is terminated or its parent dies.
@@ -17,7 +19,9 @@ can attach), and removes both files when it is terminated or its parent dies.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import mmap
 import os
 import signal
@@ -40,6 +44,8 @@ log = logging.getLogger(__name__)
 TIMEOUTS_SUFFIX = ".timeouts.json"
 #: Largest configured-timeouts file a rank reads back (a section table of ~1000 names).
 MAX_TIMEOUTS_BYTES = 64 * 1024
+#: The key of the side file that holds the config's safety factor.
+SAFETY_FACTOR_KEY = "safety_factor"
 
 
 def timeouts_path(segment: str | Path) -> Path:
@@ -68,8 +74,32 @@ def _remove(path: Path) -> None:
     os.unlink(path)
 
 
-def attach(path: str) -> tuple[mmap.mmap, Configured]:
-    """A rank's side: the segment at `path` and the configured timeouts beside it."""
+def side_file(configured: Configured, safety_factor: float) -> bytes:
+    """What goes beside the segment: the configured timeouts and the safety factor."""
+    return json.dumps(
+        {**json.loads(configured.to_json()), SAFETY_FACTOR_KEY: safety_factor}
+    ).encode()
+
+
+def safety_factor_in(raw: str) -> float | None:
+    """The safety factor a side file holds, or None (none, or not a finite number > 0:
+    the rank keeps its own)."""
+    try:
+        value = json.loads(raw).get(SAFETY_FACTOR_KEY)
+    except (ValueError, AttributeError):
+        return None  # Configured.from_json says so already
+    if value is None:
+        return None
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value > 0:
+        return float(value)
+    log.warning("ignoring the monitor's safety factor %.80r: expected a finite number > 0", value)
+    return None
+
+
+def attach(path: str) -> tuple[mmap.mmap, Configured, float | None]:
+    """A rank's side: the segment at `path`, and the configured timeouts and safety
+    factor beside it (None: the rank's own)."""
     segment = Path(path)
     _check_ours(segment)
     mm, _ = layout.open_segment(segment)
@@ -79,10 +109,11 @@ def attach(path: str) -> tuple[mmap.mmap, Configured]:
         with open(side, "rb") as f:
             raw = f.read(MAX_TIMEOUTS_BYTES + 1)
     except FileNotFoundError:
-        return mm, Configured()
+        return mm, Configured(), None
     if len(raw) > MAX_TIMEOUTS_BYTES:
         raise ValueError(f"{side} is larger than {MAX_TIMEOUTS_BYTES} bytes")
-    return mm, Configured.from_json(raw.decode("utf-8", errors="replace"))
+    text = raw.decode("utf-8", errors="replace")
+    return mm, Configured.from_json(text), safety_factor_in(text)
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -154,7 +185,7 @@ class RankMonitorServer:
         _remove(segment)
         _remove(timeouts_path(segment))
         layout.create_segment(segment, 1).close()
-        _write_private(timeouts_path(segment), configured.to_json().encode())
+        _write_private(timeouts_path(segment), side_file(configured, cfg.safety_factor))
         argv = [
             sys.executable,
             "-m",
@@ -177,7 +208,7 @@ def main(argv: list[str]) -> int:
     """`python -m stalwart.monitor.nvidia_server SEGMENT PARENT_PID INTERVAL SIGNAL`."""
     logging.basicConfig(level=logging.INFO, format="stalwart rank monitor: %(message)s")
     path, parent, interval, signum = argv
-    _, configured = attach(path)
+    _, configured, _ = attach(path)
     config = judged(configured, float(interval), signal.Signals(int(signum)))
     serve(path, config, int(parent))
     return 0

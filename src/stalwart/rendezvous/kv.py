@@ -7,6 +7,7 @@ connection into ``StoreLost`` so the supervisor can stop its workers and say why
 
 from __future__ import annotations
 
+import atexit
 import errno
 import ipaddress
 import logging
@@ -14,6 +15,7 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -53,6 +55,11 @@ class KV(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+#: Seconds `C10dKV.close` waits for a store call in flight (a live store answers in
+#: a millisecond; a dead host's refuses at once).
+CLOSE_WAIT = 5.0
 
 
 class C10dKV:
@@ -96,12 +103,28 @@ class C10dKV:
         # lost for good (the stuck thread is a daemon and goes with the process).
         self._op_timeout = op_timeout
         self._broken: StoreLost | None = None
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="stalwart-c10d-kv", daemon=True).start()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        # Taken to queue a call and to close: no call is queued behind the close.
+        self._queue_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="stalwart-c10d-kv", daemon=True)
+        self._thread.start()
+        # A daemon thread that comes back out of TCPStore's C++ code while the
+        # interpreter finalizes is ended inside it, and the C++ runtime aborts the whole
+        # process (SIGABRT, "terminate called without an active exception"): with the
+        # store's host gone every call returns at once, so a keep-alive beat in flight
+        # as the launcher exits did that. Closed before finalization, whatever path
+        # the exit takes.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _serve(self) -> None:
         while True:
-            fn, fut = self._calls.get()
+            item = self._calls.get()
+            if item is None:
+                return
+            fn, fut = item
             try:
                 fut.set_result(fn())
             except BaseException as err:  # handed to the caller
@@ -111,7 +134,10 @@ class C10dKV:
         if self._broken is not None:
             raise self._broken
         fut: Future[T] = Future()
-        self._calls.put((fn, fut))
+        with self._queue_lock:
+            if self._closed:
+                raise StoreLost(f"the c10d rendezvous store client for {self} is closed")
+            self._calls.put((fn, fut))
         try:
             return fut.result(timeout=self._op_timeout)
         except TimeoutError:
@@ -159,7 +185,24 @@ class C10dKV:
         """Nothing to renew: c10d liveness is the heartbeat counter itself."""
 
     def close(self) -> None:
-        """The store object goes with this launcher; nothing to release early."""
+        """Stops the thread that makes the store calls, after the call in flight (up to
+        CLOSE_WAIT): later calls raise StoreLost without reaching the store. The store
+        object itself goes with this launcher."""
+        with self._queue_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._calls.put(None)
+        if self._broken is None:
+            # A call that did not answer within op_timeout (a cut link) stays in TCP's
+            # hands for minutes: waiting would not end it.
+            self._thread.join(min(CLOSE_WAIT, self._op_timeout))
+
+
+def _close_at_exit(ref: weakref.ref[C10dKV]) -> None:
+    kv = ref()
+    if kv is not None:
+        kv.close()
 
 
 #: The use the store's seal is derived for (``base.sealed.derive_key``).

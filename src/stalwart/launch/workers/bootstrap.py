@@ -9,6 +9,9 @@ exception's traceback starting at the user's code):
 * torch's optimizer-step hook (``stalwart.autostep``), so each optimizer step is a step
   for the launcher with no change to the program;
 * ``faulthandler`` on a real-time signal (``stacks.STACK_SIGNAL``), so the hang monitor can ask for every thread's stack;
+* under ``--ckpt-ram``, in a warm worker (whose template imported the checkpoint code),
+  a restarted rank's newest shard set in the launcher's memory is verified on a thread
+  while the program starts (``stalwart.checkpoint.ramshared``), not at its restore;
 * an uncaught exception is written to ``TORCHELASTIC_ERROR_FILE`` (torchrun's format)
   even when the script has no ``@record``;
 * a program that failed (an uncaught exception, ``sys.exit`` with a failure code) ends
@@ -44,6 +47,26 @@ def observe() -> None:
     stacks.install()
     # Every optimizer step counts as a training step (off with --no-auto-progress).
     autostep.install()
+    precheck_snapshots()
+
+
+def precheck_snapshots() -> None:
+    """Start verifying this rank's newest shard set in the launcher's memory, if any.
+
+    Only where the checkpoint code is already imported (a warm worker: the template
+    preloads it with torch): a cold worker would import torch here for it, before its
+    program, which may never restore from RAM.
+    """
+    if "stalwart.checkpoint.ram" not in sys.modules:
+        return
+    from stalwart.checkpoint import ramshared
+    from stalwart.checkpoint.errors import CheckpointError
+
+    try:
+        ramshared.precheck_from_env()
+    except (OSError, ValueError, CheckpointError) as exc:
+        # Only a head start: the restore verifies (and reports) for itself.
+        sys.stderr.write(f"stalwart: snapshot pre-check skipped: {exc}\n")
 
 
 def set_title(argv: list[str]) -> None:
