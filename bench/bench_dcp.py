@@ -4,7 +4,8 @@
         [--sections save,restore,crash]   (as root: it drops the page cache)
 
 Measured in the same two processes, interleaved, per repeat:
-  - stall (the save call returns) and durable (the step is on disk, fsync'd) for
+  - stall (the save call returns), staged (the state may change again: the staging
+    future resolved) and durable (the step is on disk, fsync'd) for
     dcp.async_save with its default stager, with its asynchronous stager
     (DefaultStager, use_async_staging), and stalwart's AsyncDcpSaver (DcpWriter
     + ReusingStager: commit record, checksums, keep-last) with its shards written by
@@ -145,7 +146,7 @@ def rank_main(ns: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             if method == "dcp default":
                 fut = dcp.async_save(state, checkpoint_id=folder, process_group=ckpt_group)
-                stall = time.perf_counter() - t0
+                stall = staged = time.perf_counter() - t0
                 fut.result()
             elif method == "dcp async stager":
                 resp = dcp.async_save(
@@ -155,11 +156,15 @@ def rank_main(ns: argparse.Namespace) -> None:
                     async_stager=async_stager,
                 )
                 stall = time.perf_counter() - t0
+                resp.staging_completion.result()  # type: ignore[union-attr]
+                staged = time.perf_counter() - t0
                 resp.upload_completion.result()  # type: ignore[union-attr]
             elif method.startswith("stalwart"):
                 chosen = saver if method == "stalwart" else thread_saver
-                _staged, done = chosen.save(state, rep + 1)
+                staging, done = chosen.save(state, rep + 1)
                 stall = time.perf_counter() - t0
+                staging.result()
+                staged = time.perf_counter() - t0
                 done.result()
             else:
                 out = work / f"raw-{rep}-{rank}"
@@ -169,10 +174,10 @@ def rank_main(ns: argparse.Namespace) -> None:
                             f.write(memoryview(t.to_local().contiguous().view(torch.uint8).numpy()))
                     f.flush()
                     os.fsync(f.fileno())
-                stall = time.perf_counter() - t0
+                stall = staged = time.perf_counter() - t0
             durable = time.perf_counter() - t0
             dist.barrier()
-            emit(kind="save", method=method, rep=rep, stall=stall, durable=durable)
+            emit(kind="save", method=method, rep=rep, stall=stall, staged=staged, durable=durable)
         # Restore: both read from a cold page cache.
         for method in ("dcp.load", "stalwart load_newest"):
             dist.barrier()
@@ -299,17 +304,17 @@ def report(recs: list[dict], ns: argparse.Namespace, before: str, after: str) ->
     astall = med([r["stall"] for r in saves if r["method"] == "dcp async stager"])
     # Stalls are milliseconds: the spread says what the median alone hides.
     print(
-        "| save | stall ms (min / median / max) | durable s | durable ÷ plain write "
-        "| stall ÷ DCP async stager |"
+        "| save | stall ms (min / median / max) | staged s | durable s "
+        "| durable ÷ plain write | stall ÷ DCP async stager |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for method in SAVES:
         rows = [r for r in saves if r["method"] == method]
         stalls = [r["stall"] * 1e3 for r in rows]
         stall, durable = med(stalls) / 1e3, med([r["durable"] for r in rows])
         print(
             f"| {method} | {min(stalls):.1f} / {med(stalls):.1f} / {max(stalls):.1f} | "
-            f"{durable:.3f} | {durable / plain:.2f} | "
+            f"{med([r['staged'] for r in rows]):.3f} | {durable:.3f} | {durable / plain:.2f} | "
             f"{stall / astall if astall else float('nan'):.2f} |"
         )
     loads = [r for r in recs if r["kind"] == "load"]
