@@ -9,13 +9,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stalwart.launch.files.logs import LogSpec, Std
 from stalwart.launch.workers.posix import ExitWatcher
 from stalwart.launch.workers.processes import start_processes
-from tests.helpers import alive
+from tests.helpers import alive, wait_for
 
 from . import funcs
 from .helpers import SCRIPTS
@@ -76,6 +77,57 @@ def test_poll_wait_timeout_pids_and_close(tmp_path: Path) -> None:
     assert all(code is not None for _, _, code, _ in info.values())
     # Every exit has its time, also one the exit watcher missed at the teardown.
     assert all(when is not None for _, _, _, when in info.values()), info
+
+
+def test_close_reads_the_process_table_once_before_signalling_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The survivors' SIGTERM waits on one pass over the process table, however many
+    workers there are (it was one pass per worker: nproc passes, each over every
+    process of the host, before the first signal); what a worker started that left its
+    group (setsid) is still found by that pass and killed."""
+    n = 4
+    # Each worker starts a child in a session of its own, then sleeps.
+    body = 'setsid sleep 300 & echo $! > "$0"; exec sleep 300'
+    args = {lr: ("-c", body, str(tmp_path / f"stray{lr}")) for lr in range(n)}
+    ctx = start_processes("/bin/sh", args, _envs(n), _logs(tmp_path, n))
+    strays = [
+        int(wait_for(lambda lr=lr: _read(tmp_path / f"stray{lr}"), 30, f"stray {lr}"))
+        for lr in range(n)
+    ]
+    assert all(alive(p) for p in strays)
+    steps: list[str] = []
+    listdir, kill, killpg = os.listdir, os.kill, os.killpg
+
+    def spy_listdir(path: Any = ".") -> list[Any]:
+        if os.fsdecode(path) == "/proc":
+            steps.append("table")
+        return listdir(path)
+
+    def spy_kill(pid: int, sig: int) -> None:
+        steps.append("signal")
+        kill(pid, sig)
+
+    def spy_killpg(pgid: int, sig: int) -> None:
+        steps.append("signal")
+        killpg(pgid, sig)
+
+    monkeypatch.setattr(os, "listdir", spy_listdir)
+    monkeypatch.setattr(os, "kill", spy_kill)
+    monkeypatch.setattr(os, "killpg", spy_killpg)
+    try:
+        ctx.close(signal.SIGTERM, timeout=5)
+    finally:
+        monkeypatch.undo()
+    assert steps.index("signal") == 1 and steps[0] == "table", steps
+    wait_for(lambda: not any(alive(p) for p in strays), 10, "the strays killed")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def test_the_exit_watcher_records_an_exit_that_comes_with_its_wake_up() -> None:

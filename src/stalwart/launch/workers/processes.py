@@ -473,9 +473,7 @@ class ProcessContext(StrayScan):
         workers = list(self._workers.values())
         # Taken before any signal: once a worker dies its descendants are re-parented and
         # no longer appear under it.
-        descendants = {
-            p for w in workers if w.exitcode() is None for p in children_of(w.pid, recursive=True)
-        }
+        descendants = self._descendants_of_workers([w.pid for w in workers if w.exitcode() is None])
         for w in workers:
             if w.exitcode() is None:
                 logger.debug("sending %s to worker %d (pid %d)", sig, w.local_rank, w.pid)

@@ -72,6 +72,19 @@ class StrayScan:
                 continue
         return out
 
+    def _descendants_of_workers(self, pids: list[int]) -> set[int]:
+        """Everything below the worker processes *pids*, from one read of the process
+        table before they are signalled, however many workers there are (psutil's
+        ``children`` reads the whole table on each call: one per worker made the
+        survivors' SIGTERM wait on nproc passes).  A worker that is not our descendant
+        (no child subreaper to inherit a warm worker) is looked up on its own."""
+        tree = descendants_tree(os.getpid())
+        ours = {p for kids in tree.values() for p in kids}
+        found: set[int] = set()
+        for pid in pids:
+            found |= _below(tree, pid) if pid in ours else set(children_of(pid, recursive=True))
+        return found
+
     def _spare(self) -> set[int]:
         """Helpers that serve the next attempt or guard the job: never killed here."""
         spare = {os.getpid()}
@@ -92,14 +105,17 @@ class StrayScan:
         if self.cgroup is not None:
             self.cgroup.kill_except(spare)
         victims = set(descendants)
+        # One read of the process table for the orphans and the token sweep together:
+        # the next attempt waits for this.
+        tree = descendants_tree(os.getpid())
         if self.adopt_orphans:
-            for pid in children_of(os.getpid(), recursive=False):
+            for pid in tree.get(os.getpid(), ()):
                 if pid in spare or pid in worker_pids or pid in self._preexisting:
                     continue
                 victims.add(pid)
-                victims.update(children_of(pid, recursive=True))
+                victims.update(_below(tree, pid))
         if self.run_token:
-            victims.update(self._with_token())
+            victims.update(self._with_token(tree))
         victims -= spare
         for pid in victims:
             try:
@@ -110,11 +126,11 @@ class StrayScan:
             except psutil.Error:
                 pass
 
-    def _with_token(self) -> list[int]:
-        """Our descendants that carry the run token (the warm template too: the caller
-        spares it)."""
+    def _with_token(self, tree: dict[int, list[int]]) -> list[int]:
+        """Our descendants in *tree* that carry the run token (the warm template too:
+        the caller spares it)."""
         found = []
-        for child in children_of(os.getpid(), recursive=True):
+        for child in _below(tree, os.getpid()):
             try:
                 env = psutil.Process(child).environ()
             except psutil.Error:
@@ -122,6 +138,23 @@ class StrayScan:
             if env.get(envvars.RUN_TOKEN) == self.run_token:
                 found.append(child)
         return found
+
+
+def descendants_tree(root: int) -> dict[int, list[int]]:
+    """parent pid -> child pids over *root*'s descendants: one pass over the process
+    table, then each descendant's parent (a small read per process of our own tree,
+    not of the whole table); empty if *root* is gone."""
+    tree: dict[int, list[int]] = {}
+    try:
+        below = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return tree
+    for proc in below:
+        try:
+            tree.setdefault(proc.ppid(), []).append(proc.pid)
+        except psutil.Error:
+            continue  # gone since the pass: nothing below it to find either
+    return tree
 
 
 def _process_tree() -> dict[int, list[int]]:
