@@ -3,6 +3,9 @@ after the teardown began still explains the failure."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from stalwart.launch.round.hangs import annotate
 from stalwart.monitor import HangKind, HangReport
 from stalwart.rendezvous.api import WorkerFailed
-from tests.helpers import events, stalwart, warm_and_cold
+from tests.helpers import alive, clean_env, events, stalwart, wait_for, warm_and_cold
 
 from .helpers import SCRIPTS
 
@@ -134,3 +137,39 @@ def test_annotate(
         node_rank=0, local_rank=1, pid=42, exitcode=-15, timestamp=failure_ts, traceback=failure_tb
     )
     assert annotate(failure, hang) == expected
+
+
+def test_a_death_is_not_kept_waiting_on_the_stray_scan(tmp_path: Path) -> None:
+    """The round's periodic stray scan (a pass over the whole process table, every 0.5 s
+    without a job cgroup) no longer runs between a death and the survivors' stop: the
+    teardown kills strays itself.  The worker dies after the scan is due and the loop
+    sleeps long (--monitor-interval 5), so its death is the wake-up that used to scan
+    first; the daemon it left behind still dies with the attempt."""
+    pid_file = tmp_path / "daemon"
+    script = tmp_path / "leave_daemon_then_fail.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        f"pid_file = {str(pid_file)!r}\n"
+        "subprocess.run(['setsid', '-f', 'sh', '-c', "
+        '\'echo $$ > "$0.tmp" && mv "$0.tmp" "$0" && exec sleep 600\', pid_file], check=True)\n'
+        "while not os.path.exists(pid_file):\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(1.0)  # the scan is due from 0.5 s into the round\n"
+        "sys.exit(3)\n"
+    )
+    try:
+        proc = stalwart(
+            "--nproc-per-node", "1", "--monitor-interval", "5",
+            "--log-dir", tmp_path / "l", script,
+            env=clean_env(STALWART_CGROUP="0"),
+        )  # fmt: skip
+        assert proc.returncode == 1, proc.stderr[-3000:]
+        daemon = int(pid_file.read_text())
+        wait_for(lambda: not alive(daemon), 10, "the daemon to die with the attempt")
+    finally:
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    evs = events(tmp_path / "l")
+    order = [e["event"] for e in evs if e["event"] in ("stray_process", "workers_stopping")]
+    assert order[0] == "workers_stopping", order

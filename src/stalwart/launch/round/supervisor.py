@@ -321,12 +321,6 @@ class Supervisor:
             # Written as the exit is seen, not after the attempt's teardown.
             attempt.emit_exits(ctx, info.round, exited_only=True)
             attempt.emit_progress(info.round, ranks, final=False)
-            if time.monotonic() - last_reap > _REAP_EVERY:
-                attempt.reap_orphans(ctx)
-                last_reap = time.monotonic()
-            if time.monotonic() - last_scan > scan_every:
-                attempt.track_strays(ctx, info.round)
-                last_scan = time.monotonic()
             if result is not None:
                 if result.is_failed() and self._completed_without(result, info):
                     outcome = self._await_peers(rdzv, info.round)
@@ -349,6 +343,15 @@ class Supervisor:
                 outcome = self._on_request(rdzv, info, req)
             elif grows(rdzv.elastic, n := rdzv.waiting(info.round), info.round, cfg.max_restarts):
                 outcome = self._grow(rdzv, info, n)
+            # Upkeep only while the round goes on: a round that ends stops its workers
+            # first (the teardown kills strays and reaps orphans itself), so a death is
+            # not kept waiting on a pass over the process table.
+            if outcome is None and time.monotonic() - last_reap > _REAP_EVERY:
+                attempt.reap_orphans(ctx)
+                last_reap = time.monotonic()
+            if outcome is None and time.monotonic() - last_scan > scan_every:
+                attempt.track_strays(ctx, info.round)
+                last_scan = time.monotonic()
         attempt.emit_progress(info.round, ranks, final=True)
         grace = stop_grace(outcome, cfg.shutdown_timeout, cfg.survivor_grace)
         self.events.emit(
