@@ -461,9 +461,12 @@ def _torchrun_times(log: str, crash: float) -> dict[str, float]:
 
 
 def _stalwart_times(out: Path, crash: float) -> dict[str, float]:
-    """When stalwart's launcher began stopping attempt 0 and when its last worker exited."""
+    """When stalwart's launcher began stopping attempt 0 and when its last worker exited;
+    besides, when the kernel reported each exit (the pidfd: ``exited_at``): the killed
+    rank's (``died``) and the last one's (``all_died``)."""
     got: dict[str, float] = {}
     exits: list[float] = []
+    died: list[float] = []
     for f in out.glob("logs/*/events.jsonl"):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
@@ -473,9 +476,41 @@ def _stalwart_times(out: Path, crash: float) -> dict[str, float]:
                 got.setdefault("noticed", rec["time"] - crash)
             elif rec["event"] == "worker_exit":
                 exits.append(rec["time"] - crash)
+                if isinstance(rec.get("exited_at"), float):
+                    died.append(rec["exited_at"] - crash)
     if exits:
         got["gone"] = max(exits)
+    if died:
+        got["died"], got["all_died"] = min(died), max(died)
     return got
+
+
+#: stalwart's launcher rows split at the kernel's word of each exit (its pidfd): what the
+#: launcher did, and what the dying processes' exit took.
+SPLIT_STAGES = (
+    ("died", "the killed rank's exit reported by the kernel (pidfd)", "kernel"),
+    ("noticed", "failure noticed (stopping the survivors)", "launcher"),
+    ("all_died", "the survivors' exit reported by the kernel", "kernel, after the SIGTERM"),
+    ("gone", "old workers gone (teardown done)", "launcher"),
+)
+
+
+def print_split(rows: list[dict[str, Any]]) -> None:
+    """stalwart's launcher rows, with the kernel's part and the launcher's part apart."""
+    med = statistics.median
+    print("\nstalwart's launcher rows against the kernel's word of each exit (medians):\n")
+    print("| stage | at | took | whose time |\n|---|---|---|---|")
+    prev = None
+    for key, label, whose in SPLIT_STAGES:
+        at = [r["stages"][key] for r in rows if key in r["stages"]]
+        took = [
+            r["stages"][key] - (r["stages"][prev] if prev else 0.0)
+            for r in rows
+            if key in r["stages"] and (prev is None or prev in r["stages"])
+        ]
+        cells = [f"{med(at):.3f}" if at else "-", f"{med(took):.3f}" if took else "-"]
+        print(f"| {label} | " + " | ".join(cells) + f" | {whose} |")
+        prev = key
 
 
 def _job_times(out: Path, crash: float) -> tuple[dict[str, float], dict[str, float], str]:
@@ -615,6 +650,7 @@ def crash_section(ns: argparse.Namespace, work: Path) -> int:
             f"{min(xs):.2f} / {med(xs):.2f} / {max(xs):.2f} | {med(xs) / base:.2f} |"
         )
     print_breakdown(runs)
+    print_split(runs["stalwart"])
     return 0
 
 
