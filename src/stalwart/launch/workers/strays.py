@@ -149,11 +149,14 @@ def descendants_tree(root: int) -> dict[int, list[int]]:
         below = psutil.Process(root).children(recursive=True)
     except psutil.Error:
         return tree
+    ours = {proc.pid for proc in below}
     for proc in below:
         try:
-            tree.setdefault(proc.ppid(), []).append(proc.pid)
+            parent = proc.ppid()
         except psutil.Error:
             continue  # gone since the pass: nothing below it to find either
+        # Its parent died since the pass and it went to init: still ours to find.
+        tree.setdefault(parent if parent in ours else root, []).append(proc.pid)
     return tree
 
 
