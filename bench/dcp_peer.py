@@ -62,21 +62,9 @@ def _wait(cond: Callable[[], bool], what: str, procs: dict[str, subprocess.Popen
 
 
 def _replica_step(folder: Path, rank: int) -> tuple[int, str] | None:
-    """(step, kind) of the newest replica of ``rank`` a launcher's folder holds."""
-    from stalwart.checkpoint import ramlayout as rl
     from stalwart.launch.replicas import node as rp
 
-    try:
-        seg = rp.SegmentFile(
-            folder / f"{rp.REPLICA_PREFIX}{rank}{rl.SEGMENT_SUFFIX}", writable=False
-        )
-    except (OSError, ValueError):
-        return None
-    try:
-        held = seg.records()
-        return (held[0][1].step, held[0][1].kind) if held else None
-    finally:
-        seg.close()
+    return rp.newest_replica(folder, rank)
 
 
 def _run(ns: argparse.Namespace, work: Path, net: Network) -> tuple[str, str]:

@@ -113,21 +113,6 @@ def test_a_spare_restores_the_lost_nodes_rank_from_a_peer_replica(
 DCP_WORKER = ROOT / "tests" / "reliability" / "dcp_fsdp_worker.py"
 
 
-def replica_step(folder: Path, rank: int) -> tuple[int, str] | None:
-    """(step, kind) of the newest replica of ``rank`` committed in a launcher's folder."""
-    try:
-        seg = rp.SegmentFile(
-            folder / f"{rp.REPLICA_PREFIX}{rank}{rl.SEGMENT_SUFFIX}", writable=False
-        )
-    except (OSError, ValueError):
-        return None
-    try:
-        held = seg.records()
-        return (held[0][1].step, held[0][1].kind) if held else None
-    finally:
-        seg.close()
-
-
 def test_a_spare_restores_the_lost_nodes_fsdp2_shards_from_a_peer_replica(
     network: Network, tmp_path: Path
 ) -> None:
@@ -171,7 +156,10 @@ def test_a_spare_restores_the_lost_nodes_fsdp2_shards_from_a_peer_replica(
     )
     # Node b's replicator pushed rank 1's shard set of step 2 to node a.
     wait_for(
-        lambda: replica_step(folder, 1) == (2, rl.KIND_DCP), 30, "node a's replica of step 2", 0.05
+        lambda: rp.newest_replica(folder, 1) == (2, rl.KIND_DCP),
+        30,
+        "node a's replica of step 2",
+        0.05,
     )
     pc = start(c, "c")
 

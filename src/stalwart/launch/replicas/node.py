@@ -56,6 +56,7 @@ from stalwart.launch.replicas.segments import (
     NoRoom,
     ReplicaHolder,
     SegmentFile,
+    newest_replica,
     replica_ranks,
     send_slot,
 )
@@ -104,6 +105,7 @@ __all__ = [
     "fetch_missing",
     "job_key",
     "lookup",
+    "newest_replica",
     "offer",
     "publish",
     "push",

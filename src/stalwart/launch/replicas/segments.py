@@ -362,6 +362,20 @@ class ReplicaHolder:
         return best
 
 
+def newest_replica(folder: Path, rank: int) -> tuple[int, str] | None:
+    """(step, kind) of the newest replica of *rank* committed in *folder*, or None
+    (for tests and benchmarks that wait for a replica to land)."""
+    try:
+        seg = SegmentFile(folder / f"{REPLICA_PREFIX}{rank}{rl.SEGMENT_SUFFIX}", writable=False)
+    except (OSError, ValueError):
+        return None
+    try:
+        held = seg.records()
+        return (held[0][1].step, held[0][1].kind) if held else None
+    finally:
+        seg.close()
+
+
 def replica_ranks(folder: Path) -> list[int]:
     """Ranks this folder holds replicas of (for tests and the report)."""
     out = []
