@@ -39,7 +39,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from fsdp_common import App, complete_steps, shard  # noqa: E402
+from fsdp_common import App, complete_steps, every_rank, shard  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict  # noqa: E402
 
 mode, out, ckpt, mib, arg = (
@@ -213,10 +213,8 @@ elif mode == "restore":
                 got = sdcp.load_newest(state, root)
             took = time.perf_counter() - t0
             dist.barrier()
-            ok = got == 1 and local_sums() == want
-            flag = torch.tensor([int(ok)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            log(kind="load", method=method, rep=rep, took=took, ok=bool(flag.item()))
+            ok = every_rank(got == 1 and local_sums() == want)
+            log(kind="load", method=method, rep=rep, took=took, ok=ok)
             # Scramble the state between loads so each one has to restore it.
             with torch.no_grad():
                 for p in model.parameters():

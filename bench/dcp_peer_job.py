@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsdp_common import shard
+from fsdp_common import every_rank, shard
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from stalwart.checkpoint import dcp as sdcp
@@ -112,10 +112,8 @@ for rep in range(repeats):
             got = sdcp.load_newest(sd, ckpt / "ram")
         took = time.perf_counter() - t0
         dist.barrier()
-        ok = got == 1 and local_sums() == want
-        flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        log(kind="load", method=method, rep=rep, took=took, ok=bool(flag.item()))
+        ok = every_rank(got == 1 and local_sums() == want)
+        log(kind="load", method=method, rep=rep, took=took, ok=ok)
         # Scrambled between loads, so each one has to restore the state.
         with torch.no_grad():
             for t in tensors():

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -47,3 +48,10 @@ def complete_steps(ckpt: Path) -> list[int]:
         if p.name[5:].isdigit() and (p / ".metadata").exists()
     ]
     return sorted(found, reverse=True)
+
+
+def every_rank(ok: bool) -> bool:
+    """True on every rank when ``ok`` is true on every rank (a collective)."""
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
