@@ -95,3 +95,56 @@ def test_a_closed_client_makes_no_more_store_calls() -> None:
         kv.add("n", 1)
     assert time.monotonic() - start < 2.0
     assert server.add("n", 0) == 2  # the refused call never reached the store
+
+
+class _Counted:
+    """The real store, counting the calls that reach it."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self.store = store
+        self.calls = 0
+
+    def add(self, key: str, amount: int) -> int:
+        self.calls += 1
+        return int(self.store.add(key, amount))
+
+
+@pytest.mark.timeout(60)
+def test_after_the_store_host_dies_no_call_reaches_the_dead_connection() -> None:
+    # torch's client never reconnects, and each failed call resolves the socket's
+    # addresses through reverse DNS: calls after the first failure only load the resolver.
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST],
+        stdout=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        port = int(host.stdout.readline())
+        kv = C10dKV("127.0.0.1", port, is_host=False, connect_timeout=10, op_timeout=5)
+        counted = _Counted(kv.store)
+        kv.store = counted  # type: ignore[assignment]
+        assert kv.add("n", 1) == 1
+        host.kill()
+        host.wait(timeout=30)
+        with pytest.raises(StoreLost, match="lost the c10d rendezvous store"):
+            kv.add("n", 1)
+        reached = counted.calls
+        for _ in range(20):
+            with pytest.raises(StoreLost, match="lost the c10d rendezvous store"):
+                kv.add("n", 1)
+        assert counted.calls == reached == 2
+        kv.close()
+    finally:
+        host.kill()
+        host.wait(timeout=30)
+
+
+HOST = """
+import time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(60)
+"""

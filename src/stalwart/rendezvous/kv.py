@@ -103,6 +103,7 @@ class C10dKV:
         # lost for good (the stuck thread is a daemon and goes with the process).
         self._op_timeout = op_timeout
         self._broken: StoreLost | None = None
+        self._timed_out = False
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
             queue.SimpleQueue()
         )
@@ -125,6 +126,9 @@ class C10dKV:
             if item is None:
                 return
             fn, fut = item
+            if self._broken is not None:  # queued before the failure: never sent
+                fut.set_exception(self._broken)
+                continue
             try:
                 fut.set_result(fn())
             except BaseException as err:  # handed to the caller
@@ -141,6 +145,7 @@ class C10dKV:
         try:
             return fut.result(timeout=self._op_timeout)
         except TimeoutError:
+            self._timed_out = True
             self._broken = StoreLost(
                 f"the c10d rendezvous store at {self} did not answer within "
                 f"{self._op_timeout:g}s (host down or network cut; with --rdzv-backend c10d "
@@ -148,7 +153,15 @@ class C10dKV:
             )
             raise self._broken from None
         except RuntimeError as err:
-            raise self._lost(err) from None
+            lost = self._lost(err)
+            if _is_network_error(err):
+                # torch's client never reconnects (measured: a new host on the same port
+                # still answers "Broken pipe"), and each failed call formats the socket's
+                # address through reverse DNS: a keep-alive beating a dead store floods
+                # the resolver, calls then take its 5 s timeout, and one still inside
+                # C++ as the interpreter exits aborts the process. One failure ends it.
+                self._broken = lost
+            raise lost from None
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}"
@@ -193,10 +206,16 @@ class C10dKV:
                 return
             self._closed = True
             self._calls.put(None)
-        if self._broken is None:
+        if not self._timed_out:
             # A call that did not answer within op_timeout (a cut link) stays in TCP's
             # hands for minutes: waiting would not end it.
             self._thread.join(min(CLOSE_WAIT, self._op_timeout))
+
+
+def _is_network_error(err: BaseException) -> bool:
+    from torch.distributed import DistNetworkError
+
+    return isinstance(err, DistNetworkError)
 
 
 def _close_at_exit(ref: weakref.ref[C10dKV]) -> None:
