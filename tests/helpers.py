@@ -10,13 +10,14 @@ once, with stalwart's default (warm).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_STORE_HOST = """
+import time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                 timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def store_host_process() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A ``TCPStore`` hosted by a process of its own (to kill), and its port."""
+    host = subprocess.Popen(
+        [sys.executable, "-c", _STORE_HOST],
+        stdout=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert host.stdout is not None
+        yield host, int(host.stdout.readline())
+    finally:
+        host.kill()
+        host.wait(timeout=30)

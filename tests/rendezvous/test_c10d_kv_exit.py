@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from torch.distributed import TCPStore
 
 from stalwart.rendezvous.api import StoreLost
 from stalwart.rendezvous.kv import C10dKV
-from tests.helpers import ROOT, clean_env
+from tests.helpers import ROOT, clean_env, store_host_process
 
 PROGRAM = """
 import os, signal, sys, threading, time
@@ -113,13 +114,7 @@ class _Counted:
 def test_after_the_store_host_dies_no_call_reaches_the_dead_connection() -> None:
     # torch's client never reconnects, and each failed call resolves the socket's
     # addresses through reverse DNS: calls after the first failure only load the resolver.
-    host = subprocess.Popen(
-        [sys.executable, "-c", HOST],
-        stdout=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT,
-    )  # fmt: skip
-    try:
-        assert host.stdout is not None
-        port = int(host.stdout.readline())
+    with store_host_process() as (host, port):
         kv = C10dKV("127.0.0.1", port, is_host=False, connect_timeout=10, op_timeout=5)
         counted = _Counted(kv.store)
         kv.store = counted  # type: ignore[assignment]
@@ -129,22 +124,12 @@ def test_after_the_store_host_dies_no_call_reaches_the_dead_connection() -> None
         with pytest.raises(StoreLost, match="lost the c10d rendezvous store"):
             kv.add("n", 1)
         reached = counted.calls
+        depths = []
         for _ in range(20):
-            with pytest.raises(StoreLost, match="lost the c10d rendezvous store"):
+            with pytest.raises(StoreLost, match="lost the c10d rendezvous store") as caught:
                 kv.add("n", 1)
+            depths.append(len(traceback.extract_tb(caught.value.__traceback__)))
         assert counted.calls == reached == 2
+        # The same error raised again does not carry every earlier raise's frames.
+        assert depths[-1] == depths[0], depths
         kv.close()
-    finally:
-        host.kill()
-        host.wait(timeout=30)
-
-
-HOST = """
-import time
-from datetime import timedelta
-from torch.distributed import TCPStore
-store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                 timeout=timedelta(seconds=60))
-print(store.port, flush=True)
-time.sleep(60)
-"""

@@ -20,6 +20,7 @@ from typing import Any
 
 from torch._C._distributed_c10d import FileStore as FileStore  # NVIDIA's path to it
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import DistNetworkError
 
 from stalwart.base import envvars
 from stalwart.base.liveness import CounterWatch
@@ -160,6 +161,7 @@ class CoordStore:
         self.me = initial_rank
         self.liveness = liveness
         self._warned: set[str] = set()
+        self._connection_lost: str | None = None
         # Under stalwart run, records carry the launcher's key (base.sealed): a stranger
         # who reaches the store cannot forge a fault, a port, a rank's exit.
         self._seal = seal if seal is not None else Seal(None, WORKER_LABEL)
@@ -193,7 +195,17 @@ class CoordStore:
 
     # -- heartbeats and liveness -------------------------------------------------
     def heartbeat(self) -> None:
-        self.store.add(f"hb/{self.me}", 1)
+        if self._connection_lost is not None:
+            raise RuntimeError(self._connection_lost)
+        try:
+            self.store.add(f"hb/{self.me}", 1)
+        except DistNetworkError as err:
+            # torch's TCPStore client never reconnects, and each failed call resolves
+            # the socket's addresses through reverse DNS: beating on only loads the
+            # resolver, and a beat stuck in its timeout as the process exits aborts it.
+            lines = str(err).strip().splitlines()
+            self._connection_lost = f"the store connection was lost: {lines[0] if lines else err!r}"
+            raise
 
     def heartbeat_value(self, rank: int) -> int:
         return int(self.store.add(f"hb/{rank}", 0))

@@ -127,7 +127,7 @@ class C10dKV:
                 return
             fn, fut = item
             if self._broken is not None:  # queued before the failure: never sent
-                fut.set_exception(self._broken)
+                fut.set_exception(self._broken.with_traceback(None))
                 continue
             try:
                 fut.set_result(fn())
@@ -136,7 +136,8 @@ class C10dKV:
 
     def _call(self, fn: Callable[[], T]) -> T:
         if self._broken is not None:
-            raise self._broken
+            # Without its old traceback: raised again at every beat, it would grow one.
+            raise self._broken.with_traceback(None)
         fut: Future[T] = Future()
         with self._queue_lock:
             if self._closed:
