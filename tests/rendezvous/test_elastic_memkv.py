@@ -4,11 +4,13 @@ no network namespace (the same code runs on c10d and etcd in tests/multinode).""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -16,6 +18,9 @@ import pytest
 # within the first join's timeout.
 import torch.distributed  # noqa: F401
 
+from stalwart.base.events import Event
+from stalwart.health.admission import HealthGate, HealthSettings
+from stalwart.health.records import health_key
 from stalwart.rendezvous import keys
 from stalwart.rendezvous.api import (
     JobEnded,
@@ -199,3 +204,69 @@ def test_a_node_cut_off_from_the_store_stops_with_store_lost() -> None:
         c.kill(a)
         with pytest.raises(StoreLost):
             c.join(a).result(5)
+
+
+class _LateAnswer(MemoryKV):
+    """A store client whose answer to one read of a round's close arrives late: read
+    before the round closed, delivered after the round closed and the job ended (a
+    resent segment on a lossy link)."""
+
+    def __init__(self, store: MemoryStore, name: str, hold: threading.Event) -> None:
+        super().__init__(store, name)
+        self.hold = hold
+        self.closed_reads = 0
+
+    def get(self, key: str) -> bytes | None:
+        if key == keys.Round(0).closed:
+            self.closed_reads += 1
+            if self.closed_reads == 2:  # the first is the join's look for an open round
+                value = super().get(key)
+                self.hold.wait(10)
+                return value
+        return super().get(key)
+
+
+def test_a_node_kept_out_says_why_when_the_job_ends_while_it_waits() -> None:
+    key = health_key(b"s" * 32, "mem")
+    s = settings(1, 2, last_call_timeout=0.5)
+    store = MemoryStore()
+    hold = threading.Event()
+    seen: dict[str, list[dict[str, Any]]] = {"good": [], "bad": []}
+
+    def gate(who: str, **kw: Any) -> HealthGate:
+        def emit(ev: Event, **f: Any) -> None:
+            if ev is Event.NODE_EXCLUDED:
+                seen[who].append(f)
+
+        return HealthGate(HealthSettings(measure=False, **kw), key, "mem", emit)
+
+    gates = [gate("good"), gate("bad", command="exit 4")]
+    good = ElasticRendezvous(
+        MemoryKV(store, "good"), s, run_id="mem", local_addr="127.0.0.1", gate=gates[0]
+    )
+    late = _LateAnswer(store, "bad", hold)
+    bad = ElasticRendezvous(late, s, run_id="mem", local_addr="127.0.0.1", gate=gates[1])
+    pool = ThreadPoolExecutor(2)
+    try:
+        waiting = pool.submit(bad.join, 0, 1)
+        # Its report is in and its look at the round's close is on the way.
+        wait_for(lambda: late.closed_reads >= 2, timeout=10, what="the bad node's wait")
+        info = good.join(0, 1)
+        assert info.group_world_size == 1
+        good.finish(True, "succeeded in attempt 0")
+        hold.set()
+        with pytest.raises(JobEnded):
+            waiting.result(10)
+    finally:
+        hold.set()
+        for rdzv in (good, bad):
+            rdzv.finish(False, "test over")
+            rdzv.leave()
+        for g in gates:
+            g.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+    for who in ("good", "bad"):
+        assert len(seen[who]) == 1, (who, seen)  # every node, the one kept out included
+        f = seen[who][0]
+        assert f["node"] == bad.id and f["this_node"] is (who == "bad"), (who, f)
+        assert "exit" in f["reason"], f

@@ -24,6 +24,7 @@ nodes' liveness are in ``members.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -219,7 +220,11 @@ class ElasticRendezvous:
                 # After taking the slot: the round knows this node is coming and waits
                 # for its report only as long as the gate's bound, not for its whole start.
                 self._gate.before_join(self.kv, r, self.id, self.local_addr, self._joined_ids(r))
-            order = self._await_close(r)
+            try:
+                order = self._await_close(r)
+            except JobEnded:
+                self._announce_if_closed(r)
+                raise
             out = None if self._gate is None else self._gate.closed(self.kv, r, self.id)
             if slot not in order:
                 if out is not None:
@@ -261,6 +266,17 @@ class ElasticRendezvous:
             duration=time.monotonic() - t0,
             left=left,
         )
+
+    def _announce_if_closed(self, r: int) -> None:
+        """The job ended while this node waited for round *r* to close. The round may
+        have closed between two reads of the wait (a lossy link delays an answer past
+        the whole short job): what its verdict says of the nodes, this one included,
+        is still logged and recorded here, or a node kept out would never say why."""
+        if self._gate is None:
+            return
+        with contextlib.suppress(RendezvousError):
+            if self.kv.get(keys.Round(r).closed) is not None:
+                self._gate.closed(self.kv, r, self.id)
 
     def _slots_taken(self, r: int) -> int:
         """Round *r*'s joined counter, bounded: the counter is a plain store number
